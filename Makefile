@@ -1,0 +1,58 @@
+# ignis build ground. Needs only python3.11 (or python3 >= 3.11) and make.
+#   make test             venv + stubs, then the test suite (ARGS="-k foo" to select)
+#   make run ARGS=...     start gateway + engine + tierstore (scripts/run_all.py)
+#   make bench ARGS=...   benchmarks (python -m bench)
+#   make proto            regenerate ignis/ from protos/ (skips when up to date)
+#   make lint             mypy
+#   make clean            generated files and caches (make distclean: the venv too)
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# Keep in step with pyproject.toml. Installed first and pinned: an unpinned
+# torch would pull the CUDA build (pip finds the local CPU wheel here).
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+LINT_DIRS := $(foreach d,common engine gateway tierstore kernels,$(if $(wildcard $(d)/*.py $(d)/*/*.py),$(d)))
+
+.PHONY: venv proto test run bench lint clean distclean
+
+venv: $(STAMP)
+
+# Editable install in compat mode puts the project root on sys.path, so the
+# generated ignis/ package (and tests/, bench/) import without installing.
+$(STAMP): pyproject.toml
+	@set -e; \
+	if [ ! -x "$(PY)" ]; then \
+	  py="$(PYTHON)"; \
+	  "$$py" -c '' >/dev/null 2>&1 || { echo "$$py not usable, falling back to python3"; py=python3; }; \
+	  "$$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+	    || { echo "ignis needs Python >= 3.11; $$py is $$("$$py" -V 2>&1)" >&2; exit 1; }; \
+	  echo "$$py -m venv $(VENV)"; "$$py" -m venv "$(VENV)"; \
+	fi
+	$(PY) -m pip install "$(TORCH)"
+	$(PY) -m pip install -e ".[test]" --config-settings editable_mode=compat
+	touch $@
+
+proto: $(STAMP)
+	$(PY) scripts/gen_protos.py
+
+# pytest exits 5 when it collects no tests; like any non-zero status it fails.
+test: proto
+	$(PY) -m pytest -q $(ARGS)
+
+run: proto
+	$(PY) scripts/run_all.py $(ARGS)
+
+bench: proto
+	$(PY) -m bench $(ARGS)
+
+lint: proto
+	$(PY) -m mypy $(LINT_DIRS) $(ARGS)
+
+clean:
+	rm -rf ignis .pytest_cache .mypy_cache *.egg-info build
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""ignis engine: the model host."""

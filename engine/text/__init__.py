@@ -1,0 +1,1 @@
+"""Text in and out of the model: tokenizer, chat template, streaming detokenizer."""

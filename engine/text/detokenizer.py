@@ -1,0 +1,119 @@
+"""Streaming detokenization: token ids in, text deltas out, with stop strings.
+
+Works on bytes: each new token contributes `Tokenizer.token_bytes(id)`, fed to
+an incremental UTF-8 decoder, so a step costs O(new tokens) rather than
+re-decoding the sequence. The decoder holds back an incomplete character until
+its last byte arrives, and turns bytes that can never complete into U+FFFD
+exactly as `bytes.decode(errors="replace")` would.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterable
+from typing import Protocol
+
+
+class TokenSource(Protocol):
+    """What the detokenizer needs from a tokenizer (engine.text.tokenizer.Tokenizer)."""
+
+    @property
+    def special_token_ids(self) -> frozenset[int]: ...
+
+    def token_bytes(self, i: int) -> bytes: ...
+
+
+class IncrementalDetokenizer:
+    """Turns ids into text deltas; never emits half a UTF-8 character."""
+
+    def __init__(self, tokenizer: TokenSource, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, ids: Iterable[int]) -> str:
+        """Append ids; return the text they complete (possibly "")."""
+        data = b"".join(self._tokenizer.token_bytes(i) for i in ids if i not in self._skip)
+        return self._utf8.decode(data, final=False) if data else ""
+
+    def finish(self) -> str:
+        """Flush: bytes of a character that never completed become U+FFFD."""
+        return self._utf8.decode(b"", final=True)
+
+
+def _held_length(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    longest = max((len(s) for s in stops), default=0)
+    for k in range(min(len(text), longest - 1), 0, -1):
+        tail = text[-k:]
+        if any(s.startswith(tail) for s in stops):
+            return k
+    return 0
+
+
+class TextStream:
+    """Detokenizer plus stop strings, for one generated sequence.
+
+    Text that could be the start of a stop string is held back until it either
+    completes the stop string (then the stop and everything after it are
+    dropped) or can no longer do so (then it is emitted). So a stop string that
+    spans tokens never leaks, even in part.
+    """
+
+    def __init__(self, tokenizer: TokenSource, stop: Iterable[str] = (), skip_special_tokens: bool = True) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        # Empty stop strings would match everywhere; OpenAI ignores them too.
+        self._stops = tuple(dict.fromkeys(s for s in stop if s))
+        self._held = ""
+        self.stopped_on: str | None = None
+        self._finished = False
+
+    @property
+    def done(self) -> bool:
+        """True once a stop string matched or finish() ran; later pushes are ignored."""
+        return self._finished or self.stopped_on is not None
+
+    def push(self, ids: Iterable[int]) -> tuple[str, str | None]:
+        """Append ids; return (text safe to emit now, the stop string matched or None)."""
+        if self.done:
+            # The sequence already ended; a token sampled in the same step is dropped.
+            return "", None
+        text = self._held + self._detok.push(ids)
+        if not self._stops:
+            self._held = ""
+            return text, None
+        # Any match lies inside `text`: whatever was emitted earlier could not
+        # have started a stop string, or it would have been held.
+        match = self._first_stop(text)
+        if match is not None:
+            at, stop = match
+            self._held = ""
+            self.stopped_on = stop
+            return text[:at], stop
+        keep = _held_length(text, self._stops)
+        self._held = text[len(text) - keep :]
+        return text[: len(text) - keep], None
+
+    def _first_stop(self, text: str) -> tuple[int, str] | None:
+        # Earliest match wins; at the same position, the longer stop string.
+        best: tuple[int, str] | None = None
+        for s in self._stops:
+            at = text.find(s)
+            if at >= 0 and (best is None or at < best[0] or (at == best[0] and len(s) > len(best[1]))):
+                best = (at, s)
+        return best
+
+    def finish(self) -> str:
+        """End of generation for another reason (length, eos): emit what was held back."""
+        if self.done:
+            return ""
+        self._finished = True
+        text = self._held + self._detok.finish()
+        self._held = ""
+        # The flush may only add U+FFFD, which cannot complete a stop string
+        # unless a stop string contains it; check anyway for exactness.
+        match = self._first_stop(text) if self._stops else None
+        if match is not None:
+            self.stopped_on = match[1]
+            return text[: match[0]]
+        return text

@@ -1,0 +1,118 @@
+"""Gated delta rule (Gated DeltaNet linear attention): torch reference kernels.
+
+State per value head is a [Dk, Dv] matrix S. For each token t:
+    S <- exp(g_t) * S
+    S <- S + k_t (beta_t * (v_t - S^T k_t))^T      (the delta rule)
+    o_t = S^T q_t
+The chunked form computes the same thing a chunk at a time with matmuls (the
+"UT transform"), which is what prefill uses; the recurrent form is for decode.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    # Same formula as the FLA library (and transformers), so logits agree bit-for-bit-ish.
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Expand grouped key heads to value heads, move heads first, fp32, normalise q/k."""
+    # q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; g, beta: [B, T, Hv]
+    hk, hv = k.shape[2], v.shape[2]
+    if hk != hv:
+        q = q.repeat_interleave(hv // hk, dim=2)
+        k = k.repeat_interleave(hv // hk, dim=2)
+    q, k, v, g, beta = (x.transpose(1, 2).float().contiguous() for x in (q, k, v, g, beta))
+    q = l2_normalize(q)
+    k = l2_normalize(k)
+    q = q * q.shape[-1] ** -0.5
+    return q, k, v, g, beta
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked gated delta rule.
+
+    q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; g (log decay), beta: [B, T, Hv];
+    initial_state: [B, Hv, Dk, Dv] or None for zeros.
+    Returns (out [B, T, Hv, Dv] in v's dtype, final_state [B, Hv, Dk, Dv] fp32).
+    """
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    b, h, t, dk = k.shape
+    dv = v.shape[-1]
+    pad = (chunk_size - t % chunk_size) % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (t + pad) // chunk_size
+
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    # [B, H, N, C, D]
+    q, k, k_beta, v_beta = (x.reshape(b, h, n, chunk_size, x.shape[-1]) for x in (q, k, k_beta, v_beta))
+    g = g.reshape(b, h, n, chunk_size).cumsum(dim=-1)  # cumulative log decay inside each chunk
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # [B,H,N,C,C]
+
+    ut = (k_beta @ k.transpose(-1, -2)) * decay
+    intra = (q @ k.transpose(-1, -2)) * decay
+    # Solve (I + strictly-lower(ut)) X = rhs: condenses C delta-rule updates into matmuls.
+    u = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(ut, k_beta * g.exp().unsqueeze(-1), upper=False, unitriangular=True)
+
+    state = (
+        torch.zeros(b, h, dk, dv, dtype=torch.float32, device=q.device)
+        if initial_state is None
+        else initial_state.float().clone()
+    )
+    out = torch.empty(b, h, n, chunk_size, dv, dtype=torch.float32, device=q.device)
+    q_decayed = q * g.exp().unsqueeze(-1)
+    k_to_end = k * (g[..., -1:] - g).exp().unsqueeze(-1)
+    chunk_decay = g[..., -1].exp()[..., None, None]  # [B,H,N,1,1]
+    for i in range(n):
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        out[:, :, i] = q_decayed[:, :, i] @ state + intra[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(b, h, n * chunk_size, dv)[:, :, :t]
+    return out.transpose(1, 2).to(out_dtype).contiguous(), state
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token gated delta rule; same contract as chunk_gated_delta_rule."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    b, h, t, dk = k.shape
+    dv = v.shape[-1]
+    state = (
+        torch.zeros(b, h, dk, dv, dtype=torch.float32, device=q.device)
+        if initial_state is None
+        else initial_state.float().clone()
+    )
+    out = torch.empty(b, h, t, dv, dtype=torch.float32, device=q.device)
+    for i in range(t):
+        state = state * g[:, :, i].exp()[..., None, None]
+        remembered = (state * k[:, :, i].unsqueeze(-1)).sum(dim=-2)  # S^T k: [B,H,Dv]
+        delta = (v[:, :, i] - remembered) * beta[:, :, i].unsqueeze(-1)
+        state = state + k[:, :, i].unsqueeze(-1) * delta.unsqueeze(-2)
+        out[:, :, i] = (state * q[:, :, i].unsqueeze(-1)).sum(dim=-2)
+    return out.transpose(1, 2).to(out_dtype).contiguous(), state

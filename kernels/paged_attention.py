@@ -1,0 +1,50 @@
+"""Attention over a paged KV cache: torch reference.
+
+The pool holds whole pages; a sequence's page table lists its pages in order,
+so token position p lives in page_table[p // P] at offset p % P.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, length: int) -> torch.Tensor:
+    """cache: [num_pages, P, Hkv, D]; page_table: [n] page ids -> [length, Hkv, D]."""
+    pages = cache.index_select(0, page_table)  # [n, P, Hkv, D]
+    return pages.reshape(-1, *cache.shape[2:])[:length]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of the last q.shape[0] positions of a sequence over its cache.
+
+    q: [Tq, H, D] for positions context_len-Tq .. context_len-1 (their K/V are
+    already written); k_cache/v_cache: [num_pages, P, Hkv, D].
+    Returns [Tq, H, D].
+    """
+    tq, heads, _ = q.shape
+    k = gather_pages(k_cache, page_table, context_len)  # [Tk, Hkv, D]
+    v = gather_pages(v_cache, page_table, context_len)
+    q_pos = torch.arange(context_len - tq, context_len, device=q.device)
+    k_pos = torch.arange(context_len, device=q.device)
+    allowed = k_pos[None, :] <= q_pos[:, None]  # [Tq, Tk]
+    if sliding_window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # [1, H, Tq, D]
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=allowed,
+        scale=scale,
+        enable_gqa=heads != k.shape[1],
+    )
+    return out[0].transpose(0, 1)
