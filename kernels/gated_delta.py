@@ -6,6 +6,12 @@ State per value head is a [Dk, Dv] matrix S. For each token t:
     o_t = S^T q_t
 The chunked form computes the same thing a chunk at a time with matmuls (the
 "UT transform"), which is what prefill uses; the recurrent form is for decode.
+
+On the CPU the reference accumulates in float64: the triangular solve amplifies
+fp32 rounding enough that a prefill cut at a different point drifts by ~1e-5 in
+the logits, and this reference is the oracle that cut-anywhere reuse is held to.
+Elsewhere it accumulates in fp32 like the fused kernels do. States go in and
+out as fp32 either way.
 """
 
 from __future__ import annotations
@@ -19,16 +25,21 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def accumulation_dtype(device: torch.device) -> torch.dtype:
+    return torch.float64 if device.type == "cpu" else torch.float32
+
+
 def _prepare(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
     """Expand grouped key heads to value heads, move heads first, fp32, normalise q/k."""
     # q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; g, beta: [B, T, Hv]
+    acc = accumulation_dtype(q.device)
     hk, hv = k.shape[2], v.shape[2]
     if hk != hv:
         q = q.repeat_interleave(hv // hk, dim=2)
         k = k.repeat_interleave(hv // hk, dim=2)
-    q, k, v, g, beta = (x.transpose(1, 2).float().contiguous() for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (x.transpose(1, 2).to(acc).contiguous() for x in (q, k, v, g, beta))
     q = l2_normalize(q)
     k = l2_normalize(k)
     q = q * q.shape[-1] ** -0.5
@@ -74,11 +85,11 @@ def chunk_gated_delta_rule(
     w = torch.linalg.solve_triangular(ut, k_beta * g.exp().unsqueeze(-1), upper=False, unitriangular=True)
 
     state = (
-        torch.zeros(b, h, dk, dv, dtype=torch.float32, device=q.device)
+        torch.zeros(b, h, dk, dv, dtype=q.dtype, device=q.device)
         if initial_state is None
-        else initial_state.float().clone()
+        else initial_state.to(q.dtype)
     )
-    out = torch.empty(b, h, n, chunk_size, dv, dtype=torch.float32, device=q.device)
+    out = torch.empty(b, h, n, chunk_size, dv, dtype=q.dtype, device=q.device)
     q_decayed = q * g.exp().unsqueeze(-1)
     k_to_end = k * (g[..., -1:] - g).exp().unsqueeze(-1)
     chunk_decay = g[..., -1].exp()[..., None, None]  # [B,H,N,1,1]
@@ -87,7 +98,7 @@ def chunk_gated_delta_rule(
         out[:, :, i] = q_decayed[:, :, i] @ state + intra[:, :, i] @ v_new
         state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ v_new
     out = out.reshape(b, h, n * chunk_size, dv)[:, :, :t]
-    return out.transpose(1, 2).to(out_dtype).contiguous(), state
+    return out.transpose(1, 2).to(out_dtype).contiguous(), state.float()
 
 
 def recurrent_gated_delta_rule(
@@ -104,15 +115,15 @@ def recurrent_gated_delta_rule(
     b, h, t, dk = k.shape
     dv = v.shape[-1]
     state = (
-        torch.zeros(b, h, dk, dv, dtype=torch.float32, device=q.device)
+        torch.zeros(b, h, dk, dv, dtype=q.dtype, device=q.device)
         if initial_state is None
-        else initial_state.float().clone()
+        else initial_state.to(q.dtype)
     )
-    out = torch.empty(b, h, t, dv, dtype=torch.float32, device=q.device)
+    out = torch.empty(b, h, t, dv, dtype=q.dtype, device=q.device)
     for i in range(t):
         state = state * g[:, :, i].exp()[..., None, None]
         remembered = (state * k[:, :, i].unsqueeze(-1)).sum(dim=-2)  # S^T k: [B,H,Dv]
         delta = (v[:, :, i] - remembered) * beta[:, :, i].unsqueeze(-1)
         state = state + k[:, :, i].unsqueeze(-1) * delta.unsqueeze(-2)
         out[:, :, i] = (state * q[:, :, i].unsqueeze(-1)).sum(dim=-2)
-    return out.transpose(1, 2).to(out_dtype).contiguous(), state
+    return out.transpose(1, 2).to(out_dtype).contiguous(), state.float()

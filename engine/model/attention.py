@@ -1,0 +1,73 @@
+"""Softmax attention layer over the paged KV cache (Llama, Mistral, Qwen2/3, Qwen3.5/Next)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.cache.device_cache import DeviceCache
+from engine.model.batch import ForwardBatch
+from engine.model.config import SLIDING_ATTENTION, ModelConfig
+from engine.model.layers import RMSNorm, Rotary
+from kernels.paged_attention import paged_attention
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.gated = config.gated_attention
+        self.scale = config.head_dim**-0.5
+        self.window = config.sliding_window if config.layer_types[layer] == SLIDING_ATTENTION else None
+        q_out = config.num_heads * config.head_dim * (2 if self.gated else 1)
+        kv_out = config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_out, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_out, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_out, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.zero_centered_norm)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.zero_centered_norm)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cache: DeviceCache,
+        rotary: Rotary,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        # x: [T, hidden]
+        q = self.q_proj(x).view(t, self.num_heads, -1)
+        gate = None
+        if self.gated:
+            # Per head: first head_dim is the query, next head_dim the output gate.
+            q, gate = q.split(self.head_dim, dim=-1)
+            gate = gate.reshape(t, -1)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        cos, sin = cos_sin
+        q = rotary.apply(q, cos, sin)
+        k = rotary.apply(k, cos, sin)
+
+        k_cache, v_cache = cache.k_cache(self.layer), cache.v_cache(self.layer)
+        k_cache[batch.kv_pages, batch.kv_offsets] = k.to(k_cache.dtype)
+        v_cache[batch.kv_pages, batch.kv_offsets] = v.to(v_cache.dtype)
+
+        out = torch.empty_like(q)  # [T, H, D]
+        for seq in batch.seqs:
+            rows = slice(seq.offset, seq.offset + seq.length)
+            out[rows] = paged_attention(
+                q[rows], k_cache, v_cache, seq.page_table, seq.end, self.scale, self.window
+            ).to(out.dtype)
+        out = out.reshape(t, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)

@@ -1,0 +1,125 @@
+"""The explicit per-step metadata a forward pass runs on.
+
+A step is a flat run of tokens from several sequences: some prefilling a chunk,
+some decoding one token. Each sequence says where its chunk starts, which KV
+pages hold it, and (hybrid models) which state slot carries its recurrent state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Sequence
+
+import torch
+
+
+class LogitsWanted(Enum):
+    NONE = "none"  # a middle chunk of a long prefill
+    LAST = "last"  # the next-token distribution
+    ALL = "all"  # every position (prompt logprobs, tests)
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceChunk:
+    """One sequence's part of a step, as the scheduler describes it."""
+
+    token_ids: Sequence[int]
+    start: int  # tokens of this sequence already in the cache
+    page_table: Sequence[int]  # pages holding positions 0 .. start+len-1, in order
+    state_slot: int | None = None  # recurrent-state slot (hybrid models)
+    logits: LogitsWanted = LogitsWanted.LAST
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("a sequence chunk needs at least one token")
+        if self.start < 0:
+            raise ValueError(f"start must be >= 0, got {self.start}")
+
+
+@dataclass(frozen=True, slots=True)
+class SeqView:
+    """A sequence's slice of the flat token run, with device-side page table."""
+
+    offset: int  # first row of this sequence in the flat token run
+    length: int
+    start: int
+    page_table: torch.Tensor  # int64 [n_pages]
+    state_slot: int | None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def is_decode(self) -> bool:
+        return self.length == 1 and self.start > 0
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    kv_pages: torch.Tensor  # [T] page id each token's K/V is written to
+    kv_offsets: torch.Tensor  # [T] offset inside that page
+    seqs: tuple[SeqView, ...]
+    logits_rows: torch.Tensor  # [R] rows of the flat run whose logits are returned
+    logits_counts: tuple[int, ...]  # rows per sequence, in order
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def build(cls, chunks: Sequence[SequenceChunk], page_size: int, device: torch.device) -> "ForwardBatch":
+        ids: list[int] = []
+        positions: list[int] = []
+        pages: list[int] = []
+        offsets: list[int] = []
+        rows: list[int] = []
+        counts: list[int] = []
+        seqs: list[SeqView] = []
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            end = chunk.start + n
+            needed = -(-end // page_size)
+            if len(chunk.page_table) < needed:
+                raise ValueError(
+                    f"page table has {len(chunk.page_table)} pages but {end} tokens need {needed}"
+                )
+            base = len(ids)
+            ids.extend(chunk.token_ids)
+            pos = range(chunk.start, end)
+            positions.extend(pos)
+            pages.extend(chunk.page_table[p // page_size] for p in pos)
+            offsets.extend(p % page_size for p in pos)
+            if chunk.logits is LogitsWanted.LAST:
+                rows.append(base + n - 1)
+                counts.append(1)
+            elif chunk.logits is LogitsWanted.ALL:
+                rows.extend(range(base, base + n))
+                counts.append(n)
+            else:
+                counts.append(0)
+            seqs.append(
+                SeqView(
+                    offset=base,
+                    length=n,
+                    start=chunk.start,
+                    page_table=torch.tensor(list(chunk.page_table[:needed]), dtype=torch.int64, device=device),
+                    state_slot=chunk.state_slot,
+                )
+            )
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(
+            input_ids=tensor(ids),
+            positions=tensor(positions),
+            kv_pages=tensor(pages),
+            kv_offsets=tensor(offsets),
+            seqs=tuple(seqs),
+            logits_rows=tensor(rows),
+            logits_counts=tuple(counts),
+        )

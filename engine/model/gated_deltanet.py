@@ -1,0 +1,125 @@
+"""Gated DeltaNet linear-attention layer (Qwen3.5 and Qwen3-Next) over per-sequence state slots."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cache.device_cache import DeviceCache
+from engine.model.batch import ForwardBatch, SeqView
+from engine.model.config import ModelConfig
+from engine.model.layers import GatedRMSNorm
+from kernels.causal_conv import causal_conv1d
+from kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.hk = config.linear_num_key_heads
+        self.hv = config.linear_num_value_heads
+        self.dk = config.linear_key_head_dim
+        self.dv = config.linear_value_head_dim
+        self.key_dim = config.gdn_key_dim
+        self.value_dim = config.gdn_value_dim
+        self.fused = config.fused_gdn_projections
+        hidden = config.hidden_size
+        conv_dim = config.gdn_conv_dim
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, config.linear_conv_kernel, groups=conv_dim, bias=False)
+        if self.fused:
+            self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(hidden, 2 * self.hv, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden, conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(hidden, self.hv, bias=False)
+            self.in_proj_a = nn.Linear(hidden, self.hv, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.hv))
+        self.A_log = nn.Parameter(torch.empty(self.hv))
+        self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> mixed qkv [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv]."""
+        t = x.shape[0]
+        if not self.fused:
+            return (
+                self.in_proj_qkv(x),
+                self.in_proj_z(x).view(t, self.hv, self.dv),
+                self.in_proj_b(x),
+                self.in_proj_a(x),
+            )
+        # Qwen3-Next packs the projections per key-head group: [q, k, v-group, z-group] and [b-group, a-group].
+        ratio = self.hv // self.hk
+        qkvz = self.in_proj_qkvz(x).view(t, self.hk, 2 * self.dk + 2 * ratio * self.dv)
+        q, k, v, z = qkvz.split([self.dk, self.dk, ratio * self.dv, ratio * self.dv], dim=-1)
+        ba = self.in_proj_ba(x).view(t, self.hk, 2 * ratio)
+        b, a = ba.split([ratio, ratio], dim=-1)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return mixed, z.reshape(t, self.hv, self.dv), b.reshape(t, self.hv), a.reshape(t, self.hv)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: DeviceCache) -> torch.Tensor:
+        t = x.shape[0]
+        mixed, z, b, a = self._project(x)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # log decay, <= 0
+        weight = self.conv1d.weight.squeeze(1)  # [C, K]
+        li = cache.linear_index(self.layer)
+        core = torch.empty(t, self.hv, self.dv, dtype=x.dtype, device=x.device)
+
+        decodes = [s for s in batch.seqs if s.is_decode]
+        if decodes:
+            self._decode(decodes, mixed, g, beta, weight, cache, li, core)
+        for seq in batch.seqs:
+            if not seq.is_decode:
+                self._prefill(seq, mixed, g, beta, weight, cache, li, core)
+
+        out = self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv)).view(t, -1)
+        return self.out_proj(out)
+
+    def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # mixed: [B, T, conv_dim] -> q, k [B, T, Hk, Dk], v [B, T, Hv, Dv]
+        bsz, t, _ = mixed.shape
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return q.view(bsz, t, self.hk, self.dk), k.view(bsz, t, self.hk, self.dk), v.view(bsz, t, self.hv, self.dv)
+
+    def _prefill(
+        self, seq: SeqView, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        weight: torch.Tensor, cache: DeviceCache, li: int, core: torch.Tensor,
+    ) -> None:
+        slot = _slot(seq)
+        rows = slice(seq.offset, seq.offset + seq.length)
+        fresh = seq.start == 0  # a fresh sequence starts from zeros, whatever the slot held
+        conv_in = mixed[rows].T.unsqueeze(0)  # [1, C, T]
+        conv_state = None if fresh else cache.conv[slot, li].unsqueeze(0)
+        conv_out, new_conv = causal_conv1d(conv_in, weight, conv_state)
+        q, k, v = self._split_heads(conv_out.transpose(1, 2))
+        state = None if fresh else cache.recurrent[slot, li].unsqueeze(0)
+        out, new_state = chunk_gated_delta_rule(q, k, v, g[rows].unsqueeze(0), beta[rows].unsqueeze(0), state)
+        core[rows] = out[0]
+        cache.conv[slot, li] = new_conv[0]
+        cache.recurrent[slot, li] = new_state[0]
+
+    def _decode(
+        self, seqs: list[SeqView], mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        weight: torch.Tensor, cache: DeviceCache, li: int, core: torch.Tensor,
+    ) -> None:
+        """All single-token decodes of the step at once: gather slots, one step, scatter back."""
+        rows = torch.tensor([s.offset for s in seqs], dtype=torch.int64, device=mixed.device)
+        slots = torch.tensor([_slot(s) for s in seqs], dtype=torch.int64, device=mixed.device)
+        conv_out, new_conv = causal_conv1d(mixed[rows].unsqueeze(-1), weight, cache.conv[slots, li])
+        q, k, v = self._split_heads(conv_out.transpose(1, 2))  # [B, 1, ...]
+        out, new_state = recurrent_gated_delta_rule(
+            q, k, v, g[rows].unsqueeze(1), beta[rows].unsqueeze(1), cache.recurrent[slots, li]
+        )
+        core[rows] = out[:, 0]
+        cache.conv[slots, li] = new_conv
+        cache.recurrent[slots, li] = new_state
+
+
+def _slot(seq: SeqView) -> int:
+    if seq.state_slot is None:
+        raise ValueError("a hybrid model needs a state slot for every sequence")
+    return seq.state_slot

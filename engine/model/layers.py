@@ -1,0 +1,169 @@
+"""Building blocks shared by the decoder families: norms, rotary embedding, MLPs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; `zero_centered` is the Qwen3.5/Next form x*(1+w) computed in fp32."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+        self.zero_centered = zero_centered
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (normed * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * normed.type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm followed by a SiLU gate (output norm of GDN layers)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * normed.to(dtype) * F.silu(gate.float())).to(dtype)
+
+
+class Rotary:
+    """Rotary position embedding (half-rotation layout), with partial rotary and rope scaling.
+
+    Not an nn.Module: it owns no weights, and keeping it off the module tree lets the
+    model be built on the meta device and loaded with assign=True.
+    """
+
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        self.rotary_dim = int(config.head_dim * config.partial_rotary_factor)
+        inv_freq, self.attention_scaling = _inv_freq(config, self.rotary_dim)
+        self.inv_freq = inv_freq.to(device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] -> cos, sin: [T, rotary_dim]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D]; cos/sin: [T, R]
+        r = self.rotary_dim
+        rot, keep = x[..., :r], x[..., r:]
+        half = r // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+        return torch.cat([out, keep], dim=-1) if keep.shape[-1] else out
+
+
+def _inv_freq(config: ModelConfig, dim: int) -> tuple[torch.Tensor, float]:
+    base = config.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq, 1.0
+    kind = scaling["rope_type"]
+    factor = float(scaling.get("factor", 1.0))
+    if kind in ("linear", "dynamic"):
+        # "dynamic" grows the base only past the trained length; within it, it equals default.
+        return (inv_freq / factor if kind == "linear" else inv_freq), 1.0
+    if kind == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    # yarn
+    old_len = float(scaling.get("original_max_position_embeddings", config.max_position_embeddings))
+    beta_fast = float(scaling.get("beta_fast", 32))
+    beta_slow = float(scaling.get("beta_slow", 1))
+    mscale = float(scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0))
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low_dim = max(math.floor(correction_dim(beta_fast)), 0)
+    high_dim = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low_dim == high_dim:
+        high_dim += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low_dim) / (high_dim - low_dim)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    return inv, mscale
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, num_experts: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+
+
+class Experts(nn.Module):
+    """Expert weights stacked as 3-D tensors (the transformers v5 layout)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]; expert_ids, weights: [T, K]
+        out = torch.zeros_like(x)
+        for expert in expert_ids.unique().tolist():
+            token_idx, slot = torch.where(expert_ids == expert)
+            gate, up = F.linear(x[token_idx], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out.index_add_(0, token_idx, (y * weights[token_idx, slot, None]).to(out.dtype))
+        return out
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts plus a sigmoid-gated shared expert (Qwen3-Next)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = Router(config.num_experts, config.hidden_size)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)
+        top_w, top_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        routed = self.experts(x, top_ids, top_w.to(x.dtype))
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + shared

@@ -1,0 +1,110 @@
+"""Load a local Hugging Face checkpoint directory into a CausalLM.
+
+The model is built on the meta device and the weights are assigned (not copied)
+from memory-mapped safetensors; only a dtype or device change makes a copy.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.model.config import ModelConfig, load_config
+from engine.model.decoder import CausalLM
+from engine.model.errors import CheckpointError
+from engine.model.layers import Rotary
+from engine.model.safetensors_mmap import SafetensorsFile, open_checkpoint_weights
+
+# Tensors some checkpoints carry that a text-only decoder does not use.
+_IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.)|rotary_emb\.inv_freq$")
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    path: Path
+    weights_digest: bytes  # identity of the weights, for the reuse namespace
+    files: tuple[SafetensorsFile, ...]  # keeps the memory maps alive
+
+
+def resolve_dtype(name: str, device: torch.device, config: ModelConfig) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    except KeyError:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}") from None
+
+
+def _normalise_names(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, tensor in tensors.items():
+        if name.startswith("model.language_model."):  # multimodal Qwen3.5 checkpoints
+            name = "model." + name[len("model.language_model."):]
+        if _IGNORED.search(name):
+            continue
+        match = _PER_EXPERT.match(name)
+        if match:  # per-expert layout on disk -> the stacked layout the model uses
+            experts.setdefault(match["prefix"], {}).setdefault(match["proj"], {})[int(match["e"])] = tensor
+            continue
+        out[name] = tensor
+    for prefix, projections in experts.items():
+        n = config.num_experts
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            have = projections.get(proj, {})
+            missing = [e for e in range(n) if e not in have]
+            if missing:
+                raise CheckpointError(f"tensor {prefix}.{missing[0]}.{proj}.weight is missing")
+        gate = torch.stack([projections["gate_proj"][e] for e in range(n)])
+        up = torch.stack([projections["up_proj"][e] for e in range(n)])
+        out[f"{prefix}.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        out[f"{prefix}.down_proj"] = torch.stack([projections["down_proj"][e] for e in range(n)])
+    return out
+
+
+def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.device = "cpu") -> LoadedModel:
+    path = Path(checkpoint).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    config = load_config(path)
+    dev = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, dev, config)
+    tensors, digest, files = open_checkpoint_weights(path)
+    tensors = _normalise_names(tensors, config)
+
+    with torch.device("meta"):
+        model = CausalLM(config)
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    if "lm_head.weight" not in tensors and config.tie_word_embeddings and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+
+    state: dict[str, torch.Tensor] = {}
+    converted: dict[int, torch.Tensor] = {}  # tied tensors stay one tensor after conversion
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise CheckpointError(f"{path}: tensor {name!r} is missing from the safetensors weights")
+        tensor = tensors[name]
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {list(tensor.shape)} but config.json implies {list(shape)}"
+            )
+        key = id(tensor)
+        if key not in converted:
+            converted[key] = tensor.to(device=dev, dtype=torch_dtype)
+        state[name] = converted[key]
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise CheckpointError(
+            f"{path}: tensor {unexpected[0]!r} is not used by {config.architecture} "
+            f"({len(unexpected)} unexpected tensors)"
+        )
+    model.load_state_dict(state, assign=True, strict=True)
+    model.rotary = Rotary(config, dev)
+    model.eval()
+    return LoadedModel(model=model, config=config, path=path, weights_digest=digest, files=tuple(files))

@@ -1,0 +1,25 @@
+"""Shared fixtures: tiny checkpoints are built once per session (they take a few seconds each)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from checkpoints import make_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """checkpoint_dir(arch) -> Path of a cached tiny random checkpoint for that architecture."""
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = make_checkpoint(tmp_path_factory.mktemp(arch.replace("-", "_")), arch)
+        return made[arch]
+
+    return get
