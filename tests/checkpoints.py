@@ -46,7 +46,8 @@ def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module
     """A random-weight transformers model of `arch`, with 1-D weights perturbed so norms are not identity."""
     import transformers as tf
 
-    kwargs = dict(_COMMON)
+    kwargs = {**_COMMON, **overrides}
+    overrides = {}
     name = arch.removesuffix("-moe")
     if name == "LlamaForCausalLM":
         config = tf.LlamaConfig(**kwargs, **overrides)
