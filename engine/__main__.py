@@ -1,0 +1,129 @@
+"""`python -m engine` / `ignis-engine`: serve one model over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from common.settings import Settings, SettingsError, add_settings_flags, settings_from_args
+from engine.core import EngineConfig, EngineCore
+from engine.model.errors import CheckpointError
+from engine.model.loader import load_model
+from engine.model.tiny import TINY_NAME, resolve_model_path
+from engine.server import EngineService, create_server, set_serving
+from engine.text.tokenizer import Tokenizer
+
+log = logging.getLogger("ignis.engine")
+
+# Flags that are shorthands for settings keys (they win over file and environment).
+_SETTING_FLAGS = {
+    "max_model_len": "engine.max_model_len",
+    "max_queue": "engine.max_queue",
+    "max_num_seqs": "engine.max_num_seqs",
+    "page_size": "engine.page_size",
+    "kv_cache_bytes": "engine.kv_cache_bytes",
+    "prefill_chunk_tokens": "engine.prefill_chunk_tokens",
+    "dtype": "engine.dtype",
+    "device": "engine.device",
+}
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
+    parser = argparse.ArgumentParser(prog="ignis-engine", description="Serve a model over gRPC (ignis.v1.Engine).")
+    parser.add_argument("--model", default=TINY_NAME, help=f"checkpoint directory, or {TINY_NAME} (default)")
+    parser.add_argument("--served-model-name", default=None, help="model id clients use (default: from --model)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
+    parser.add_argument("--port-file", default=None, help="write the bound port here once serving (for tests)")
+    parser.add_argument("--grace", type=float, default=10.0, help="seconds to finish in-flight work on shutdown")
+    for name in _SETTING_FLAGS:
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+                            help=f"same as --set {_SETTING_FLAGS[name]}=VALUE")
+    add_settings_flags(parser)
+    args = parser.parse_args(argv)
+    for name, key in _SETTING_FLAGS.items():
+        value = getattr(args, name)
+        if value is not None:
+            args.settings_overrides.append(f"{key}={value}")
+    try:
+        settings = settings_from_args(args)
+    except SettingsError as exc:
+        parser.error(str(exc))
+    return args, settings
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build_core(model_path: Path, settings: Settings) -> EngineCore:
+    e = settings.engine
+    loaded = load_model(model_path, dtype=e.dtype, device=resolve_device(e.device))
+    tokenizer = Tokenizer.from_dir(model_path)
+    config = EngineConfig(
+        page_size=e.page_size, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,
+        step_token_budget=e.prefill_chunk_tokens, max_queue=e.max_queue, max_model_len=e.max_model_len,
+    )
+    return EngineCore(loaded, tokenizer, config)
+
+
+async def serve(args: argparse.Namespace, settings: Settings) -> int:
+    model_id = args.served_model_name or (TINY_NAME if args.model == TINY_NAME else Path(args.model).name)
+    service = EngineService(model_id)
+    server, port, health = create_server(service, f"{args.host}:{args.port}")
+    await set_serving(health, False)
+    await server.start()
+    log.info("engine listening on %s:%d (loading %s)", args.host, port, args.model)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    load = asyncio.ensure_future(asyncio.to_thread(lambda: build_core(resolve_model_path(args.model), settings)))
+    waiter = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({load, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    core = None
+    if load.done():
+        try:
+            core = load.result()
+        except (CheckpointError, ValueError, OSError) as exc:
+            log.error("cannot load %s: %s", args.model, exc)
+            await server.stop(0)
+            return 2
+        core.start()
+        service.attach(core)
+        await set_serving(health, True)
+        log.info("engine serving %s on %s:%d", model_id, args.host, port)
+        if args.port_file:
+            Path(args.port_file).write_text(str(port))
+        await stop.wait()
+
+    log.info("shutting down: finishing in-flight work for up to %.0fs", args.grace)
+    service.accepting = False
+    await set_serving(health, False)
+    await server.stop(args.grace)  # in-flight RPCs get `grace` seconds, then are cancelled
+    if core is not None:
+        core.stop()
+    load.cancel()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=os.environ.get("IGNIS_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args, settings = parse_args(argv)
+    sys.exit(asyncio.run(serve(args, settings)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Between the gRPC messages and the engine's own records."""
+
+from __future__ import annotations
+
+from engine.outputs import RequestUpdate, TokenLogprob
+from engine.request import FinishReason, RequestClass
+from engine.sampling.params import SamplingParams
+from engine.text.tokenizer import Tokenizer
+from ignis.v1 import common_pb2, engine_pb2
+
+_FINISH = {
+    None: engine_pb2.FINISH_REASON_NONE,
+    FinishReason.STOP: engine_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: engine_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: engine_pb2.FINISH_REASON_ABORT,
+}
+_TIERS = {"none": common_pb2.REUSE_TIER_NONE, "device": common_pb2.REUSE_TIER_DEVICE,
+          "ram": common_pb2.REUSE_TIER_RAM, "disk": common_pb2.REUSE_TIER_DISK}
+_KINDS = {"none": common_pb2.REUSE_KIND_NONE, "checkpoint": common_pb2.REUSE_KIND_CHECKPOINT,
+          "prefix": common_pb2.REUSE_KIND_PREFIX, "pages": common_pb2.REUSE_KIND_PAGES}
+
+
+def request_class(value: int) -> RequestClass:
+    return RequestClass.AGENT if value == common_pb2.REQUEST_CLASS_AGENT else RequestClass.INTERACTIVE
+
+
+def sampling_params(msg: engine_pb2.SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:
+    """Proto -> validated params. Unset max_tokens means "up to the end of the context"."""
+    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else max(0, max_model_len - prompt_len)
+    return SamplingParams(
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=max_tokens,
+        min_tokens=msg.min_tokens,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        n=msg.n if msg.HasField("n") else 1,
+        logprobs=msg.logprobs or msg.top_logprobs > 0,
+        top_logprobs=msg.top_logprobs,
+        skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+    )
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:
+    raw = tokenizer.token_bytes(token_id)
+    return raw.decode("utf-8", errors="replace"), raw
+
+
+def logprob_message(tokenizer: Tokenizer, lp: TokenLogprob | None) -> engine_pb2.TokenLogprob:
+    if lp is None:  # the first prompt token has no logprob
+        return engine_pb2.TokenLogprob()
+    text, raw = _token_text(tokenizer, lp.token_id)
+    msg = engine_pb2.TokenLogprob(token_id=lp.token_id, token=text, logprob=lp.logprob, token_bytes=raw)
+    for tid, value in lp.top:
+        t_text, t_raw = _token_text(tokenizer, tid)
+        msg.top_logprobs.add(token_id=tid, token=t_text, logprob=value, token_bytes=t_raw)
+    return msg
+
+
+def update_messages(tokenizer: Tokenizer, update: RequestUpdate, prompt_ids: tuple[int, ...] | None
+                    ) -> list[engine_pb2.GenerateResponse]:
+    """One GenerateResponse per choice delta; usage rides on the last one (or its own)."""
+    out = []
+    for delta in update.deltas:
+        msg = engine_pb2.GenerateResponse(
+            index=delta.choice, token_ids=delta.token_ids, text=delta.text,
+            finish_reason=_FINISH[delta.finish_reason],
+        )
+        msg.logprobs.extend(logprob_message(tokenizer, lp) for lp in delta.logprobs)
+        if isinstance(delta.stop_reason, str):
+            msg.stop_string = delta.stop_reason
+        elif isinstance(delta.stop_reason, int):
+            msg.stop_token_id = delta.stop_reason
+        out.append(msg)
+    if update.usage is not None:
+        if not out:
+            out.append(engine_pb2.GenerateResponse())
+        u = update.usage
+        out[-1].usage.CopyFrom(engine_pb2.Usage(
+            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+            cached_tokens=u.cached_tokens, time_to_first_token_ms=u.time_to_first_token_ms,
+            reuse=engine_pb2.ReuseInfo(tier=_TIERS[u.reuse.tier], kind=_KINDS[u.reuse.kind],
+                                       reused_tokens=u.reuse.reused_tokens),
+        ))
+    if out and prompt_ids is not None:
+        out[0].prompt_token_ids.extend(prompt_ids)
+        if update.prompt_logprobs is not None:
+            out[0].prompt_logprobs.extend(logprob_message(tokenizer, lp) for lp in update.prompt_logprobs)
+    return out

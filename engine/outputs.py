@@ -1,0 +1,72 @@
+"""What the engine core hands back to a request's owner, one update per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.request import FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceDelta:
+    choice: int
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseReport:
+    tier: str = "none"  # none|device|ram|disk
+    kind: str = "none"  # none|checkpoint|prefix|pages
+    reused_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    time_to_first_token_ms: float
+    reuse: ReuseReport = ReuseReport()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestUpdate:
+    request_id: str
+    deltas: tuple[ChoiceDelta, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # echo: one per prompt token
+    usage: Usage | None = None  # on the last update of the request only
+    error: str | None = None  # an internal failure; the request is over
+
+    @property
+    def done(self) -> bool:
+        return self.usage is not None or self.error is not None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    waiting_interactive: int
+    waiting_agent: int
+    running_interactive: int
+    running_agent: int
+    total_pages: int
+    used_pages: int
+    cached_pages: int
+    page_size: int
+    total_slots: int
+    used_slots: int
+    requests_finished: int
+    requests_cancelled: int
+    requests_preempted: int
+    prompt_tokens: int
+    generated_tokens: int

@@ -1,0 +1,89 @@
+"""From the API's input forms (chat, text, token ids) to prompt token ids."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from engine.text.tokenizer import Tokenizer
+from ignis.v1 import engine_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedPrompt:
+    token_ids: tuple[int, ...]
+    text: str | None  # the rendered prompt, when there was text
+
+
+def _json_field(raw: str, name: str, expect: type) -> Any:
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, expect):
+        raise ValueError(f"{name} must be a JSON {expect.__name__}")
+    return value
+
+
+def chat_messages(chat: engine_pb2.ChatInput) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    for i, msg in enumerate(chat.messages):
+        if msg.role not in ("system", "developer", "user", "assistant", "tool"):
+            raise ValueError(f"messages[{i}].role {msg.role!r} is not one of system, user, assistant, tool")
+        item: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role}
+        if msg.content_parts:
+            for part in msg.content_parts:
+                if part.type != "text":
+                    raise ValueError(f"messages[{i}]: content part type {part.type!r} is not supported")
+            item["content"] = [{"type": "text", "text": p.text} for p in msg.content_parts]
+        elif msg.HasField("content"):
+            item["content"] = msg.content
+        else:
+            item["content"] = None
+        if msg.HasField("name"):
+            item["name"] = msg.name
+        if msg.HasField("tool_call_id"):
+            item["tool_call_id"] = msg.tool_call_id
+        if msg.HasField("reasoning_content"):
+            item["reasoning_content"] = msg.reasoning_content
+        if msg.tool_calls:
+            item["tool_calls"] = [
+                {"id": c.id, "type": c.type or "function",
+                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for c in msg.tool_calls
+            ]
+        messages.append(item)
+    return messages
+
+
+def render_chat(tokenizer: Tokenizer, chat: engine_pb2.ChatInput) -> RenderedPrompt:
+    if not chat.messages:
+        raise ValueError("messages must not be empty")
+    if chat.continue_final_message:
+        raise ValueError("continue_final_message is not supported")
+    tools = _json_field(chat.tools_json, "tools", list)
+    kwargs = _json_field(chat.chat_template_kwargs_json, "chat_template_kwargs", dict) or {}
+    add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    text = tokenizer.apply_chat_template(
+        chat_messages(chat), tools=tools, add_generation_prompt=add_generation_prompt, **kwargs
+    )
+    return RenderedPrompt(tuple(tokenizer.encode(text, add_special_tokens=False)), text)
+
+
+def render_input(tokenizer: Tokenizer, request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest) -> RenderedPrompt:
+    which = request.WhichOneof("input")
+    add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+    if which == "chat":
+        return render_chat(tokenizer, request.chat)
+    if which == "text":
+        if not request.text:
+            raise ValueError("the prompt text is empty")
+        return RenderedPrompt(tuple(tokenizer.encode(request.text, add_special_tokens=add_special)), request.text)
+    if which == "token_ids" and isinstance(request, engine_pb2.GenerateRequest):
+        if not request.token_ids.ids:
+            raise ValueError("token_ids is empty")
+        return RenderedPrompt(tuple(request.token_ids.ids), None)
+    raise ValueError("the request has no input: set chat, text or token_ids")

@@ -1,0 +1,112 @@
+"""A request and its sequences. The sequence owns its cache state (page table,
+state slot, computed-token count); the scheduler changes it only through the
+methods here."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import RequestSampler
+from engine.text.detokenizer import TextStream
+
+
+class RequestClass(enum.IntEnum):
+    INTERACTIVE = 0  # ranked above agent work: admitted first, preempted last
+    AGENT = 1
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    request_class: RequestClass = RequestClass.INTERACTIVE
+    cache_salt: str = ""
+    echo: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("the prompt is empty")
+
+
+class Sequence:
+    """One choice of a request: prompt + generated tokens and where their state lives."""
+
+    def __init__(self, seq_id: int, request: EngineRequest, choice: int, sampler: RequestSampler,
+                 stream: TextStream) -> None:
+        self.seq_id = seq_id
+        self.request = request
+        self.choice = choice
+        self.sampler = sampler
+        self.stream = stream
+        self.token_ids: list[int] = list(request.prompt_ids)
+        self.num_prompt = len(request.prompt_ids)
+        self.num_computed = 0  # tokens whose KV/state is in the cache
+        self.page_table: list[int] = []
+        self.slot: int | None = None
+        self.status = SeqStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None  # matched stop string or stop token id
+        self.first_token_time: float | None = None
+        self.preemptions = 0
+        self.unforked: list[Sequence] = []  # choices 1..n-1, forked from this one after its prompt
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_pending > 1 or self.num_computed == 0
+
+    @property
+    def rank_key(self) -> tuple[int, float]:
+        """Sort key: higher sorts later = lower rank = preempted first."""
+        return (int(self.request.request_class), self.request.arrival)
+
+    def pages_needed(self, total_tokens: int, page_size: int) -> int:
+        return max(0, -(-total_tokens // page_size) - len(self.page_table))
+
+    def mark_computed(self, n: int) -> None:
+        self.num_computed += n
+        if self.num_computed > len(self.token_ids):
+            raise RuntimeError("computed more tokens than the sequence has: this is a bug")
+
+    def append_token(self, token: int) -> None:
+        self.token_ids.append(token)
+        self.sampler.observe(token)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: state is gone; prompt + output so far are prefilled again."""
+        self.num_computed = 0
+        self.page_table = []
+        self.slot = None
+        self.status = SeqStatus.WAITING
+        self.preemptions += 1
+
+    def finish(self, reason: FinishReason, stop: str | int | None = None) -> None:
+        self.status = SeqStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop

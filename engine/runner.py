@@ -1,0 +1,71 @@
+"""Turns a step plan into one forward pass: builds the batch, runs the model,
+returns the logits each sequence asked for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache.device_cache import DeviceCache
+from engine.model.batch import ForwardBatch, LogitsWanted, SequenceChunk
+from engine.model.decoder import CausalLM
+from engine.request import Sequence
+from engine.scheduler import ScheduledChunk
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkLogits:
+    seq: Sequence
+    num_tokens: int
+    next_token_logits: torch.Tensor | None  # [V] when the chunk completes the pending tokens
+    prompt_logits: torch.Tensor | None  # [n, V] for echo with logprobs: logits at each chunk position
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: DeviceCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.page_size = cache.page_size
+
+    def run(self, chunks: list[ScheduledChunk]) -> list[ChunkLogits]:
+        specs = []
+        for item in chunks:
+            seq, n = item.seq, item.num_tokens
+            completes = seq.num_computed + n == len(seq.token_ids)
+            wants_prompt = seq.request.echo and seq.request.params.logprobs and seq.num_computed < seq.num_prompt
+            logits = LogitsWanted.ALL if wants_prompt else (LogitsWanted.LAST if completes else LogitsWanted.NONE)
+            specs.append(
+                SequenceChunk(
+                    token_ids=seq.token_ids[seq.num_computed : seq.num_computed + n],
+                    start=seq.num_computed,
+                    page_table=seq.page_table,
+                    state_slot=seq.slot,
+                    logits=logits,
+                )
+            )
+        batch = ForwardBatch.build(specs, self.page_size, self.model.device)
+        logits = self.model(batch, self.cache)  # [R, V]
+        out: list[ChunkLogits] = []
+        row = 0
+        for item, spec, count in zip(chunks, specs, batch.logits_counts):
+            rows = logits[row : row + count]
+            row += count
+            completes = item.seq.num_computed + item.num_tokens == len(item.seq.token_ids)
+            out.append(
+                ChunkLogits(
+                    seq=item.seq,
+                    num_tokens=item.num_tokens,
+                    next_token_logits=rows[-1] if completes and count else None,
+                    prompt_logits=rows if spec.logits is LogitsWanted.ALL else None,
+                )
+            )
+        return out
+
+    def fork_state(self, parent: Sequence, child: Sequence, new_last_page: int | None) -> None:
+        """Give `child` a copy of the parent's state: shared full pages are already in its
+        table; the partially filled last page (if any) and the recurrent slot are copied."""
+        if new_last_page is not None:
+            self.cache.kv[new_last_page].copy_(self.cache.kv[parent.page_table[-1]])
+        if parent.slot is not None and child.slot is not None:
+            self.cache.copy_slot(parent.slot, child.slot)

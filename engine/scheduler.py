@@ -1,0 +1,178 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens.
+
+Each step every running sequence that is decoding gets one token, then prefills
+share the rest of the step's token budget, so a long prompt is cut into chunks
+and never stalls running decodes. Interactive work is admitted first and
+preempted last; memory is counted in pages and state slots.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.cache.page_pool import PagePool, SlotPool
+from engine.request import RequestClass, Sequence, SeqStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int  # tokens of seq.token_ids[seq.num_computed:] that run this step
+
+
+@dataclass(slots=True)
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    page_size: int
+    max_num_seqs: int
+    step_token_budget: int
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0 or self.step_token_budget <= 0:
+            raise ValueError(f"invalid scheduler limits {self}")
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, pages: PagePool, slots: SlotPool | None,
+                 on_release: Callable[[Sequence], None] | None = None) -> None:
+        self.limits = limits
+        self.pages = pages
+        self.slots = slots
+        self.waiting: dict[RequestClass, deque[Sequence]] = {c: deque() for c in RequestClass}
+        self.running: list[Sequence] = []
+        self._on_release = on_release
+
+    # --- queues -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting[seq.request.request_class].append(seq)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
+
+    def has_work(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence (finished or cancelled) and free what it holds."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            queue = self.waiting[seq.request.request_class]
+            if seq in queue:
+                queue.remove(seq)
+        self._release(seq)
+
+    # --- memory -------------------------------------------------------------
+    def _release(self, seq: Sequence) -> None:
+        if seq.page_table:
+            self.pages.release(seq.page_table)
+            seq.page_table = []
+        if seq.slot is not None and self.slots is not None:
+            self.slots.release(seq.slot)
+            seq.slot = None
+        if self._on_release:
+            self._on_release(seq)
+
+    def _grow(self, seq: Sequence, total_tokens: int) -> bool:
+        need = seq.pages_needed(total_tokens, self.limits.page_size)
+        if need == 0:
+            return True
+        got = self.pages.allocate(need)
+        if got is None:
+            return False
+        seq.page_table.extend(got)
+        return True
+
+    def _preempt(self, victim: Sequence, plan: StepPlan) -> None:
+        self.running.remove(victim)
+        self._release(victim)
+        victim.reset_for_recompute()
+        self.waiting[victim.request.request_class].appendleft(victim)
+        plan.preempted.append(victim)
+
+    def _lowest_running(self) -> Sequence | None:
+        return max(self.running, key=lambda s: s.rank_key, default=None)
+
+    # --- the step -------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        self._admit(plan)
+        budget = self.limits.step_token_budget
+        decoding = [s for s in self.running if not s.in_prefill]
+        prefilling = [s for s in self.running if s.in_prefill]
+        # Decodes first, highest rank first, so growth failures preempt from the bottom.
+        for seq in sorted(decoding, key=lambda s: s.rank_key):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            while not self._grow(seq, seq.num_computed + 1):
+                victim = self._lowest_running()
+                assert victim is not None
+                self._preempt(victim, plan)
+                if victim is seq:
+                    break
+            if seq.status is SeqStatus.RUNNING and budget > 0:
+                plan.chunks.append(ScheduledChunk(seq, 1))
+                budget -= 1
+        for seq in sorted(prefilling, key=lambda s: s.rank_key):
+            if budget <= 0 or seq.status is not SeqStatus.RUNNING:
+                continue
+            n = min(seq.num_pending, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                continue  # pages were reserved at admission; only a fork's growth can get here
+            plan.chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+        return plan
+
+    def _admit(self, plan: StepPlan) -> None:
+        """Admit waiting sequences whose whole prompt fits: interactive first, FIFO within a class."""
+        for cls in RequestClass:
+            queue = self.waiting[cls]
+            while queue:
+                seq = queue[0]
+                if not self._fits(seq) and not self._make_room_for(seq, plan):
+                    return  # keep order: nothing behind the head jumps it
+                queue.popleft()
+                slot = self.slots.allocate() if self.slots is not None else None
+                got = self.pages.allocate(seq.pages_needed(len(seq.token_ids), self.limits.page_size))
+                assert got is not None
+                seq.page_table.extend(got)
+                seq.slot = slot
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+
+    def _fits(self, seq: Sequence) -> bool:
+        if len(self.running) >= self.limits.max_num_seqs:
+            return False
+        if self.slots is not None and self.slots.num_free == 0:
+            return False
+        return self.pages.can_allocate(seq.pages_needed(len(seq.token_ids), self.limits.page_size))
+
+    def _make_room_for(self, seq: Sequence, plan: StepPlan) -> bool:
+        """Preempt running sequences ranked below `seq` (agent work for interactive) until it fits."""
+        while not self._fits(seq):
+            victim = self._lowest_running()
+            if victim is None or victim.rank_key[0] <= seq.rank_key[0]:
+                return False
+            self._preempt(victim, plan)
+        return True
+
+    def check_integrity(self) -> None:
+        self.pages.check_integrity()
+        if self.slots is not None:
+            self.slots.check_integrity()
+        held = sum(len(s.page_table) for s in self.running)
+        if held < self.pages.num_used:
+            # Forks share pages, so held >= used; fewer means a page leaked.
+            raise AssertionError(f"{self.pages.num_used} pages used but running sequences hold {held}")

@@ -1,0 +1,194 @@
+"""The gRPC face of the engine: a thin servicer over EngineCore, plus health and reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.api_convert import request_class, sampling_params, update_messages
+from engine.core import EngineCore, EngineStopped, QueueFull
+from engine.outputs import RequestUpdate
+from engine.prompt import render_input
+from engine.request import EngineRequest
+from ignis.v1 import engine_pb2, engine_pb2_grpc
+
+log = logging.getLogger("ignis.engine")
+SERVICE_NAME = "ignis.v1.Engine"
+
+
+class EngineService(engine_pb2_grpc.EngineServicer):
+    def __init__(self, model_id: str, core: EngineCore | None = None) -> None:
+        self._core = core  # None while the model loads: calls answer UNAVAILABLE
+        self.model_id = model_id
+        self.created = int(time.time())
+        self.accepting = True
+        self._ids = itertools.count()
+
+    def attach(self, core: EngineCore) -> None:
+        self._core = core
+
+    @property
+    def core(self) -> EngineCore:
+        if self._core is None:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        if not self.accepting:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
+        return self._core
+
+    def _check_model(self, model: str, context: grpc.aio.ServicerContext) -> None:
+        if model and model != self.model_id:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"model {model!r} is not served here; this engine serves {self.model_id!r}")
+
+    async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        try:
+            core = self.core
+            engine_request = self._engine_request(request, context)
+        except _Abort as exc:
+            await context.abort(exc.code, exc.message)
+            return
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[RequestUpdate] = asyncio.Queue()
+
+        def sink(update: RequestUpdate) -> None:  # runs on the engine thread
+            loop.call_soon_threadsafe(updates.put_nowait, update)
+
+        try:
+            core.submit(engine_request, sink)
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            return
+        except EngineStopped as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            return
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        done = False
+        first = True
+        try:
+            while not done:
+                update = await updates.get()
+                if update.error is not None:
+                    done = True
+                    await context.abort(grpc.StatusCode.INTERNAL, update.error)
+                    return
+                prompt_ids = engine_request.prompt_ids if first and engine_request.echo else None
+                for msg in update_messages(core.tokenizer, update, prompt_ids):
+                    first = False
+                    yield msg
+                done = update.done
+        finally:
+            if not done:  # the client went away or passed its deadline: free the work now
+                core.abort(engine_request.request_id)
+
+    def _engine_request(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                        ) -> EngineRequest:
+        core = self.core
+        self._check_model(request.model, context)
+        try:
+            prompt = render_input(core.tokenizer, request)
+            params = sampling_params(request.sampling, len(prompt.token_ids), core.max_model_len)
+            engine_request = EngineRequest(
+                request_id=request.request_id or f"req-{next(self._ids)}",
+                prompt_ids=prompt.token_ids,
+                params=params,
+                request_class=request_class(request.request_class),
+                cache_salt=request.cache_salt,
+                echo=request.echo,
+            )
+            core.validate(engine_request)
+        except ValueError as exc:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        return engine_request
+
+    async def Tokenize(self, request: engine_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+                       ) -> engine_pb2.TokenizeResponse:
+        try:
+            core = self.core
+            self._check_model(request.model, context)
+            prompt = render_input(core.tokenizer, request)
+        except _Abort as exc:
+            await context.abort(exc.code, exc.message)
+            raise  # unreachable: abort raises
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise
+        return engine_pb2.TokenizeResponse(
+            token_ids=prompt.token_ids,
+            prompt=prompt.text or "",
+            count=len(prompt.token_ids),
+            max_model_len=core.max_model_len,
+        )
+
+    async def ListModels(self, request: engine_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+                         ) -> engine_pb2.ListModelsResponse:
+        try:
+            core = self.core
+        except _Abort as exc:
+            await context.abort(exc.code, exc.message)
+            raise
+        cfg = core.loaded.config
+        card = engine_pb2.ModelCard(
+            id=self.model_id, max_model_len=core.max_model_len, owned_by="ignis", created=self.created,
+            architecture=cfg.architecture, page_size=core.config.page_size,
+            dtype=str(core.loaded.model.dtype).removeprefix("torch."),
+        )
+        return engine_pb2.ListModelsResponse(models=[card])
+
+    async def GetStats(self, request: engine_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+                       ) -> engine_pb2.GetStatsResponse:
+        if self._core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        s = self._core.stats()
+        return engine_pb2.GetStatsResponse(
+            waiting=engine_pb2.ClassCounts(interactive=s.waiting_interactive, agent=s.waiting_agent),
+            running=engine_pb2.ClassCounts(interactive=s.running_interactive, agent=s.running_agent),
+            page_pool=engine_pb2.PagePoolStats(total_pages=s.total_pages, used_pages=s.used_pages,
+                                               cached_pages=s.cached_pages, page_size=s.page_size),
+            state_slots=engine_pb2.SlotStats(total=s.total_slots, used=s.used_slots),
+            counters=engine_pb2.EngineCounters(
+                requests_finished=s.requests_finished, requests_cancelled=s.requests_cancelled,
+                requests_preempted=s.requests_preempted, prompt_tokens=s.prompt_tokens,
+                generated_tokens=s.generated_tokens,
+            ),
+        )
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def create_server(service: EngineService, address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Build (not start) the server on `address` (port 0 picks a free one); returns (server, port, health)."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    engine_pb2_grpc.add_EngineServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (
+        engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind the engine to {address}")
+    return server, port, health_servicer
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, status)
