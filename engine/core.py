@@ -135,7 +135,7 @@ class EngineCore:
             raise EngineStopped("the engine is shutting down")
         self.validate(request)
         with self._lock:
-            if request.request_id in self._live or len(self._live) + len(self._inbox) >= self.config.max_queue:
+            if request.request_id in self._live or len(self._live) >= self.config.max_queue:
                 if request.request_id in self._live:
                     raise ValueError(f"request id {request.request_id!r} is already in flight")
                 raise QueueFull(f"the engine queue is full ({self.config.max_queue} requests)")
@@ -325,8 +325,9 @@ class EngineCore:
             seq.append_token(token)
             self.counters["generated_tokens"] += 1
             lp: tuple[TokenLogprob, ...] = ()
-            if seq.request.params.logprobs and out.logprobs is not None:
-                lp = (TokenLogprob(token, float(out.logprobs[i]), tuple(out.top_logprobs[i])),)
+            chosen = out.logprobs[i]
+            if seq.request.params.logprobs and chosen is not None:
+                lp = (TokenLogprob(token, chosen, tuple(out.top_logprobs[i])),)
             params = seq.request.params
             if token in self.eos_ids and not params.ignore_eos:
                 self._finish(seq, FinishReason.STOP, None, deltas, (token,), lp)

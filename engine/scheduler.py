@@ -125,7 +125,9 @@ class Scheduler:
             if seq.status is SeqStatus.RUNNING and budget > 0:
                 plan.chunks.append(ScheduledChunk(seq, 1))
                 budget -= 1
-        for seq in sorted(prefilling, key=lambda s: s.rank_key):
+        # Prefills by class, then shortest remaining first: a short prompt that arrives
+        # during a 16k-token prefill gets its first token without waiting for all of it.
+        for seq in sorted(prefilling, key=lambda s: (s.rank_key[0], s.num_pending, s.rank_key[1])):
             if budget <= 0 or seq.status is not SeqStatus.RUNNING:
                 continue
             n = min(seq.num_pending, budget)

@@ -23,3 +23,11 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no
         return made[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ignis-tiny checkpoint, generated once per test session into a scratch cache."""
+    from engine.model.tiny import ensure_tiny_checkpoint
+
+    return ensure_tiny_checkpoint(tmp_path_factory.mktemp("models"))

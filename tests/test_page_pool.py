@@ -1,0 +1,51 @@
+"""PagePool and SlotPool: exact page ids, refcounts, integrity."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.cache.page_pool import PagePool, SlotPool
+
+
+def test_allocate_release_reuses_least_recently_freed_first() -> None:
+    pool = PagePool(4)
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.allocate(2) is None  # capacity is a return value, not an exception
+    pool.release([1])
+    pool.release([0])
+    assert pool.allocate(3) == [3, 1, 0]
+    assert pool.num_free == 0
+    pool.check_integrity()
+
+
+def test_shared_pages_free_on_last_release() -> None:
+    pool = PagePool(3)
+    pages = pool.allocate(2)
+    assert pages == [0, 1]
+    pool.share([0])
+    assert pool.refcount(0) == 2
+    pool.release([0, 1])
+    assert pool.num_used == 1 and pool.refcount(0) == 1
+    pool.release([0])
+    assert pool.num_used == 0
+    pool.check_integrity()
+
+
+def test_double_free_is_a_bug() -> None:
+    pool = PagePool(2)
+    pool.allocate(1)
+    pool.release([0])
+    with pytest.raises(RuntimeError, match="this is a bug"):
+        pool.release([0])
+    with pytest.raises(RuntimeError, match="this is a bug"):
+        pool.share([1])
+
+
+def test_slots() -> None:
+    slots = SlotPool(2)
+    assert [slots.allocate(), slots.allocate(), slots.allocate()] == [0, 1, None]
+    slots.release(0)
+    assert slots.allocate() == 0
+    with pytest.raises(RuntimeError):
+        slots.release(5)
+    slots.check_integrity()
