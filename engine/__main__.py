@@ -72,6 +72,8 @@ def build_core(model_path: Path, settings: Settings) -> EngineCore:
     config = EngineConfig(
         page_size=e.page_size, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,
         step_token_budget=e.prefill_chunk_tokens, max_queue=e.max_queue, max_model_len=e.max_model_len,
+        reuse_prompt=settings.reuse.prompt, retained_device=settings.reuse.retained_device,
+        retained_interactive_ttl=settings.reuse.retained_interactive_ttl,
     )
     return EngineCore(loaded, tokenizer, config)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.outputs import RequestUpdate, TokenLogprob
-from engine.request import FinishReason, RequestClass
+from engine.request import CommitPolicy, FinishReason, RequestClass
 from engine.sampling.params import SamplingParams
 from engine.text.tokenizer import Tokenizer
 from ignis.v1 import common_pb2, engine_pb2
@@ -22,6 +22,14 @@ _KINDS = {"none": common_pb2.REUSE_KIND_NONE, "checkpoint": common_pb2.REUSE_KIN
 
 def request_class(value: int) -> RequestClass:
     return RequestClass.AGENT if value == common_pb2.REQUEST_CLASS_AGENT else RequestClass.INTERACTIVE
+
+
+def commit_policy(value: int) -> CommitPolicy:
+    if value == engine_pb2.ReusePolicy.COMMIT_PREFILL_STATE_ONLY:
+        return CommitPolicy.PREFILL_STATE_ONLY
+    if value == engine_pb2.ReusePolicy.COMMIT_INCLUDING_GENERATED_TOKENS:
+        return CommitPolicy.INCLUDING_GENERATED_TOKENS
+    raise ValueError(f"reuse.commit value {value} is not supported")
 
 
 def sampling_params(msg: engine_pb2.SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:

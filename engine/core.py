@@ -17,11 +17,15 @@ from typing import Callable
 
 import torch
 
+from engine.cache.chain_hash import BlockHash, Namespace, model_fingerprint, page_hashes
 from engine.cache.device_cache import CacheGeometry, DeviceCache, kv_bytes_per_page, state_bytes_per_slot
 from engine.cache.page_pool import PagePool, SlotPool
+from engine.cache.page_reuse import PageReuse
+from engine.cache.retained import RetainedStateReuse
+from engine.cache.reuse import NoReuse, PromptReuse
 from engine.model.loader import LoadedModel
 from engine.outputs import ChoiceDelta, EngineStats, RequestUpdate, TokenLogprob, Usage
-from engine.request import EngineRequest, FinishReason, RequestClass, Sequence, SeqStatus
+from engine.request import EngineRequest, FinishReason, RequestClass, ReuseReport, Sequence, SeqStatus
 from engine.runner import ChunkLogits, ModelRunner
 from engine.sampling.sampler import RequestSampler, sample
 from engine.scheduler import Scheduler, SchedulerLimits
@@ -49,6 +53,9 @@ class EngineConfig:
     step_token_budget: int = 2048
     max_queue: int = 256
     max_model_len: int = 0  # 0: from the model config (and the cache's capacity)
+    reuse_prompt: bool = True  # reuse.prompt
+    retained_device: int = 8  # reuse.retained_device: retained-state slots reserved at load (hybrid models)
+    retained_interactive_ttl: float = 300.0  # reuse.retained_interactive_ttl
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.kv_cache_bytes <= 0 or self.max_queue <= 0:
@@ -74,15 +81,27 @@ class EngineCore:
         dtype = loaded.model.dtype
         page_bytes = kv_bytes_per_page(model_cfg, config.page_size, dtype)
         num_pages = max(1, config.kv_cache_bytes // page_bytes) if page_bytes else 1
-        num_slots = config.max_num_seqs + 1 if model_cfg.is_hybrid else 0
+        live_slots = config.max_num_seqs + 1 if model_cfg.is_hybrid else 0
+        retained_slots = config.retained_device if model_cfg.is_hybrid and config.reuse_prompt else 0
+        num_slots = live_slots + retained_slots
         self.cache = DeviceCache(model_cfg, CacheGeometry(config.page_size, num_pages, num_slots, dtype),
                                  loaded.model.device)
         self.pages = PagePool(num_pages)
-        self.slots = SlotPool(num_slots) if model_cfg.is_hybrid else None
+        self.slots = SlotPool(live_slots) if model_cfg.is_hybrid else None
+        self.reuse: PromptReuse
+        if not config.reuse_prompt:
+            self.reuse = NoReuse()
+        elif model_cfg.is_hybrid:
+            self.reuse = RetainedStateReuse(self.cache, self.pages, live_slots, retained_slots,
+                                            config.retained_interactive_ttl)
+        else:
+            self.reuse = PageReuse(self.pages, config.page_size)
         self.scheduler = Scheduler(
             SchedulerLimits(config.page_size, config.max_num_seqs, config.step_token_budget),
-            self.pages, self.slots,
+            self.pages, self.slots, reuse=self.reuse,
         )
+        self._fingerprint = model_fingerprint(model_cfg.fingerprint_fields(), loaded.weights_digest)
+        self._seeds: dict[str, BlockHash] = {}
         self.runner = ModelRunner(loaded.model, self.cache)
         capacity = num_pages * config.page_size
         limit = config.max_model_len or model_cfg.max_position_embeddings
@@ -147,16 +166,40 @@ class EngineCore:
         self._inbox.append(("abort", request_id))
         self._wake.set()
 
+    def namespace_seed(self, cache_salt: str) -> BlockHash:
+        seed = self._seeds.get(cache_salt)
+        if seed is None:
+            dtype = str(self.loaded.model.dtype).removeprefix("torch.")
+            seed = Namespace(self._fingerprint, "", dtype, self.config.page_size, cache_salt).seed()
+            if len(self._seeds) < 4096:  # salts are per tenant; bound the memo anyway
+                self._seeds[cache_salt] = seed
+        return seed
+
+    def _page_use(self) -> tuple[int, int]:
+        """(pages held by live sequences, pages held only for reuse). Read from another
+        thread while the engine steps: a concurrent change makes us read again."""
+        for _ in range(100):
+            try:
+                live = {p for seq in list(self.scheduler.running) for p in list(seq.page_table)}
+                retained_only = self.reuse.held_pages() - live
+                return len(live), len(retained_only) + self.pages.num_cached
+            except RuntimeError:  # a dict changed size during iteration
+                continue
+        return self.pages.num_used, self.pages.num_cached
+
     def stats(self) -> EngineStats:
-        running = self.scheduler.running
+        running = list(self.scheduler.running)
+        live_pages, cached_pages = self._page_use()
+        retained_total, retained_used = self.reuse.retained_slots
+        rc = self.reuse.counters
         return EngineStats(
             waiting_interactive=len(self.scheduler.waiting[RequestClass.INTERACTIVE]),
             waiting_agent=len(self.scheduler.waiting[RequestClass.AGENT]),
             running_interactive=sum(1 for s in running if s.request.request_class is RequestClass.INTERACTIVE),
             running_agent=sum(1 for s in running if s.request.request_class is RequestClass.AGENT),
             total_pages=self.pages.num_pages,
-            used_pages=self.pages.num_used,
-            cached_pages=0,
+            used_pages=live_pages,
+            cached_pages=cached_pages,
             page_size=self.config.page_size,
             total_slots=self.slots.num_slots if self.slots else 0,
             used_slots=self.slots.num_used if self.slots else 0,
@@ -165,6 +208,13 @@ class EngineCore:
             requests_preempted=self.counters["preempted"],
             prompt_tokens=self.counters["prompt_tokens"],
             generated_tokens=self.counters["generated_tokens"],
+            retained_slots_total=retained_total,
+            retained_slots_used=retained_used,
+            retained_hits=rc.hits,
+            retained_misses=rc.misses,
+            reused_tokens_device=rc.reused_tokens["device"],
+            prefix_reused_tokens=rc.prefix_reused_tokens,
+            retained_slot_skips=rc.slot_skips,
         )
 
     @property
@@ -214,6 +264,11 @@ class EngineCore:
         base = RequestSampler(request.params, request.prompt_ids, self.loaded.model.device)
         first = self._new_seq(request, 0, base)
         first.unforked = [self._new_seq(request, i, base.fork(i)) for i in range(1, request.params.n)]
+        if not isinstance(self.reuse, NoReuse):
+            seed = self.namespace_seed(request.cache_salt)
+            hashes = page_hashes(seed, request.prompt_ids, self.config.page_size)  # once per request
+            for seq in (first, *first.unforked):
+                seq.seed, seq.page_hashes = seed, list(hashes)
         live.seqs = [first, *first.unforked]
         self.counters["prompt_tokens"] += len(request.prompt_ids)
         self.scheduler.add(first)
@@ -251,7 +306,10 @@ class EngineCore:
             seq = res.seq
             if res.prompt_logits is not None:
                 self._collect_prompt_logprobs(res)
-            seq.mark_computed(res.num_tokens)
+            if res.num_tokens:
+                seq.mark_computed(res.num_tokens)
+                self.reuse.after_compute(seq, res.next_token_logits)
+            seq.pending_logits = None
             if res.next_token_logits is None:
                 continue
             if seq.num_output == 0 and seq.request.params.max_tokens == 0:
@@ -288,6 +346,7 @@ class EngineCore:
             child.slot = slot
             self.runner.fork_state(parent, child, new_page[0] if new_page else None)
             child.num_computed = parent.num_computed
+            child.num_cached, child.reuse, child.lineage = parent.num_cached, parent.reuse, parent.lineage
             child.status = SeqStatus.RUNNING
             self.scheduler.running.append(child)
             forked.append(child)
@@ -349,6 +408,7 @@ class EngineCore:
                 lp: tuple[TokenLogprob, ...] = (), text: str = "") -> None:
         if reason is not FinishReason.STOP or not isinstance(stop, str):
             text += seq.stream.finish()  # flush text held back for a possible stop string
+        self.reuse.on_finish(seq)  # before its pages and slot are released
         seq.finish(reason, stop)
         self.scheduler.remove(seq)
         for child in seq.unforked:  # max_tokens=0: choices never forked
@@ -360,11 +420,13 @@ class EngineCore:
     def _usage(self, live: _Live) -> Usage:
         first = min((s.first_token_time for s in live.seqs if s.first_token_time), default=None)
         ttft = (first - live.request.arrival) * 1000 if first else 0.0
+        head = live.seqs[0] if live.seqs else None
         return Usage(
             prompt_tokens=len(live.request.prompt_ids),
             completion_tokens=sum(s.num_output for s in live.seqs),
-            cached_tokens=0,
+            cached_tokens=head.num_cached if head else 0,
             time_to_first_token_ms=ttft,
+            reuse=head.reuse if head else ReuseReport(),
         )
 
     def _emit(self, deltas: dict[str, list[ChoiceDelta]]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.request import FinishReason
+from engine.request import FinishReason, ReuseReport
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,13 +22,6 @@ class ChoiceDelta:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-
-
-@dataclass(frozen=True, slots=True)
-class ReuseReport:
-    tier: str = "none"  # none|device|ram|disk
-    kind: str = "none"  # none|checkpoint|prefix|pages
-    reused_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,14 +47,14 @@ class RequestUpdate:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineStats:
+class EngineStats:  # noqa: D101 - a snapshot for GetStats and /metrics
     waiting_interactive: int
     waiting_agent: int
     running_interactive: int
     running_agent: int
     total_pages: int
-    used_pages: int
-    cached_pages: int
+    used_pages: int  # held by live sequences
+    cached_pages: int  # held only so that retained state can be reused (retained states, cached free pages)
     page_size: int
     total_slots: int
     used_slots: int
@@ -70,3 +63,10 @@ class EngineStats:
     requests_preempted: int
     prompt_tokens: int
     generated_tokens: int
+    retained_slots_total: int = 0
+    retained_slots_used: int = 0
+    retained_hits: int = 0
+    retained_misses: int = 0
+    reused_tokens_device: int = 0
+    prefix_reused_tokens: int = 0
+    retained_slot_skips: int = 0

@@ -14,6 +14,7 @@ from ignis.v1 import engine_pb2
 class RenderedPrompt:
     token_ids: tuple[int, ...]
     text: str | None  # the rendered prompt, when there was text
+    head_tokens: int = 0  # length of the system+tools head, when it is a token prefix of the prompt
 
 
 def _json_field(raw: str, name: str, expect: type) -> Any:
@@ -67,10 +68,25 @@ def render_chat(tokenizer: Tokenizer, chat: engine_pb2.ChatInput) -> RenderedPro
     tools = _json_field(chat.tools_json, "tools", list)
     kwargs = _json_field(chat.chat_template_kwargs_json, "chat_template_kwargs", dict) or {}
     add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    text = tokenizer.apply_chat_template(
-        chat_messages(chat), tools=tools, add_generation_prompt=add_generation_prompt, **kwargs
-    )
-    return RenderedPrompt(tuple(tokenizer.encode(text, add_special_tokens=False)), text)
+    messages = chat_messages(chat)
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
+    ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+    return RenderedPrompt(ids, text, _head_tokens(tokenizer, messages, tools, kwargs, ids))
+
+
+def _head_tokens(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[Any] | None,
+                 kwargs: dict[str, Any], ids: tuple[int, ...]) -> int:
+    """The publish point: render the system message and tools alone; if those tokens
+    prefix the full prompt, the state there is shared by every subagent of a burst."""
+    head = [m for m in messages[:1] if m["role"] == "system"]
+    if not head and not tools:
+        return 0
+    try:
+        head_text = tokenizer.apply_chat_template(head, tools=tools, add_generation_prompt=False, **kwargs)
+    except ValueError:
+        return 0  # a template that cannot render the head alone has no publish point
+    head_ids = tokenizer.encode(head_text, add_special_tokens=False)
+    return len(head_ids) if tuple(head_ids) == ids[: len(head_ids)] else 0
 
 
 def render_input(tokenizer: Tokenizer, request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest) -> RenderedPrompt:

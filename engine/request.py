@@ -8,6 +8,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import torch
+
+from engine.cache.chain_hash import BlockHash
+
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import RequestSampler
 from engine.text.detokenizer import TextStream
@@ -31,6 +35,18 @@ class SeqStatus(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class ReuseReport:
+    tier: str = "none"  # none|device|ram|disk
+    kind: str = "none"  # none|checkpoint|prefix|pages
+    reused_tokens: int = 0
+
+
+class CommitPolicy(enum.Enum):
+    INCLUDING_GENERATED_TOKENS = "including_generated_tokens"  # prompt and reply both stay findable
+    PREFILL_STATE_ONLY = "prefill_state_only"  # only state computed from the prompt is kept
+
+
+@dataclass(frozen=True, slots=True)
 class EngineRequest:
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -38,6 +54,9 @@ class EngineRequest:
     request_class: RequestClass = RequestClass.INTERACTIVE
     cache_salt: str = ""
     echo: bool = False
+    lookup: bool = True  # False: bypass reuse entirely (no lookup, nothing published)
+    commit: CommitPolicy = CommitPolicy.INCLUDING_GENERATED_TOKENS
+    publish_point: int = 0  # end of the page-rounded system+tools head (0: none)
     arrival: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
@@ -66,6 +85,14 @@ class Sequence:
         self.first_token_time: float | None = None
         self.preemptions = 0
         self.unforked: list[Sequence] = []  # choices 1..n-1, forked from this one after its prompt
+        # Reuse state: the chain hashes of this sequence's full pages (computed once), what it claimed.
+        self.seed: bytes = b""
+        self.page_hashes: list[BlockHash] = []
+        self.num_cached = 0
+        self.reuse = ReuseReport()
+        self.num_registered = 0  # leading pages of page_table already published by hash
+        self.lineage: int | None = None  # checkpoints of one conversation share a lineage
+        self.pending_logits: torch.Tensor | None = None  # claimed with the state's next-token logits
 
     @property
     def num_output(self) -> int:
@@ -101,6 +128,8 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """After preemption: state is gone; prompt + output so far are prefilled again."""
         self.num_computed = 0
+        self.num_registered = 0
+        self.pending_logits = None
         self.page_table = []
         self.slot = None
         self.status = SeqStatus.WAITING

@@ -29,6 +29,11 @@ class ModelRunner:
         self.page_size = cache.page_size
 
     def run(self, chunks: list[ScheduledChunk]) -> list[ChunkLogits]:
+        # A sequence that claimed a state together with its next-token logits computes nothing.
+        ready = [ChunkLogits(c.seq, 0, c.seq.pending_logits, None) for c in chunks if c.num_tokens == 0]
+        chunks = [c for c in chunks if c.num_tokens > 0]
+        if not chunks:
+            return ready
         specs = []
         for item in chunks:
             seq, n = item.seq, item.num_tokens
@@ -46,7 +51,7 @@ class ModelRunner:
             )
         batch = ForwardBatch.build(specs, self.page_size, self.model.device)
         logits = self.model(batch, self.cache)  # [R, V]
-        out: list[ChunkLogits] = []
+        out: list[ChunkLogits] = ready
         row = 0
         for item, spec, count in zip(chunks, specs, batch.logits_counts):
             rows = logits[row : row + count]

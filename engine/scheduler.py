@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.cache.page_pool import PagePool, SlotPool
+from engine.cache.reuse import Claim, NoReuse, PromptReuse
 from engine.request import RequestClass, Sequence, SeqStatus
 
 
@@ -45,10 +46,11 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, pages: PagePool, slots: SlotPool | None,
-                 on_release: Callable[[Sequence], None] | None = None) -> None:
+                 on_release: Callable[[Sequence], None] | None = None, reuse: PromptReuse | None = None) -> None:
         self.limits = limits
         self.pages = pages
         self.slots = slots
+        self.reuse = reuse or NoReuse()
         self.waiting: dict[RequestClass, deque[Sequence]] = {c: deque() for c in RequestClass}
         self.running: list[Sequence] = []
         self._on_release = on_release
@@ -89,6 +91,8 @@ class Scheduler:
         need = seq.pages_needed(total_tokens, self.limits.page_size)
         if need == 0:
             return True
+        if not self.pages.can_allocate(need):
+            self.reuse.reclaim(need)  # retained state is a cache: live work comes first
         got = self.pages.allocate(need)
         if got is None:
             return False
@@ -116,6 +120,9 @@ class Scheduler:
         for seq in sorted(decoding, key=lambda s: s.rank_key):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if seq.num_pending == 0:  # claimed a state with its next-token logits: nothing to compute
+                plan.chunks.append(ScheduledChunk(seq, 0))
+                continue
             while not self._grow(seq, seq.num_computed + 1):
                 victim = self._lowest_running()
                 assert victim is not None
@@ -131,6 +138,9 @@ class Scheduler:
             if budget <= 0 or seq.status is not SeqStatus.RUNNING:
                 continue
             n = min(seq.num_pending, budget)
+            cut = self.reuse.cut_point(seq)
+            if cut is not None:
+                n = min(n, cut - seq.num_computed)  # end the chunk where state is captured
             if not self._grow(seq, seq.num_computed + n):
                 continue  # pages were reserved at admission; only a fork's growth can get here
             plan.chunks.append(ScheduledChunk(seq, n))
@@ -143,27 +153,46 @@ class Scheduler:
             queue = self.waiting[cls]
             while queue:
                 seq = queue[0]
-                if not self._fits(seq) and not self._make_room_for(seq, plan):
-                    return  # keep order: nothing behind the head jumps it
+                claim = self.reuse.match(seq)
+                if not self._fits(seq, claim):
+                    # Reclaiming or preempting may drop what the claim matched: match again after each.
+                    self.reuse.reclaim(self._pages_for(seq, claim))
+                    claim = self.reuse.match(seq)
+                    if not self._fits(seq, claim):
+                        if not self._make_room_for(seq, claim, plan):
+                            return  # keep order: nothing behind the head jumps it
+                        claim = self.reuse.match(seq)
+                        if not self._fits(seq, claim):
+                            return
                 queue.popleft()
-                slot = self.slots.allocate() if self.slots is not None else None
+                seq.slot = self.slots.allocate() if self.slots is not None else None
+                if claim is not None:
+                    self.reuse.apply(seq, claim)
+                if seq.preemptions == 0:
+                    self.reuse.record(seq, claim)
                 got = self.pages.allocate(seq.pages_needed(len(seq.token_ids), self.limits.page_size))
-                assert got is not None
+                assert got is not None, "admitted without its pages: this is a bug"
                 seq.page_table.extend(got)
-                seq.slot = slot
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
 
-    def _fits(self, seq: Sequence) -> bool:
+    def _pages_for(self, seq: Sequence, claim: Claim | None) -> int:
+        """Free pages admitting `seq` takes: its whole prompt, less the full pages a claim shares."""
+        total = -(-len(seq.token_ids) // self.limits.page_size)
+        if claim is None:
+            return total
+        return total - claim.num_tokens // self.limits.page_size + claim.revived_free_pages
+
+    def _fits(self, seq: Sequence, claim: Claim | None) -> bool:
         if len(self.running) >= self.limits.max_num_seqs:
             return False
         if self.slots is not None and self.slots.num_free == 0:
             return False
-        return self.pages.can_allocate(seq.pages_needed(len(seq.token_ids), self.limits.page_size))
+        return self.pages.can_allocate(self._pages_for(seq, claim))
 
-    def _make_room_for(self, seq: Sequence, plan: StepPlan) -> bool:
+    def _make_room_for(self, seq: Sequence, claim: Claim | None, plan: StepPlan) -> bool:
         """Preempt running sequences ranked below `seq` (agent work for interactive) until it fits."""
-        while not self._fits(seq):
+        while not self._fits(seq, claim):
             victim = self._lowest_running()
             if victim is None or victim.rank_key[0] <= seq.rank_key[0]:
                 return False
@@ -172,9 +201,11 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.pages.check_integrity()
+        self.reuse.check_integrity()
         if self.slots is not None:
             self.slots.check_integrity()
-        held = sum(len(s.page_table) for s in self.running)
-        if held < self.pages.num_used:
-            # Forks share pages, so held >= used; fewer means a page leaked.
-            raise AssertionError(f"{self.pages.num_used} pages used but running sequences hold {held}")
+        held = {p for s in self.running for p in s.page_table}
+        held |= self.reuse.held_pages()
+        if len(held) != self.pages.num_used:
+            # Every page in use is held by a running sequence or a retained state; otherwise it leaked.
+            raise AssertionError(f"{self.pages.num_used} pages used but {len(held)} are held")

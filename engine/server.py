@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.api_convert import request_class, sampling_params, update_messages
+from engine.api_convert import commit_policy, request_class, sampling_params, update_messages
 from engine.core import EngineCore, EngineStopped, QueueFull
 from engine.outputs import RequestUpdate
 from engine.prompt import render_input
@@ -104,6 +104,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 request_class=request_class(request.request_class),
                 cache_salt=request.cache_salt,
                 echo=request.echo,
+                lookup=request.reuse.lookup != engine_pb2.ReusePolicy.LOOKUP_BYPASS,
+                commit=commit_policy(request.reuse.commit),
+                publish_point=prompt.head_tokens // core.config.page_size * core.config.page_size,
             )
             core.validate(engine_request)
         except ValueError as exc:
@@ -155,10 +158,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             page_pool=engine_pb2.PagePoolStats(total_pages=s.total_pages, used_pages=s.used_pages,
                                                cached_pages=s.cached_pages, page_size=s.page_size),
             state_slots=engine_pb2.SlotStats(total=s.total_slots, used=s.used_slots),
+            retained_device_slots=engine_pb2.SlotStats(total=s.retained_slots_total, used=s.retained_slots_used),
             counters=engine_pb2.EngineCounters(
                 requests_finished=s.requests_finished, requests_cancelled=s.requests_cancelled,
                 requests_preempted=s.requests_preempted, prompt_tokens=s.prompt_tokens,
-                generated_tokens=s.generated_tokens,
+                generated_tokens=s.generated_tokens, retained_state_hits=s.retained_hits,
+                retained_state_misses=s.retained_misses, reused_tokens=s.reused_tokens_device,
+                retained_slot_skips=s.retained_slot_skips,
             ),
         )
 

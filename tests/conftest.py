@@ -31,3 +31,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.model.tiny import ensure_tiny_checkpoint
 
     return ensure_tiny_checkpoint(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def dense_chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A dense (Qwen3-layout) random checkpoint that carries the ignis-tiny tokenizer and chat template."""
+    from engine.text.tiny_tokenizer import TINY_VOCAB_SIZE, write_tiny_tokenizer
+
+    path = make_checkpoint(tmp_path_factory.mktemp("dense_chat"), "Qwen3ForCausalLM", seed=5,
+                           vocab_size=TINY_VOCAB_SIZE, hidden_size=128, num_hidden_layers=4)
+    write_tiny_tokenizer(path)
+    return path

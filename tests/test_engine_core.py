@@ -83,7 +83,7 @@ def test_preemption_under_page_pressure_keeps_outputs_exact(tiny: tuple[LoadedMo
         assert out.tokens(f"r{i}") == greedy_generate(tiny[0], list(p), 60).token_ids
         assert out.updates[f"r{i}"][-1].usage is not None
     core.check_integrity()
-    assert core.pages.num_used == 0 and core.slots is not None and core.slots.num_used == 0
+    assert core.stats().used_pages == 0 and core.slots is not None and core.slots.num_used == 0
 
 
 def test_interactive_preempts_agent_work(tiny: tuple[LoadedModel, Tokenizer]) -> None:
@@ -117,7 +117,7 @@ def test_n_forks_share_prompt_pages(tiny: tuple[LoadedModel, Tokenizer]) -> None
     assert sorted(d.choice for d in finals) == [0, 1, 2]
     assert all(d.finish_reason is FinishReason.LENGTH for d in finals)
     core.check_integrity()
-    assert core.pages.num_used == 0
+    assert core.stats().used_pages == 0
 
 
 def test_echo_prompt_logprobs_and_max_tokens_zero(tiny: tuple[LoadedModel, Tokenizer]) -> None:

@@ -49,3 +49,25 @@ def test_slots() -> None:
     with pytest.raises(RuntimeError):
         slots.release(5)
     slots.check_integrity()
+
+
+def test_cached_pages_are_revived_not_reallocated() -> None:
+    pool = PagePool(3)
+    h = b"h" * 16
+    [a] = pool.allocate(1)  # type: ignore[misc]
+    pool.register(a, h)  # type: ignore[arg-type]
+    pool.release([a])
+    assert pool.num_free == 3 and pool.num_cached == 1
+    assert pool.lookup(h) == a  # type: ignore[arg-type]
+    pool.revive(a)
+    assert pool.refcount(a) == 1 and pool.num_free == 2 and pool.num_cached == 0
+    pool.revive(a)  # a second claimant shares it
+    assert pool.refcount(a) == 2
+    pool.release([a, a])
+    pool.check_integrity()
+    # Fresh allocation takes the least recently freed pages; the cached page goes last and loses its name.
+    assert pool.allocate(2) == [1, 2]
+    assert pool.lookup(h) == a  # type: ignore[arg-type]
+    assert pool.allocate(1) == [a]
+    assert pool.lookup(h) is None  # type: ignore[arg-type]
+    pool.check_integrity()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from engine.cache.chain_hash import BlockHash
+
 
 class PagePool:
     def __init__(self, num_pages: int) -> None:
@@ -18,10 +20,20 @@ class PagePool:
         self.num_pages = num_pages
         self._refcount = [0] * num_pages
         self._free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages))
+        # Content-addressed pages: a full page whose KV is known to be the state of its
+        # hash chain. Stays findable while free, until allocate() hands it out fresh.
+        self._hash_of: dict[int, BlockHash] = {}
+        self._page_of: dict[BlockHash, int] = {}
+        self._num_cached_free = 0
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Free pages that still hold findable content."""
+        return self._num_cached_free
 
     @property
     def num_used(self) -> int:
@@ -40,9 +52,41 @@ class PagePool:
         pages = []
         for _ in range(n):
             page, _ = self._free.popitem(last=False)
+            self._forget(page)  # a fresh page: its old content is no longer findable
             self._refcount[page] = 1
             pages.append(page)
         return pages
+
+    # --- content addressing -------------------------------------------------------
+    def register(self, page: int, page_hash: BlockHash) -> None:
+        """Record that `page` (in use, full) holds the state named `page_hash`."""
+        if self._refcount[page] <= 0:
+            raise RuntimeError(f"register of free page {page}: this is a bug")
+        if page_hash in self._page_of or page in self._hash_of:
+            return  # first writer wins; an identical page elsewhere stays private
+        self._hash_of[page] = page_hash
+        self._page_of[page_hash] = page
+
+    def lookup(self, page_hash: BlockHash) -> int | None:
+        return self._page_of.get(page_hash)
+
+    def is_free(self, page: int) -> bool:
+        return self._refcount[page] == 0
+
+    def revive(self, page: int) -> None:
+        """Take a reference to a cached page (in use or free): reuse, not a fresh allocation."""
+        if page not in self._hash_of:
+            raise RuntimeError(f"revive of page {page} with no content: this is a bug")
+        if self._refcount[page] == 0:
+            del self._free[page]
+            self._num_cached_free -= 1
+        self._refcount[page] += 1
+
+    def _forget(self, page: int) -> None:
+        page_hash = self._hash_of.pop(page, None)
+        if page_hash is not None:
+            del self._page_of[page_hash]
+            self._num_cached_free -= 1
 
     def share(self, pages: list[int]) -> None:
         """Take another reference to pages already in use (a fork)."""
@@ -59,6 +103,8 @@ class PagePool:
             self._refcount[page] = count - 1
             if count == 1:
                 self._free[page] = None
+                if page in self._hash_of:
+                    self._num_cached_free += 1
 
     def check_integrity(self) -> None:
         in_use = sum(1 for c in self._refcount if c > 0)
@@ -69,6 +115,11 @@ class PagePool:
                 raise AssertionError(f"free page {page} has refcount {self._refcount[page]}")
         if any(c < 0 for c in self._refcount):
             raise AssertionError("negative refcount")
+        if len(self._hash_of) != len(self._page_of):
+            raise AssertionError("page hash index is not a bijection")
+        cached_free = sum(1 for p in self._free if p in self._hash_of)
+        if cached_free != self._num_cached_free:
+            raise AssertionError(f"cached free pages {cached_free} != counter {self._num_cached_free}")
 
 
 class SlotPool:

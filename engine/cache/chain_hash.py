@@ -1,0 +1,82 @@
+"""The reuse key: a hash chain over tokens, 16-byte xxh3-128 at every page boundary.
+
+    h0  = xxh3_128(namespace)
+    h_i = xxh3_128(h_{i-1} || tokens of page i as little-endian uint32 || media digests)
+    a state ending at n is named h_{n/P} when n is page-aligned, else xxh3_128(h_{n//P} || tail tokens)
+
+The namespace covers everything that makes state incompatible: model identity,
+adapter, KV dtype, page size, and the tenant's cache_salt.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import NewType, Sequence
+
+import numpy as np
+import xxhash
+
+BlockHash = NewType("BlockHash", bytes)  # always 16 bytes; never an int, never hex except in logs
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    model_fingerprint: bytes
+    adapter: str
+    kv_dtype: str
+    page_size: int
+    cache_salt: str = ""
+
+    def seed(self) -> BlockHash:
+        payload = json.dumps(
+            [self.model_fingerprint.hex(), self.adapter, self.kv_dtype, self.page_size, self.cache_salt]
+        ).encode()
+        return BlockHash(xxhash.xxh3_128_digest(payload))
+
+
+def model_fingerprint(config_fields: dict[str, object], weights_digest: bytes) -> bytes:
+    payload = json.dumps(config_fields, sort_keys=True, default=str).encode() + weights_digest
+    return xxhash.xxh3_128_digest(payload)
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    # Explicit little-endian uint32: never numpy's platform default integer.
+    return np.asarray(tokens, dtype="<u4").tobytes()
+
+
+def chain(parent: BlockHash, page_tokens: bytes, media: bytes = b"") -> BlockHash:
+    return BlockHash(xxhash.xxh3_128_digest(parent + page_tokens + media))
+
+
+def page_hashes(seed: BlockHash, tokens: Sequence[int], page_size: int, start: int = 0,
+                parent: BlockHash | None = None) -> list[BlockHash]:
+    """Hashes of the full pages of `tokens` from page index `start` on (parent = hash before it)."""
+    raw = token_bytes(tokens)
+    width = 4 * page_size
+    h = seed if parent is None else parent
+    out = []
+    for i in range(start, len(tokens) // page_size):
+        h = chain(h, raw[i * width : (i + 1) * width])
+        out.append(h)
+    return out
+
+
+def extend_page_hashes(seed: BlockHash, hashes: list[BlockHash], tokens: Sequence[int], num_tokens: int,
+                       page_size: int) -> None:
+    """Grow `hashes` in place to cover the full pages of tokens[:num_tokens] (generated tokens)."""
+    full = num_tokens // page_size
+    have = len(hashes)
+    if full > have:
+        hashes.extend(page_hashes(seed, tokens[: full * page_size], page_size, start=have,
+                                  parent=hashes[-1] if have else None))
+
+
+def state_name(seed: BlockHash, hashes: Sequence[BlockHash], tokens: Sequence[int], n: int,
+               page_size: int) -> BlockHash:
+    """The name of the state after the first n tokens, given the page hashes of `tokens`."""
+    full = n // page_size
+    base = seed if full == 0 else hashes[full - 1]
+    if n % page_size == 0:
+        return base
+    return BlockHash(xxhash.xxh3_128_digest(base + token_bytes(tokens[full * page_size : n])))

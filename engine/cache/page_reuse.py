@@ -1,0 +1,58 @@
+"""Page-level prefix sharing for attention-only models (vLLM-style).
+
+Every full computed page is registered under its chain hash; a new sequence maps
+the longest run of registered pages that prefixes its prompt and prefills only
+the rest. At least one token is always computed, so the claim stops one token
+short of the prompt's end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache.chain_hash import extend_page_hashes
+from engine.cache.page_pool import PagePool
+from engine.cache.reuse import Claim, PromptReuse
+from engine.request import CommitPolicy, Sequence
+
+
+class PageReuse(PromptReuse):
+    def __init__(self, pages: PagePool, page_size: int) -> None:
+        super().__init__()
+        self.pages = pages
+        self.page_size = page_size
+
+    def match(self, seq: Sequence) -> Claim | None:
+        if not seq.request.lookup:
+            return None
+        limit = (len(seq.token_ids) - 1) // self.page_size
+        matched: list[int] = []
+        for page_hash in seq.page_hashes[:limit]:
+            page = self.pages.lookup(page_hash)
+            if page is None:
+                break
+            matched.append(page)
+        if not matched:
+            return None
+        from_free = sum(1 for p in matched if self.pages.is_free(p))
+        return Claim(len(matched) * self.page_size, "pages", from_free, tuple(matched))
+
+    def apply(self, seq: Sequence, claim: Claim) -> None:
+        pages = list(claim.handle)  # type: ignore[call-overload]
+        for page in pages:
+            self.pages.revive(page)
+        seq.page_table = pages
+        seq.num_computed = claim.num_tokens
+        seq.num_registered = len(pages)  # revived pages are already published
+
+    def after_compute(self, seq: Sequence, next_logits: torch.Tensor | None) -> None:
+        if not seq.request.lookup:
+            return  # bypass publishes nothing
+        limit = seq.num_computed
+        if seq.request.commit is CommitPolicy.PREFILL_STATE_ONLY:
+            limit = min(limit, seq.num_prompt)
+        full = limit // self.page_size
+        extend_page_hashes(seq.seed, seq.page_hashes, seq.token_ids, limit, self.page_size)  # type: ignore[arg-type]
+        for i in range(seq.num_registered, min(full, len(seq.page_table))):
+            self.pages.register(seq.page_table[i], seq.page_hashes[i])
+        seq.num_registered = max(seq.num_registered, min(full, len(seq.page_table)))

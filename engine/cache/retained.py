@@ -1,0 +1,232 @@
+"""Retained states for models with recurrent layers: prompt checkpoints and retained prefixes.
+
+A retained state is the whole sequence state at one position: the recurrent
+state and conv taps (a copy in a slot reserved at load), and the KV pages up to
+that position (full pages shared by reference, a partial last page copied).
+It is immutable: a claim copies it into the claimant's own slot and pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.cache.chain_hash import BlockHash, extend_page_hashes, state_name
+from engine.cache.device_cache import DeviceCache
+from engine.cache.eviction import eviction_key
+from engine.cache.page_pool import PagePool
+from engine.cache.reuse import Claim, PromptReuse
+from engine.request import CommitPolicy, RequestClass, Sequence
+
+
+@dataclass(eq=False)
+class RetainedState:
+    name: BlockHash
+    anchor: BlockHash  # hash of the last full page at or before the end (the index key)
+    num_tokens: int
+    kind: str  # checkpoint | prefix
+    slot: int
+    pages: list[int]
+    request_class: RequestClass
+    lineage: int | None
+    logits: torch.Tensor | None  # next-token logits at the end (opener checkpoints): a retry prefills nothing
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class RetainedStateReuse(PromptReuse):
+    def __init__(self, cache: DeviceCache, pages: PagePool, first_slot: int, num_slots: int,
+                 interactive_ttl: float, max_per_lineage: int = 2) -> None:
+        super().__init__()
+        self.cache = cache
+        self.pages = pages
+        self.page_size = cache.page_size
+        self.ttl = interactive_ttl
+        self.max_per_lineage = max_per_lineage
+        self._free_slots = deque(range(first_slot, first_slot + num_slots))
+        self.num_slots = num_slots
+        self._by_name: dict[BlockHash, RetainedState] = {}
+        self._by_anchor: dict[BlockHash, list[RetainedState]] = {}
+        self._lineages: dict[int, deque[RetainedState]] = {}
+        self._lineage_ids = itertools.count(1)
+
+    # --- lookup -------------------------------------------------------------
+    def match(self, seq: Sequence) -> Claim | None:
+        if not seq.request.lookup or not self._by_name:
+            return None
+        tokens = seq.token_ids
+        n = len(tokens)
+        # Longest first: walk page boundaries from the end; states anchored at boundary i end in [iP, (i+1)P).
+        for i in range(min(len(seq.page_hashes), n // self.page_size), -1, -1):
+            anchor = seq.page_hashes[i - 1] if i else seq.seed
+            best: RetainedState | None = None
+            for state in self._by_anchor.get(anchor, ()):  # type: ignore[call-overload]
+                m = state.num_tokens
+                usable = m < n or (m == n and state.logits is not None)
+                if usable and (best is None or m > best.num_tokens) and \
+                        state.name == state_name(seq.seed, seq.page_hashes, tokens, m, self.page_size):  # type: ignore[arg-type]
+                    best = state
+            if best is not None:
+                return Claim(best.num_tokens, best.kind, 0, best)
+        return None
+
+    def apply(self, seq: Sequence, claim: Claim) -> None:
+        state = claim.handle
+        assert isinstance(state, RetainedState) and seq.slot is not None
+        full = state.num_tokens // self.page_size
+        shared = state.pages[:full]
+        self.pages.share(shared)
+        table = list(shared)
+        if state.num_tokens % self.page_size:
+            got = self.pages.allocate(1)
+            if got is None:
+                raise RuntimeError("claim admitted without its private page: this is a bug")
+            self.cache.kv[got[0]].copy_(self.cache.kv[state.pages[full]])
+            table.append(got[0])
+        self.cache.copy_slot(state.slot, seq.slot)
+        seq.page_table = table
+        seq.num_computed = state.num_tokens
+        if state.num_tokens == len(seq.token_ids):
+            seq.pending_logits = state.logits
+        if state.kind == "checkpoint":
+            seq.lineage = state.lineage
+        state.last_used = time.monotonic()
+
+    # --- capture ------------------------------------------------------------
+    def cut_point(self, seq: Sequence) -> int | None:
+        if not seq.request.lookup:
+            return None
+        cuts = [p for p in (seq.request.publish_point, seq.num_prompt) if seq.num_computed < p < len(seq.token_ids)]
+        return min(cuts, default=None)
+
+    def after_compute(self, seq: Sequence, next_logits: torch.Tensor | None) -> None:
+        if not seq.request.lookup:
+            return
+        m = seq.num_computed
+        if m == seq.request.publish_point and 0 < m < seq.num_prompt:
+            self._capture(seq, m, "prefix", None)
+        elif m == seq.num_prompt and seq.num_output == 0:
+            self._capture(seq, m, "checkpoint", next_logits)
+
+    def on_finish(self, seq: Sequence) -> None:
+        if seq.request.lookup and seq.request.commit is CommitPolicy.INCLUDING_GENERATED_TOKENS \
+                and seq.num_computed > seq.num_prompt:
+            self._capture(seq, seq.num_computed, "checkpoint", None)
+
+    def _capture(self, seq: Sequence, m: int, kind: str, logits: torch.Tensor | None) -> None:
+        extend_page_hashes(seq.seed, seq.page_hashes, seq.token_ids, m, self.page_size)  # type: ignore[arg-type]
+        name = state_name(seq.seed, seq.page_hashes, seq.token_ids, m, self.page_size)  # type: ignore[arg-type]
+        existing = self._by_name.get(name)
+        if existing is not None:  # a retry or a burst mate: the state is already retained
+            existing.last_used = time.monotonic()
+            if existing.logits is None and logits is not None:
+                existing.logits = logits.clone()
+            return
+        if seq.slot is None:
+            return
+        now = time.monotonic()
+        if not self._free_slots and not self._evict_for(seq.request.request_class, now):
+            self.counters.slot_skips += 1  # never allocated on the fly
+            return
+        full = m // self.page_size
+        private: list[int] = []
+        if m % self.page_size:
+            got = self.pages.allocate(1)
+            if got is None:
+                self.counters.slot_skips += 1
+                return
+            private = got
+            self.cache.kv[got[0]].copy_(self.cache.kv[seq.page_table[full]])
+        shared = seq.page_table[:full]
+        self.pages.share(shared)
+        slot = self._free_slots.popleft()
+        self.cache.copy_slot(seq.slot, slot)
+        lineage = None
+        if kind == "checkpoint":
+            if seq.lineage is None:
+                seq.lineage = next(self._lineage_ids)
+            lineage = seq.lineage
+        page_hash_index = full  # anchor: hash after `full` pages
+        if len(seq.page_hashes) < full:
+            raise RuntimeError("page hashes shorter than the computed state: this is a bug")
+        anchor = seq.page_hashes[page_hash_index - 1] if page_hash_index else seq.seed
+        state = RetainedState(
+            name=name, anchor=anchor, num_tokens=m, kind=kind, slot=slot, pages=shared + private,  # type: ignore[arg-type]
+            request_class=seq.request.request_class, lineage=lineage,
+            logits=None if logits is None else logits.clone(), last_used=now,
+        )
+        self._by_name[name] = state
+        self._by_anchor.setdefault(anchor, []).append(state)  # type: ignore[arg-type]
+        self.counters.captures += 1
+        if lineage is not None:
+            chain = self._lineages.setdefault(lineage, deque())
+            chain.append(state)
+            while len(chain) > self.max_per_lineage:  # a conversation keeps its newest two
+                self._drop(chain.popleft())
+
+    # --- eviction -------------------------------------------------------------
+    def _key(self, state: RetainedState, now: float) -> tuple[int, int, float]:
+        return eviction_key(state.request_class, state.last_used, now, self.ttl)
+
+    def _evict_for(self, request_class: RequestClass, now: float) -> bool:
+        """Make a slot free for a new capture by evicting a state ranked below it."""
+        newcomer = eviction_key(request_class, now, now, self.ttl)
+        victim = min(self._by_name.values(), key=lambda s: self._key(s, now), default=None)
+        if victim is None or self._key(victim, now) >= newcomer:
+            return False
+        self._drop(victim)
+        self.counters.evictions += 1
+        return True
+
+    def reclaim(self, pages_needed: int) -> bool:
+        now = time.monotonic()
+        while self.pages.num_free < pages_needed and self._by_name:
+            victim = min(self._by_name.values(), key=lambda s: self._key(s, now))
+            self._drop(victim)
+            self.counters.evictions += 1
+        return self.pages.num_free >= pages_needed
+
+    def _drop(self, state: RetainedState) -> None:
+        if self._by_name.pop(state.name, None) is None:
+            return
+        group = self._by_anchor[state.anchor]
+        group.remove(state)
+        if not group:
+            del self._by_anchor[state.anchor]
+        if state.lineage is not None:
+            chain = self._lineages.get(state.lineage)
+            if chain is not None and state in chain:
+                chain.remove(state)
+                if not chain:
+                    del self._lineages[state.lineage]
+        self.pages.release(state.pages)
+        self._free_slots.append(state.slot)
+
+    # --- introspection ------------------------------------------------------------
+    @property
+    def states(self) -> list[RetainedState]:
+        return list(self._by_name.values())
+
+    def held_pages(self) -> set[int]:
+        return {p for s in self._by_name.values() for p in s.pages}
+
+    @property
+    def retained_slots(self) -> tuple[int, int]:
+        return (self.num_slots, self.num_slots - len(self._free_slots))
+
+    def check_integrity(self) -> None:
+        used = {s.slot for s in self._by_name.values()}
+        if len(used) != len(self._by_name) or used & set(self._free_slots):
+            raise AssertionError("retained slots are double-booked")
+        if len(used) + len(self._free_slots) != self.num_slots:
+            raise AssertionError("retained slots leaked")
+        indexed = sum(len(v) for v in self._by_anchor.values())
+        if indexed != len(self._by_name):
+            raise AssertionError("anchor index out of step with the name index")
+        for state in self._by_name.values():
+            for page in state.pages:
+                if self.pages.refcount(page) <= 0:
+                    raise AssertionError(f"retained state holds free page {page}")

@@ -1,0 +1,100 @@
+"""Calling an engine's Generate: engine choice with failover, error mapping, cancellation.
+
+`generate` is an async generator over one request's GenerateResponse
+messages. Before the first message arrives, an engine that answers
+UNAVAILABLE is marked down and the next candidate is tried (nothing was
+produced, so the retry is invisible); after it, errors are the client's to
+see. Closing the generator (the client went away) cancels the gRPC call, and
+the engine then frees the sequence. Use it under `contextlib.aclosing`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
+
+import grpc
+
+from gateway.engines import EnginePool
+from gateway.errors import from_grpc, unavailable
+from gateway.tracing import grpc_metadata
+from ignis.v1 import engine_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class CallSpec:
+    """How errors of one endpoint are named, and the call's deadline."""
+
+    prompt_param: str  # "messages", "prompt" or "input"
+    max_tokens_param: str
+    timeout: float | None = None
+
+
+async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest, key: bytes, spec: CallSpec
+                   ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+    reasons: list[str] = []
+    for engine in pool.candidates(request.model, key):
+        call = engine.stub.Generate(request, timeout=spec.timeout, metadata=grpc_metadata())
+        started = False
+        try:
+            async for msg in call:
+                started = True
+                yield msg
+            return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and not started:
+                pool.mark_down(engine, exc.details() or "unavailable")
+                reasons.append(f"{engine.address}: {exc.details()}")
+                continue
+            raise from_grpc(exc, prompt_param=spec.prompt_param, max_tokens_param=spec.max_tokens_param) from None
+        finally:
+            call.cancel()  # no-op when the call already ended; frees the engine's work when it did not
+    raise unavailable("no engine is available" + (f" ({'; '.join(reasons)})" if reasons else ""))
+
+
+async def collect(stream: AsyncIterator[engine_pb2.GenerateResponse]) -> list[engine_pb2.GenerateResponse]:
+    async with contextlib.aclosing(stream):  # type: ignore[type-var]
+        return [msg async for msg in stream]
+
+
+async def merge(streams: Sequence[AsyncIterator[engine_pb2.GenerateResponse]]
+                ) -> AsyncIterator[tuple[int, engine_pb2.GenerateResponse]]:
+    """Interleave several calls (one per prompt) as (stream index, message), in arrival order.
+
+    The first error ends the merge; closing it closes (cancels) every call.
+    """
+    if len(streams) == 1:  # the common case, without the tasks
+        async with contextlib.aclosing(streams[0]):  # type: ignore[type-var]
+            async for msg in streams[0]:
+                yield 0, msg
+        return
+    queue: asyncio.Queue[tuple[int, engine_pb2.GenerateResponse | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[engine_pb2.GenerateResponse]) -> None:
+        try:
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                async for msg in stream:
+                    await queue.put((i, msg, None))
+            await queue.put((i, None, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            await queue.put((i, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, msg, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if msg is None:
+                remaining -= 1
+            else:
+                yield i, msg
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,50 @@
+"""The chain hash against hand-computed values."""
+
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+from engine.cache.chain_hash import Namespace, page_hashes, state_name
+
+
+def test_page_hashes_chain_by_hand() -> None:
+    seed = Namespace(b"\x01" * 16, "", "float32", 4).seed()
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    h1 = xxhash.xxh3_128_digest(seed + struct.pack("<4I", 1, 2, 3, 4))
+    h2 = xxhash.xxh3_128_digest(h1 + struct.pack("<4I", 5, 6, 7, 8))
+    hashes = page_hashes(seed, tokens, 4)
+    assert hashes == [h1, h2]
+    assert all(isinstance(h, bytes) and len(h) == 16 for h in hashes)
+    # Aligned state names are page hashes; a tail is hashed onto the last full page.
+    assert state_name(seed, hashes, tokens, 8, 4) == h2
+    assert state_name(seed, hashes, tokens, 10, 4) == xxhash.xxh3_128_digest(h2 + struct.pack("<2I", 9, 10))
+    assert state_name(seed, hashes, tokens, 2, 4) == xxhash.xxh3_128_digest(seed + struct.pack("<2I", 1, 2))
+    assert state_name(seed, hashes, tokens, 0, 4) == seed
+
+
+def test_incremental_hashing_continues_the_chain() -> None:
+    seed = Namespace(b"\x02" * 16, "", "float32", 2).seed()
+    tokens = list(range(100, 120))
+    whole = page_hashes(seed, tokens, 2)
+    head = page_hashes(seed, tokens[:8], 2)
+    rest = page_hashes(seed, tokens, 2, start=4, parent=head[-1])
+    assert head + rest == whole
+
+
+def test_namespace_separates_salts_and_geometry() -> None:
+    base = Namespace(b"\x03" * 16, "", "float32", 16)
+    seeds = {base.seed(), Namespace(b"\x03" * 16, "", "float32", 16, "tenant-a").seed(),
+             Namespace(b"\x03" * 16, "", "bfloat16", 16).seed(), Namespace(b"\x03" * 16, "", "float32", 32).seed(),
+             Namespace(b"\x04" * 16, "", "float32", 16).seed()}
+    assert len(seeds) == 5
+    tokens = list(range(32))
+    assert page_hashes(base.seed(), tokens, 16) != page_hashes(Namespace(b"\x03" * 16, "", "float32", 16, "x").seed(),
+                                                               tokens, 16)
+
+
+def test_token_encoding_is_uint32_little_endian() -> None:
+    seed = Namespace(b"\x05" * 16, "", "float32", 1).seed()
+    big = 70000  # does not fit 16 bits: the encoding must not truncate
+    assert page_hashes(seed, [big], 1) == [xxhash.xxh3_128_digest(seed + struct.pack("<I", big))]
