@@ -1,0 +1,255 @@
+"""Reused state against a cold prefill of the same tokens, on a dense and a hybrid model.
+
+Each scenario runs twice on the same checkpoint: once with reuse on, once with
+reuse off (the oracle). Greedy tokens must be identical, the chosen tokens'
+logprobs within 1e-5, and cached_tokens exactly what was reused.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from engine.core import EngineConfig, EngineCore
+from engine.model.loader import LoadedModel, load_model
+from engine.outputs import RequestUpdate
+from engine.prompt import render_chat
+from engine.request import CommitPolicy, EngineRequest, RequestClass
+from engine.sampling.params import SamplingParams
+from engine.text.tokenizer import Tokenizer
+from ignis.v1 import engine_pb2
+
+P = 16
+SYSTEM = "You are a careful agent. Follow the plan, call tools when needed, and report back. " * 3
+TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "description": f"does thing {i} " * 4,
+                                           "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+         for i in range(3)]
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    logprobs: list[float]
+    cached: int
+    kind: str
+    text: str
+
+
+class Harness:
+    """One EngineCore driven synchronously from the test thread."""
+
+    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, reuse: bool, retained_device: int = 8) -> None:
+        self.tokenizer = tokenizer
+        self.core = EngineCore(loaded, tokenizer, EngineConfig(page_size=P, kv_cache_bytes=64 << 20, max_num_seqs=8,
+                                                               reuse_prompt=reuse, retained_device=retained_device))
+        self.core.start()
+        self.n = 0
+
+    def close(self) -> None:
+        self.core.stop()
+
+    def request(self, messages: list[dict[str, object]], max_tokens: int = 6, tools: list[object] | None = None,
+                **kw: object) -> EngineRequest:
+        chat = engine_pb2.ChatInput(tools_json=json.dumps(tools) if tools else "")
+        for m in messages:
+            chat.messages.add(role=str(m["role"]), content=str(m["content"]))
+        rendered = render_chat(self.tokenizer, chat)
+        self.n += 1
+        params = dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=True)
+        params.update({k: v for k, v in kw.items() if k in ("temperature", "seed", "n")})
+        return EngineRequest(
+            f"r{self.n}", rendered.token_ids, SamplingParams(**params),  # type: ignore[arg-type]
+            request_class=kw.get("cls", RequestClass.INTERACTIVE),  # type: ignore[arg-type]
+            cache_salt=str(kw.get("salt", "")), lookup=bool(kw.get("lookup", True)),
+            commit=kw.get("commit", CommitPolicy.INCLUDING_GENERATED_TOKENS),  # type: ignore[arg-type]
+            publish_point=rendered.head_tokens // P * P,
+        )
+
+    def run(self, *requests: EngineRequest) -> list[Result]:
+        """Submit together (so they may batch) and wait for all."""
+        done = threading.Semaphore(0)
+        updates: dict[str, list[RequestUpdate]] = {r.request_id: [] for r in requests}
+
+        def sink(u: RequestUpdate) -> None:
+            updates[u.request_id].append(u)
+            if u.done:
+                done.release()
+
+        for r in requests:
+            self.core.submit(r, sink)
+        for _ in requests:
+            assert done.acquire(timeout=120)
+        out = []
+        for r in requests:
+            deltas = [d for u in updates[r.request_id] for d in u.deltas if d.choice == 0]
+            usage = updates[r.request_id][-1].usage
+            assert usage is not None
+            out.append(Result([t for d in deltas for t in d.token_ids], [lp.logprob for d in deltas for lp in d.logprobs],
+                              usage.cached_tokens, usage.reuse.kind, "".join(d.text for d in deltas)))
+        return out
+
+    def check(self) -> None:
+        # The engine thread is idle once every request is done; integrity is read from here.
+        self.core.check_integrity()
+        assert self.core.stats().used_pages == 0
+
+
+MODELS = ["dense", "hybrid"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model(request: pytest.FixtureRequest, tiny_model_dir: Path, dense_chat_model_dir: Path
+          ) -> tuple[str, LoadedModel, Tokenizer]:
+    path = tiny_model_dir if request.param == "hybrid" else dense_chat_model_dir
+    return request.param, load_model(path), Tokenizer.from_dir(path)
+
+
+@pytest.fixture()
+def pair(model: tuple[str, LoadedModel, Tokenizer]):  # type: ignore[no-untyped-def]
+    name, loaded, tokenizer = model
+    warm, cold = Harness(loaded, tokenizer, reuse=True), Harness(loaded, tokenizer, reuse=False)
+    yield name, warm, cold
+    warm.check()
+    cold.check()
+    warm.close()
+    cold.close()
+
+
+def same(a: Result, b: Result) -> None:
+    assert a.tokens == b.tokens
+    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def conversation(task: str) -> list[dict[str, object]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
+
+
+def test_same_prompt_twice(pair) -> None:  # type: ignore[no-untyped-def]
+    name, warm, cold = pair
+    req = warm.request(conversation("Summarise the incident report in three lines."), tools=TOOLS)
+    first, second = warm.run(req)[0], warm.run(warm.request(conversation("Summarise the incident report in three lines."), tools=TOOLS))[0]
+    oracle = cold.run(cold.request(conversation("Summarise the incident report in three lines."), tools=TOOLS))[0]
+    same(first, oracle)
+    same(second, oracle)
+    n = len(req.prompt_ids)
+    if name == "hybrid":  # the opener checkpoint carries its logits: nothing is prefilled again
+        assert (second.cached, second.kind) == (n, "checkpoint")
+    else:
+        assert (second.cached, second.kind) == ((n - 1) // P * P, "pages")
+
+
+def test_turn_two_reuses_turn_one(pair) -> None:  # type: ignore[no-untyped-def]
+    name, warm, cold = pair
+    turn1 = conversation("Plan the migration of the billing service.")
+    req1 = warm.request(turn1, max_tokens=10, tools=TOOLS)
+    r1 = warm.run(req1)[0]
+    turn2 = turn1 + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "Now list the risks."}]
+    req2 = warm.request(turn2, max_tokens=6, tools=TOOLS)
+    r2 = warm.run(req2)[0]
+    same(r2, cold.run(cold.request(turn2, max_tokens=6, tools=TOOLS))[0])
+    full1 = list(req1.prompt_ids) + r1.tokens[:-1]  # the last sampled token was never computed
+    shared = common_prefix(full1, req2.prompt_ids)
+    if name == "hybrid":
+        # Retained at the opener (end of prompt 1) and at the end of the reply: the longest that prefixes turn 2.
+        candidates = [m for m in (len(req1.prompt_ids), len(full1)) if m <= shared]
+        assert r2.cached == max(candidates) and r2.kind == "checkpoint"
+    else:
+        assert r2.cached == min(shared, len(req2.prompt_ids) - 1) // P * P and r2.kind == "pages"
+    assert r2.cached >= len(req1.prompt_ids) // P * P
+
+
+def test_subagent_burst_shares_the_system_and_tools_head(pair) -> None:  # type: ignore[no-untyped-def]
+    name, warm, cold = pair
+    tasks = ["Find the flaky test.", "Read the changelog.", "Profile the decoder.", "Draft the release notes.",
+             "Check the disk budget."]
+    requests = [warm.request(conversation(t), tools=TOOLS) for t in tasks]
+    head = requests[0].publish_point
+    assert head > 0 and head % P == 0
+    results = [warm.run(r)[0] for r in requests]
+    for task, result in zip(tasks, results):
+        same(result, cold.run(cold.request(conversation(task), tools=TOOLS))[0])
+    assert results[0].cached == 0
+    for k in range(1, len(tasks)):
+        if name == "hybrid":
+            assert (results[k].cached, results[k].kind) == (head, "prefix")
+        else:
+            best = max(common_prefix(requests[k].prompt_ids, requests[j].prompt_ids) for j in range(k))
+            assert results[k].cached == min(best, len(requests[k].prompt_ids) - 1) // P * P >= head
+    assert warm.core.reuse.counters.prefix_reused_tokens == (4 * head if name == "hybrid" else 0)
+
+
+def test_seeded_regenerate_hits_and_matches(pair) -> None:  # type: ignore[no-untyped-def]
+    _, warm, cold = pair
+    msgs = conversation("Write a haiku about page tables.")
+    warm.run(warm.request(msgs, tools=TOOLS))
+    again = warm.run(warm.request(msgs, tools=TOOLS, temperature=0.9, seed=42))[0]
+    oracle = cold.run(cold.request(msgs, tools=TOOLS, temperature=0.9, seed=42))[0]
+    assert again.cached > 0
+    same(again, oracle)
+
+
+def test_concurrent_forks_both_hit(pair) -> None:  # type: ignore[no-untyped-def]
+    _, warm, cold = pair
+    base = conversation("Compare the two designs.")
+    warm.run(warm.request(base, max_tokens=4, tools=TOOLS))
+    fork_a = base + [{"role": "assistant", "content": "Design A is simpler."}, {"role": "user", "content": "Why?"}]
+    fork_b = base + [{"role": "assistant", "content": "Design B is faster."}, {"role": "user", "content": "Prove it."}]
+    a, b = warm.run(warm.request(fork_a, tools=TOOLS), warm.request(fork_b, tools=TOOLS))
+    assert a.cached > 0 and b.cached > 0
+    same(a, cold.run(cold.request(fork_a, tools=TOOLS))[0])
+    same(b, cold.run(cold.request(fork_b, tools=TOOLS))[0])
+    # n > 1 forks of one request: every choice equals the cold greedy run.
+    multi = warm.request(base, tools=TOOLS, n=2)
+    assert warm.run(multi)[0].tokens == cold.run(cold.request(base, tools=TOOLS))[0].tokens
+
+
+def test_misses(pair) -> None:  # type: ignore[no-untyped-def]
+    name, warm, _ = pair
+    msgs = conversation("Estimate the cost of the run.")
+    warm.run(warm.request(msgs, tools=TOOLS))
+    changed_system = [{"role": "system", "content": "Different system prompt."}, msgs[1]]
+    assert warm.run(warm.request(changed_system, tools=TOOLS))[0].cached == 0
+    assert warm.run(warm.request(msgs, tools=TOOLS, salt="tenant-b"))[0].cached == 0
+    hits_before = warm.core.reuse.counters.hits
+    assert warm.run(warm.request(msgs, tools=TOOLS, lookup=False))[0].cached == 0
+    assert warm.core.reuse.counters.hits == hits_before
+    # bypass publishes nothing: a new prompt sent with bypass, then normally, misses.
+    fresh = conversation("A question never asked before, sent with bypass first.")
+    other_system = [{"role": "system", "content": "Another system block for bypass."}, fresh[1]]
+    warm.run(warm.request(other_system, lookup=False))
+    assert warm.run(warm.request(other_system))[0].cached == 0
+
+
+def test_retained_slots_exhausted_skip_and_count(model: tuple[str, LoadedModel, Tokenizer]) -> None:
+    name, loaded, tokenizer = model
+    if name != "hybrid":
+        pytest.skip("retained-state slots are a hybrid-model mechanism; dense models share pages")
+    warm = Harness(loaded, tokenizer, reuse=True, retained_device=1)
+    cold = Harness(loaded, tokenizer, reuse=False)
+    try:
+        first = warm.run(warm.request([{"role": "user", "content": "interactive and protected"}], max_tokens=1))[0]
+        assert warm.core.reuse.retained_slots == (1, 1)
+        skips = warm.core.reuse.counters.slot_skips
+        # An agent capture may not evict a protected interactive state: it is skipped and counted.
+        req = warm.request([{"role": "user", "content": "agent work"}], max_tokens=3, cls=RequestClass.AGENT)
+        got = warm.run(req)[0]
+        assert warm.core.reuse.counters.slot_skips > skips
+        same(got, cold.run(cold.request([{"role": "user", "content": "agent work"}], max_tokens=3))[0])
+        assert first.tokens
+    finally:
+        warm.check()
+        warm.close()
+        cold.close()
