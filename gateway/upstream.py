@@ -98,3 +98,14 @@ async def merge(streams: Sequence[AsyncIterator[engine_pb2.GenerateResponse]]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect_all(streams: Sequence[AsyncIterator[engine_pb2.GenerateResponse]]
+                      ) -> list[list[engine_pb2.GenerateResponse]]:
+    """Every call's messages; the first failure cancels the other calls and is raised."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(collect(s)) for s in streams]
+    except BaseExceptionGroup as errors:
+        raise errors.exceptions[0] from None
+    return [t.result() for t in tasks]

@@ -48,3 +48,37 @@ def paged_attention(
         enable_gqa=heads != k.shape[1],
     )
     return out[0].transpose(0, 1)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pages: torch.Tensor,
+    offsets: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One new token for each of B sequences, attention over each one's whole context at once.
+
+    q: [B, H, D]; pages/offsets/valid: [B, L] (position -> page, offset; padding masked);
+    returns [B, H, D].
+    """
+    heads = q.shape[1]
+    k = k_cache[pages, offsets]  # [B, L, Hkv, D]
+    v = v_cache[pages, offsets]
+    allowed = valid
+    if sliding_window is not None:
+        lengths = valid.sum(dim=1, keepdim=True)
+        positions = torch.arange(valid.shape[1], device=q.device)[None, :]
+        allowed = allowed & (positions >= lengths - sliding_window)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, H, 1, D]
+        k.transpose(1, 2),  # [B, Hkv, L, D]
+        v.transpose(1, 2),
+        attn_mask=allowed[:, None, None, :],
+        scale=scale,
+        enable_gqa=heads != k.shape[2],
+    )
+    return out[:, :, 0]

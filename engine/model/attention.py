@@ -9,7 +9,7 @@ from engine.cache.device_cache import DeviceCache
 from engine.model.batch import ForwardBatch
 from engine.model.config import SLIDING_ATTENTION, ModelConfig
 from engine.model.layers import RMSNorm, Rotary
-from kernels.paged_attention import paged_attention
+from kernels.paged_attention import paged_attention, paged_decode_attention
 
 
 class Attention(nn.Module):
@@ -62,7 +62,14 @@ class Attention(nn.Module):
         v_cache[batch.kv_pages, batch.kv_offsets] = v.to(v_cache.dtype)
 
         out = torch.empty_like(q)  # [T, H, D]
+        gather = batch.decode
+        if gather is not None:  # all single-token decodes in one padded call
+            out[gather.rows] = paged_decode_attention(
+                q[gather.rows], k_cache, v_cache, gather.pages, gather.offsets, gather.valid, self.scale, self.window
+            ).to(out.dtype)
         for seq in batch.seqs:
+            if gather is not None and seq.is_decode:
+                continue
             rows = slice(seq.offset, seq.offset + seq.length)
             out[rows] = paged_attention(
                 q[rows], k_cache, v_cache, seq.page_table, seq.end, self.scale, self.window

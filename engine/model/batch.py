@@ -57,6 +57,16 @@ class SeqView:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeGather:
+    """Single-token decodes of a step, padded so attention runs once for all of them."""
+
+    rows: torch.Tensor  # [B] rows of the flat token run
+    pages: torch.Tensor  # [B, L] page id of each context position (padding: any valid page)
+    offsets: torch.Tensor  # [B, L] offset inside the page
+    valid: torch.Tensor  # [B, L] bool: position < context length
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -65,6 +75,7 @@ class ForwardBatch:
     seqs: tuple[SeqView, ...]
     logits_rows: torch.Tensor  # [R] rows of the flat run whose logits are returned
     logits_counts: tuple[int, ...]  # rows per sequence, in order
+    decode: DecodeGather | None = None  # set when two or more sequences decode in this step
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +125,9 @@ class ForwardBatch:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
+        decodes = [s for s in seqs if s.is_decode]
+        decode = _decode_gather(decodes, page_size, device) if len(decodes) > 1 else None
+
         return cls(
             input_ids=tensor(ids),
             positions=tensor(positions),
@@ -122,4 +136,22 @@ class ForwardBatch:
             seqs=tuple(seqs),
             logits_rows=tensor(rows),
             logits_counts=tuple(counts),
+            decode=decode,
         )
+
+
+def _decode_gather(seqs: list[SeqView], page_size: int, device: torch.device) -> DecodeGather:
+    longest = max(s.end for s in seqs)
+    max_pages = -(-longest // page_size)
+    table = torch.zeros(len(seqs), max_pages, dtype=torch.int64, device=device)
+    for i, s in enumerate(seqs):
+        table[i, : s.page_table.numel()] = s.page_table
+    positions = torch.arange(longest, device=device)
+    pages = table[:, positions // page_size]  # [B, L]
+    lengths = torch.tensor([s.end for s in seqs], device=device)
+    return DecodeGather(
+        rows=torch.tensor([s.offset for s in seqs], dtype=torch.int64, device=device),
+        pages=pages,
+        offsets=(positions % page_size).expand(len(seqs), -1),
+        valid=positions[None, :] < lengths[:, None],
+    )

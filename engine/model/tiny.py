@@ -65,21 +65,23 @@ def default_cache_dir() -> Path:
     return Path(root) / "models"
 
 
-def _tiny_weights() -> dict[str, torch.Tensor]:
-    config = parse_config(TINY_CONFIG)
+def random_weights(config_json: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic random weights for any supported config (ignis-tiny, benchmark geometries)."""
+    config = parse_config(config_json)
     with torch.device("meta"):
         shapes = {k: (tuple(v.shape), k) for k, v in CausalLM(config).state_dict().items()}
-    gen = torch.Generator().manual_seed(_SEED)
+    gen = torch.Generator().manual_seed(seed)
     weights: dict[str, torch.Tensor] = {}
     for name, (shape, _) in sorted(shapes.items()):
-        if name == "lm_head.weight":  # tied to the embedding
+        if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if name.endswith("A_log"):
             value = torch.log(torch.rand(shape, generator=gen) * 15 + 1)
         elif name.endswith("dt_bias"):
             value = torch.ones(shape)
         elif len(shape) == 1:  # norms: zero-centered (x*(1+w)) except the GDN gated norm (x*w)
-            base = 1.0 if name.endswith("linear_attn.norm.weight") else 0.0
+            plain = not config.zero_centered_norm or name.endswith("linear_attn.norm.weight")
+            base = 1.0 if plain and "norm" in name else 0.0
             value = base + 0.1 * torch.randn(shape, generator=gen)
         else:
             value = 0.05 * torch.randn(shape, generator=gen)
@@ -92,7 +94,7 @@ def write_tiny_checkpoint(directory: Path) -> None:
     (directory / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2) + "\n")
     (directory / "generation_config.json").write_text(json.dumps(TINY_GENERATION_CONFIG, indent=2) + "\n")
     write_tiny_tokenizer(directory)
-    save_file(_tiny_weights(), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_file(random_weights(TINY_CONFIG, _SEED), str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
 def ensure_tiny_checkpoint(

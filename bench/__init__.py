@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a table and compares against a baseline measured in the same run."""

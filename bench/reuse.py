@@ -1,0 +1,140 @@
+"""Reuse vs cold: TTFT of a repeated or extended prompt against its cold prefill, the cost of
+the state clone against a raw copy of the same bytes, the hash chain's cost, and the reuse tax.
+
+    python -m bench.reuse [--sizes 1024,4096,16384] [--hidden 1024 --layers 16] [--kinds dense,hybrid]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from bench.drive import make_core, random_prompt, run
+from bench.geometry import ensure_geometry
+from bench.table import markdown, save
+from engine.cache.chain_hash import Namespace, page_hashes
+from engine.request import EngineRequest
+from engine.sampling.params import SamplingParams
+
+P = 16
+
+
+def request(rid: str, prompt: tuple[int, ...], publish: int = 0) -> EngineRequest:
+    return EngineRequest(rid, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                         publish_point=publish)
+
+
+def ttft(core: Any, req: EngineRequest) -> tuple[float, int]:
+    (_, usage), = run(core, req)
+    return usage.time_to_first_token_ms, usage.cached_tokens
+
+
+def timed(fn: Any, repeat: int = 20) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples) * 1000
+
+
+def bench_kind(kind: str, sizes: list[int], hidden: int, layers: int) -> dict[str, Any]:
+    path = ensure_geometry(kind, hidden, layers)
+    kv_bytes = (max(sizes) * 3 + 4096) * 2 * layers * 1024 * 4  # generous: every attention layer, fp32
+    on = make_core(path, page_size=P, kv_cache_bytes=kv_bytes, max_num_seqs=4, step_token_budget=2048,
+                   retained_device=8)
+    off = make_core(path, page_size=P, kv_cache_bytes=kv_bytes, max_num_seqs=4, step_token_budget=2048,
+                    reuse_prompt=False)
+    rows = []
+    try:
+        run(on, request("warm", random_prompt(64, 0)))  # first-call overheads out of the figures
+        run(off, request("warm", random_prompt(64, 0)))
+        for i, n in enumerate(sizes):
+            prompt = random_prompt(n, 100 + i)
+            publish = (n // 2) // P * P  # a chat-shaped prompt: half of it is the shared head
+            cold, _ = ttft(on, request(f"cold{n}", prompt, publish))
+            retry, retry_cached = ttft(on, request(f"retry{n}", prompt, publish))
+            turn2 = prompt + random_prompt(64, 200 + i)
+            extend, extend_cached = ttft(on, request(f"turn2-{n}", turn2, publish))
+            rows.append({"tokens": n, "cold_ms": cold, "retry_ms": retry, "retry_cached": retry_cached,
+                         "turn2_ms": extend, "turn2_cached": extend_cached,
+                         "speedup_retry": cold / max(retry, 1e-6), "speedup_turn2": cold / max(extend, 1e-6)})
+        # The reuse tax at 1k tokens: cold TTFT with reuse on (cut at the publish point, capture) vs off.
+        tax_on, tax_off = [], []
+        for r in range(3):
+            prompt = random_prompt(1024, 900 + r)
+            tax_on.append(ttft(on, request(f"tax-on{r}", prompt, 512))[0])
+            tax_off.append(ttft(off, request(f"tax-off{r}", prompt + (1,), 512))[0])
+        tax = {"on_ms": statistics.median(tax_on), "off_ms": statistics.median(tax_off)}
+        tax["tax_pct"] = 100 * (tax["on_ms"] / tax["off_ms"] - 1)
+        clone = clone_cost(on, n=4096)
+    finally:
+        on.stop()
+        off.stop()
+    return {"kind": kind, "rows": rows, "tax": tax, "clone": clone}
+
+
+def clone_cost(core: Any, n: int) -> dict[str, float]:
+    """What a claim copies (the recurrent slot and the partial last page; full pages are shared)
+    against torch copying the same number of bytes between two contiguous buffers."""
+    cache = core.cache
+    page_bytes = cache.kv[0].numel() * cache.kv.element_size()
+    slot_bytes = 0
+    if cache.recurrent.shape[0] >= 2:
+        slot_bytes = cache.recurrent[0].numel() * 4 + cache.conv[0].numel() * cache.conv.element_size()
+    total = slot_bytes + (page_bytes if n % P else 0) + page_bytes  # slot + private page (+1 page for 4096 aligned)
+
+    def claim() -> None:
+        if slot_bytes:
+            cache.copy_slot(0, 1)
+        cache.kv[1].copy_(cache.kv[0])
+
+    src = torch.empty(total // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return {"bytes": float(total), "clone_ms": timed(claim), "raw_copy_ms": timed(lambda: dst.copy_(src)),
+            "reprefill_note": float(n)}
+
+
+def hash_cost() -> dict[str, float]:
+    tokens = random_prompt(100_000, 5)
+    seed = Namespace(b"\0" * 16, "", "float32", P).seed()
+    return {"tokens": 100_000.0, "ms": timed(lambda: page_hashes(seed, tokens, P), repeat=5)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default="1024,4096,16384")
+    parser.add_argument("--kinds", default="dense,hybrid")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=16)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    results = [bench_kind(k, sizes, args.hidden, args.layers) for k in args.kinds.split(",")]
+    hashing = hash_cost()
+    ttft_rows = [[r["kind"], row["tokens"], row["cold_ms"], row["retry_ms"], row["retry_cached"], row["speedup_retry"],
+                  row["turn2_ms"], row["turn2_cached"], row["speedup_turn2"]] for r in results for row in r["rows"]]
+    parts = [
+        f"### Reuse vs cold TTFT (hidden {args.hidden}, {args.layers} layers, CPU fp32, page {P})",
+        markdown(["model", "prompt tokens", "cold TTFT ms", "retry TTFT ms", "retry cached", "cold/retry",
+                  "turn-2 (+64) TTFT ms", "turn-2 cached", "cold/turn-2"], ttft_rows),
+        "### State clone vs raw copy of the same bytes",
+        markdown(["model", "bytes copied", "clone ms", "raw torch copy ms"],
+                 [[r["kind"], int(r["clone"]["bytes"]), r["clone"]["clone_ms"], r["clone"]["raw_copy_ms"]] for r in results]),
+        "### Reuse tax at 1k tokens (cold TTFT, reuse on vs off)",
+        markdown(["model", "reuse on ms", "reuse off ms", "tax %"],
+                 [[r["kind"], r["tax"]["on_ms"], r["tax"]["off_ms"], r["tax"]["tax_pct"]] for r in results]),
+        "### Hash chain",
+        markdown(["tokens", "ms"], [[100_000, hashing["ms"]]]),
+    ]
+    table = "\n\n".join(parts)
+    print(table)
+    save("reuse", {"results": results, "hash": hashing, "args": vars(args)}, table)
+
+
+if __name__ == "__main__":
+    main()

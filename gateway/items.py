@@ -1,0 +1,114 @@
+"""The Responses API's `input` and `instructions` and `tools` -> `engine_pb2.ChatInput`.
+
+`input` is a string (one user message) or an array of items: messages
+(``{"role", "content"}``, with or without ``"type": "message"``), the
+assistant's ``function_call`` items and the client's ``function_call_output``
+items. Consecutive function calls become one assistant message with several
+tool calls, as the chat template expects. Reasoning items are dropped (the
+gateway keeps no reasoning state to match them against).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gateway.body import Fields
+from gateway.errors import invalid
+from gateway.messages import ROLES, content_parts
+from ignis.v1 import engine_pb2
+
+
+def responses_chat(body: Fields) -> engine_pb2.ChatInput:
+    chat = engine_pb2.ChatInput()
+    instructions = body.string("instructions")
+    if instructions:
+        chat.messages.append(engine_pb2.ChatMessage(role="system", content=instructions))
+    raw = body.raw("input")
+    if isinstance(raw, str):
+        chat.messages.append(engine_pb2.ChatMessage(role="user", content=raw))
+    elif isinstance(raw, list):
+        _items(raw, chat)
+    else:
+        raise invalid("'input' must be a string or an array of input items", param="input")
+    if not any(m.role != "system" for m in chat.messages):
+        raise invalid("'input' must not be empty", param="input")
+    tools = responses_tools(body)
+    if tools:
+        chat.tools_json = json.dumps(tools, ensure_ascii=False)
+    choice = body.raw("tool_choice")
+    if isinstance(choice, str):
+        chat.tool_choice = body.string("tool_choice", choices=("auto", "none", "required")) or ""
+    elif isinstance(choice, dict):
+        # Responses spells a forced function {"type": "function", "name": ...}; chat nests it.
+        name = Fields(choice, "tool_choice").string("name")
+        chat.tool_choice = json.dumps({"type": "function", "function": {"name": name}} if name else choice)
+    elif choice is not None:
+        raise invalid("'tool_choice' must be a string or an object", param="tool_choice")
+    return chat
+
+
+def _items(items: list[Any], chat: engine_pb2.ChatInput) -> None:
+    for i, item in enumerate(items):
+        path = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise invalid(f"'{path}' must be an object", param=path)
+        f = Fields(item, path)
+        kind = f.string("type") or "message"
+        if kind == "message":
+            role = f.string("role", required=True, choices=ROLES[:4])
+            msg = engine_pb2.ChatMessage(role=role)
+            content = f.raw("content")
+            if isinstance(content, str):
+                msg.content = content
+            elif isinstance(content, list):
+                msg.content_parts.extend(content_parts(content, f.path("content")))
+            else:
+                raise invalid(f"'{f.path('content')}' must be a string or an array of parts", param=f.path("content"))
+            chat.messages.append(msg)
+        elif kind == "function_call":
+            last = chat.messages[-1] if chat.messages else None
+            if last is None or last.role != "assistant" or not last.tool_calls:
+                last = engine_pb2.ChatMessage(role="assistant")
+                chat.messages.append(last)
+                last = chat.messages[-1]
+            last.tool_calls.append(engine_pb2.ToolCall(
+                id=f.string("call_id", required=True) or "", type="function",
+                function=engine_pb2.ToolCallFunction(name=f.string("name", required=True) or "",
+                                                     arguments=f.string("arguments") or "{}")))
+        elif kind == "function_call_output":
+            output = f.raw("output")
+            if not isinstance(output, str):
+                output = json.dumps(output, ensure_ascii=False)
+            chat.messages.append(engine_pb2.ChatMessage(role="tool", content=output,
+                                                        tool_call_id=f.string("call_id", required=True) or ""))
+        elif kind == "reasoning":
+            continue
+        elif kind == "item_reference":
+            raise invalid(f"'{path}': item references need stored responses; the gateway keeps none, "
+                          "send the items themselves", param=path)
+        else:
+            raise invalid(f"'{path}.type' {kind!r} is not supported", param=f"{path}.type")
+
+
+def responses_tools(body: Fields) -> list[dict[str, Any]]:
+    """Responses tools ({"type": "function", "name", "parameters", ...}) in the chat shape the template reads."""
+    tools = body.array("tools") or []
+    out = []
+    for i, tool in enumerate(tools):
+        path = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise invalid(f"'{path}' must be an object", param=path)
+        f = Fields(tool, path)
+        if f.string("type") != "function":
+            raise invalid(f"'{path}.type' {tool.get('type')!r} is not supported: only function tools are",
+                          param=f"{path}.type")
+        if "function" in tool:  # already in the chat shape
+            out.append(tool)
+            continue
+        fn = {"name": f.string("name", required=True)}
+        for key in ("description", "parameters", "strict"):
+            if key in tool:
+                fn[key] = tool[key]
+        out.append({"type": "function", "function": fn})
+    return out

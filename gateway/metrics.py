@@ -1,0 +1,74 @@
+"""Prometheus metrics of the gateway (``ignis_gateway_*``), on a registry of its own.
+
+`MetricsMiddleware` (pure ASGI) counts every request by route and status and
+times it to the last byte (for a stream, the end of the stream) and to the
+first body byte (for a stream, about the engine's time to first token).
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.usage import Usage
+
+ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics"})
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("ignis_gateway_requests", "HTTP requests answered", ["route", "method", "status"],
+                                registry=r)
+        self.duration = Histogram("ignis_gateway_request_duration_seconds", "Time to the last byte of the answer",
+                                  ["route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.first_byte = Histogram("ignis_gateway_time_to_first_byte_seconds",
+                                    "Time to the first body byte (streams: about the time to first token)",
+                                    ["route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("ignis_gateway_requests_in_flight", "Requests being answered", ["route"], registry=r)
+        self.tokens = Counter("ignis_gateway_tokens", "Tokens of finished requests", ["kind"], registry=r)
+        self.engine_up = Gauge("ignis_gateway_engine_up", "1 when the engine answered its last probe", ["engine"],
+                               registry=r)
+
+    def observe_usage(self, usage: Usage) -> None:
+        self.tokens.labels("prompt").inc(usage.prompt_tokens)
+        self.tokens.labels("completion").inc(usage.completion_tokens)
+        self.tokens.labels("cached").inc(usage.cached_tokens)
+
+
+class MetricsMiddleware:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        route = path if path in ROUTES else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        m = self.metrics
+        start = time.perf_counter()
+        status = 500  # if the app fails before answering, the server answers 500
+        first_byte = False
+
+        async def observed_send(message: Message) -> None:
+            nonlocal status, first_byte
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            elif message["type"] == "http.response.body" and not first_byte and message.get("body"):
+                first_byte = True
+                m.first_byte.labels(route).observe(time.perf_counter() - start)
+            await send(message)
+
+        m.in_flight.labels(route).inc()
+        try:
+            await self.app(scope, receive, observed_send)
+        finally:
+            m.in_flight.labels(route).dec()
+            m.requests.labels(route, scope["method"], str(status)).inc()
+            m.duration.labels(route).observe(time.perf_counter() - start)

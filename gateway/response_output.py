@@ -1,0 +1,99 @@
+"""The Responses API's output items, built from text and tool-call events in order.
+
+Used for both answers: streamed, each step returns the ``response.*`` events
+to send (without sequence numbers); whole, only `items` is read. Content
+opens a ``message`` item; a tool call closes it and adds a ``function_call``
+item; content after a call opens a new message item.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from gateway.aliases import JSONObject
+from gateway.tool_calls import ContentDelta, Event, ToolCall
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class OutputBuilder:
+    def __init__(self) -> None:
+        self.items: list[JSONObject] = []
+        self._open: JSONObject | None = None  # the message item being written
+        self._text = ""
+        self._lps: list[JSONObject] = []  # logprobs of the open message's text
+
+    def feed(self, events: list[Event], logprobs: list[JSONObject] | None = None) -> list[JSONObject]:
+        out: list[JSONObject] = []
+        for event in events:
+            if isinstance(event, ContentDelta):
+                out += self._content(event.text, logprobs)
+                logprobs = None  # a step's logprobs ride on its first delta
+            else:
+                out += self._close_message()
+                out += self._function_call(event.call)
+        if logprobs:  # a step that produced no visible text yet
+            out += self._content("", logprobs)
+        return out
+
+    def finish(self) -> list[JSONObject]:
+        """Close what is open; an answer with no items gets one empty message (output_text is "")."""
+        out = self._close_message()
+        if not self.items:
+            out += self._content("", None) + self._close_message()
+        return out
+
+    def _content(self, text: str, logprobs: list[JSONObject] | None) -> list[JSONObject]:
+        out: list[JSONObject] = []
+        if self._open is None:
+            self._open = {"type": "message", "id": _id("msg"), "status": "in_progress", "role": "assistant",
+                          "content": []}
+            self._text = ""
+            self._lps = []
+            self.items.append(self._open)
+            out.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                        "item": dict(self._open, content=[])})
+            out.append({"type": "response.content_part.added", "item_id": self._open["id"],
+                        "output_index": len(self.items) - 1, "content_index": 0,
+                        "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
+        self._text += text
+        self._lps.extend(logprobs or [])
+        if text or logprobs:
+            out.append({"type": "response.output_text.delta", "item_id": self._open["id"],
+                        "output_index": len(self.items) - 1, "content_index": 0, "delta": text,
+                        "logprobs": logprobs or []})
+        return out
+
+    def _close_message(self) -> list[JSONObject]:
+        item = self._open
+        if item is None:
+            return []
+        self._open = None
+        index = self.items.index(item)
+        part = {"type": "output_text", "text": self._text, "annotations": [], "logprobs": self._lps}
+        item["content"] = [part]
+        item["status"] = "completed"
+        return [
+            {"type": "response.output_text.done", "item_id": item["id"], "output_index": index, "content_index": 0,
+             "text": self._text, "logprobs": part["logprobs"]},
+            {"type": "response.content_part.done", "item_id": item["id"], "output_index": index, "content_index": 0,
+             "part": part},
+            {"type": "response.output_item.done", "output_index": index, "item": item},
+        ]
+
+    def _function_call(self, call: ToolCall) -> list[JSONObject]:
+        item: JSONObject = {"type": "function_call", "id": _id("fc"), "call_id": call.id, "name": call.name,
+                            "arguments": call.arguments, "status": "completed"}
+        self.items.append(item)
+        index = len(self.items) - 1
+        return [
+            {"type": "response.output_item.added", "output_index": index,
+             "item": dict(item, arguments="", status="in_progress")},
+            {"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": index,
+             "delta": call.arguments},
+            {"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index,
+             "name": call.name, "arguments": call.arguments},
+            {"type": "response.output_item.done", "output_index": index, "item": item},
+        ]

@@ -1,0 +1,156 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway import logprobs as lp
+from gateway.aliases import JSONObject, SSEBytes
+from gateway.body import Fields, read_json
+from gateway.cancel import until_disconnect
+from gateway.choices import accumulate, finish_reason
+from gateway.errors import OpenAIError
+from gateway.messages import chat_input, parses_tool_calls
+from gateway.options import engine_options
+from gateway.routing import chat_head, route_key
+from gateway.sampling import TokenLimit, sampling_params
+from gateway.sse import DONE, EventStream, data_event
+from gateway.state import GatewayState, state_of
+from gateway.tool_calls import ContentDelta, Event, ToolCallStream, parse_tool_calls
+from gateway.unsupported import reject_unsupported
+from gateway.upstream import CallSpec, collect, generate
+from gateway.usage import Usage
+from ignis.v1 import engine_pb2
+
+LIMIT = TokenLimit(("max_completion_tokens", "max_tokens"), default=None)
+
+
+async def chat_completions(request: Request) -> Response:
+    state = state_of(request)
+    body = Fields(await read_json(request))
+    model = body.string("model", required=True) or ""
+    chat = chat_input(body)
+    sampling = sampling_params(body, LIMIT, "chat")
+    reject_unsupported(body)
+    opts = engine_options(body, request.headers)
+    stream = bool(body.boolean("stream"))
+    stream_options = body.obj("stream_options")
+    include_usage = bool(stream_options.boolean("include_usage")) if stream_options is not None else False
+    body.string("user")  # accepted (type-checked) and not used
+
+    rid = "chatcmpl-" + uuid.uuid4().hex
+    req = engine_pb2.GenerateRequest(request_id=rid, model=model, chat=chat, sampling=sampling)
+    opts.apply(req)
+    key = route_key(model, opts.cache_salt, opts.route_key or chat_head(chat))
+    spec = CallSpec("messages", "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens",
+                    state.config.request_timeout)
+    upstream = generate(state.pool, req, key, spec)
+    reply = _Reply(rid, int(time.time()), model, parses_tool_calls(chat), sampling.logprobs,
+                   sampling.n if sampling.HasField("n") else 1, state)
+    if stream:
+        return EventStream(reply.events(upstream, include_usage), headers={"X-Request-Id": rid})
+    messages = await until_disconnect(request, collect(upstream))
+    return JSONResponse(reply.whole(messages), headers={"X-Request-Id": rid})
+
+
+class _Reply:
+    """Builds one request's answer, whole or as chunks."""
+
+    def __init__(self, rid: str, created: int, model: str, tools: bool, logprobs: bool, n: int,
+                 state: GatewayState) -> None:
+        self.rid, self.created, self.model = rid, created, model
+        self.tools, self.logprobs, self.n = tools, logprobs, n
+        self.state = state
+
+    def whole(self, messages: list[engine_pb2.GenerateResponse]) -> JSONObject:
+        collected = accumulate(messages)
+        choices = []
+        for c in collected.choices.values():
+            message: JSONObject = {"role": "assistant", "content": c.text, "refusal": None}
+            calls = []
+            if self.tools:
+                parsed = parse_tool_calls(c.text)
+                message["content"] = parsed.content
+                calls = parsed.tool_calls
+                if calls:
+                    message["tool_calls"] = [call.openai() for call in calls]
+            choices.append({
+                "index": c.index,
+                "message": message,
+                "logprobs": {"content": lp.chat_content(c.logprobs)} if self.logprobs else None,
+                "finish_reason": finish_reason(c.finish, bool(calls)),
+            })
+        self.state.metrics.observe_usage(collected.usage)
+        return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": collected.usage.openai(), "system_fingerprint": None,
+                "ignis": collected.usage.ignis()}
+
+    def _chunk(self, choices: list[JSONObject], include_usage: bool) -> JSONObject:
+        out: JSONObject = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
+                           "model": self.model, "system_fingerprint": None, "choices": choices}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    async def events(self, upstream: AsyncIterator[engine_pb2.GenerateResponse], include_usage: bool
+                     ) -> AsyncIterator[SSEBytes]:
+        parsers = [ToolCallStream() for _ in range(self.n)]
+        started = False
+        async with contextlib.aclosing(upstream):  # type: ignore[type-var]
+            try:
+                async for msg in upstream:
+                    if not started:  # after the first message: errors before it are an HTTP status
+                        started = True
+                        for i in range(self.n):
+                            yield data_event(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                           "logprobs": None, "finish_reason": None}], include_usage))
+                    chunks = self._message_chunks(msg, parsers, include_usage)
+                    if msg.HasField("usage"):
+                        usage = Usage.from_proto(msg.usage)
+                        self.state.metrics.observe_usage(usage)
+                        if include_usage:
+                            final = self._chunk([], False)
+                            final["usage"] = usage.openai()
+                            chunks.append(final)
+                        elif not chunks:
+                            chunks.append(self._chunk([], False))
+                        chunks[-1]["ignis"] = usage.ignis()
+                    for chunk in chunks:
+                        yield data_event(chunk)
+            except OpenAIError as err:
+                if not started:
+                    raise
+                yield data_event(err.body())
+        yield DONE
+
+    def _message_chunks(self, msg: engine_pb2.GenerateResponse, parsers: list[ToolCallStream],
+                        include_usage: bool) -> list[JSONObject]:
+        i = msg.index
+        finished = msg.finish_reason != engine_pb2.FINISH_REASON_NONE
+        events: list[Event]
+        if self.tools and i < len(parsers):
+            events = parsers[i].feed(msg.text) + (parsers[i].finish() if finished else [])
+        else:
+            events = [ContentDelta(msg.text)] if msg.text else []
+        deltas: list[JSONObject] = []
+        for event in events:
+            if isinstance(event, ContentDelta):
+                deltas.append({"content": event.text})
+            else:
+                deltas.append({"tool_calls": [event.call.openai(event.index)]})
+        logprobs = {"content": lp.chat_content(msg.logprobs)} if self.logprobs and msg.logprobs else None
+        if logprobs is not None and not deltas:
+            deltas.append({"content": ""})
+        choices = [{"index": i, "delta": d, "logprobs": logprobs if k == 0 else None, "finish_reason": None}
+                   for k, d in enumerate(deltas)]
+        if finished:
+            calls = bool(parsers[i].calls) if self.tools and i < len(parsers) else False
+            choices.append({"index": i, "delta": {}, "logprobs": None,
+                            "finish_reason": finish_reason(msg.finish_reason, calls)})
+        return [self._chunk([c], include_usage) for c in choices]

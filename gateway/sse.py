@@ -1,0 +1,82 @@
+"""Server-Sent Events: encoding, and a pure-ASGI streaming response that notices a client leaving.
+
+`EventStream` pulls the first event before it sends the response head, so an
+error the engine reports before any output (queue full, bad input, no
+engine) becomes a real HTTP status with an OpenAI body instead of a 200 with
+an error event. While streaming it listens for ``http.disconnect``; when the
+client goes away it cancels the producer, whose ``finally`` cancels the gRPC
+call (upstream.generate), so the engine stops the sequence and frees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import AsyncIterator
+
+from starlette.types import Message, Receive, Scope, Send
+
+from gateway.aliases import JSONObject, SSEBytes
+from gateway.cancel import wait_disconnect
+from gateway.errors import OpenAIError, error_response
+
+DONE: SSEBytes = b"data: [DONE]\n\n"
+_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # tell nginx-style proxies not to buffer the stream
+]
+
+
+def _dumps(data: JSONObject) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def data_event(data: JSONObject) -> SSEBytes:
+    return f"data: {_dumps(data)}\n\n".encode()
+
+
+def named_event(event: str, data: JSONObject) -> SSEBytes:
+    return f"event: {event}\ndata: {_dumps(data)}\n\n".encode()
+
+
+class EventStream:
+    """An ASGI response streaming `events`; see the module docstring."""
+
+    def __init__(self, events: AsyncIterator[SSEBytes], headers: dict[str, str] | None = None) -> None:
+        self.events = events
+        self.headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        producer = asyncio.create_task(self._stream(scope, send))
+        listener = asyncio.create_task(wait_disconnect(receive))
+        try:
+            await asyncio.wait({producer, listener}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (listener, producer):
+                if not task.done():
+                    task.cancel()
+            results = await asyncio.gather(producer, listener, return_exceptions=True)
+        if isinstance(results[0], Exception) and not isinstance(results[0], OSError):
+            raise results[0]  # a bug in a producer: the app's handler logs it
+
+    async def _stream(self, scope: Scope, send: Send) -> None:
+        async with contextlib.aclosing(self.events):  # type: ignore[type-var]
+            try:
+                first = await anext(self.events)
+            except StopAsyncIteration:
+                first = None
+            except OpenAIError as err:
+                await error_response(err)(scope, _no_receive, send)
+                return
+            await send({"type": "http.response.start", "status": 200, "headers": _HEADERS + self.headers})
+            if first is not None:
+                await send({"type": "http.response.body", "body": first, "more_body": True})
+                async for event in self.events:
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}

@@ -1,0 +1,29 @@
+"""What the app holds for its lifetime (no per-request or per-conversation state)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from gateway.config import GatewayConfig
+from gateway.engines import EnginePool
+from gateway.metrics import GatewayMetrics
+
+
+@dataclass(slots=True)
+class GatewayState:
+    config: GatewayConfig
+    metrics: GatewayMetrics
+    _pool: EnginePool | None = None  # made in the lifespan: grpc.aio channels bind to the running loop
+
+    @property
+    def pool(self) -> EnginePool:
+        if self._pool is None:
+            raise RuntimeError("the engine pool is not started (the app ran without its lifespan); this is a bug")
+        return self._pool
+
+
+def state_of(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state

@@ -1,0 +1,20 @@
+"""Request fields the gateway cannot honour: a clear 400 rather than silently ignoring them."""
+
+from __future__ import annotations
+
+from gateway.body import Fields
+from gateway.errors import invalid
+
+
+def reject_unsupported(body: Fields) -> None:
+    fmt = body.obj("response_format")
+    if fmt is not None and fmt.string("type") not in (None, "text"):
+        raise invalid("response_format other than 'text' is not supported (no guided decoding yet)",
+                      param="response_format")
+    if body.has("functions") or body.has("function_call"):
+        raise invalid("the legacy 'functions' / 'function_call' fields are not supported: use 'tools'",
+                      param="functions" if body.has("functions") else "function_call")
+    if body.has("audio"):
+        raise invalid("audio output is not supported", param="audio")
+    if body.has("modalities") and body.raw("modalities") != ["text"]:
+        raise invalid("only text output is supported", param="modalities")

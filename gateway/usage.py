@@ -1,0 +1,67 @@
+"""Token accounting and the reuse report, as the client sees them.
+
+`usage.prompt_tokens_details.cached_tokens` (chat, completions) or
+`usage.input_tokens_details.cached_tokens` (responses), plus the `ignis`
+object naming the tier and kind of the reused state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from gateway.aliases import JSONObject
+from ignis.v1 import common_pb2, engine_pb2
+
+_TIERS = {common_pb2.REUSE_TIER_NONE: "none", common_pb2.REUSE_TIER_DEVICE: "device",
+          common_pb2.REUSE_TIER_RAM: "ram", common_pb2.REUSE_TIER_DISK: "disk"}
+_KINDS = {common_pb2.REUSE_KIND_NONE: "none", common_pb2.REUSE_KIND_CHECKPOINT: "checkpoint",
+          common_pb2.REUSE_KIND_PREFIX: "prefix", common_pb2.REUSE_KIND_PAGES: "pages"}
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    tier: str = "none"
+    kind: str = "none"
+    reused_tokens: int = 0
+    time_to_first_token_ms: float = 0.0
+
+    @classmethod
+    def from_proto(cls, u: engine_pb2.Usage) -> Usage:
+        return cls(u.prompt_tokens, u.completion_tokens, u.cached_tokens, _TIERS.get(u.reuse.tier, "none"),
+                   _KINDS.get(u.reuse.kind, "none"), u.reuse.reused_tokens, u.time_to_first_token_ms)
+
+    @classmethod
+    def total(cls, parts: Iterable[Usage]) -> Usage:
+        """Several prompts of one completions request: sums; the tier and kind of the largest reuse."""
+        items = list(parts)
+        if not items:
+            return cls()
+        best = max(items, key=lambda u: u.reused_tokens)
+        return cls(sum(u.prompt_tokens for u in items), sum(u.completion_tokens for u in items),
+                   sum(u.cached_tokens for u in items), best.tier, best.kind,
+                   sum(u.reused_tokens for u in items), max(u.time_to_first_token_ms for u in items))
+
+    def openai(self) -> JSONObject:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+    def responses(self) -> JSONObject:
+        return {
+            "input_tokens": self.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "output_tokens": self.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+    def ignis(self) -> JSONObject:
+        return {"tier": self.tier, "kind": self.kind, "reused_tokens": self.reused_tokens,
+                "time_to_first_token_ms": round(self.time_to_first_token_ms, 3)}
