@@ -8,7 +8,7 @@ from typing import Iterable
 from gateway.usage import Usage
 from ignis.v1 import engine_pb2
 
-_FINISH = {
+_FINISH: dict[int, str] = {
     engine_pb2.FINISH_REASON_STOP: "stop",
     engine_pb2.FINISH_REASON_LENGTH: "length",
     engine_pb2.FINISH_REASON_ABORT: "abort",  # vLLM's name; OpenAI has none for an engine-side abort

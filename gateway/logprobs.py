@@ -28,10 +28,12 @@ class CompletionLogprobs:
     def __init__(self, offset: int = 0) -> None:
         self.offset = offset  # characters of text before the next token
 
-    def add(self, items: Iterable[engine_pb2.TokenLogprob], first_has_no_logprob: bool = False) -> JSONObject:
+    def add(self, items: Iterable[engine_pb2.TokenLogprob], first_has_no_logprob: bool = False,
+            first_text: str | None = None) -> JSONObject:
+        """`first_text` stands in for the first token's text (the echoed prompt's first token, see prompt_first_token)."""
         out: JSONObject = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for i, lp in enumerate(items):
-            text = _text(lp)
+            text = first_text if i == 0 and first_text is not None else _text(lp)
             unscored = first_has_no_logprob and i == 0 and not lp.HasField("logprob")
             out["tokens"].append(text)
             out["token_logprobs"].append(None if unscored else lp.logprob)
@@ -47,6 +49,18 @@ def merge_completion(parts: Iterable[JSONObject]) -> JSONObject:
         for key in out:
             out[key].extend(part[key])
     return out
+
+
+def prompt_first_token(prompt: str, items: list[engine_pb2.TokenLogprob]) -> str | None:
+    """The text of an echoed prompt's first token, when the engine leaves it empty.
+
+    The engine scores no first prompt token and may send it bare; for a text
+    prompt, its text is what the prompt has before the other tokens' text.
+    """
+    if not items or items[0].token_bytes or items[0].token:
+        return None
+    rest = prompt_text(items[1:])
+    return prompt[: len(prompt) - len(rest)] if prompt.endswith(rest) else None
 
 
 def prompt_text(items: Iterable[engine_pb2.TokenLogprob]) -> str:

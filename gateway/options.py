@@ -17,7 +17,7 @@ from gateway.errors import invalid
 from ignis.v1 import common_pb2, engine_pb2
 
 CLASS_HEADER = "x-ignis-class"
-_CLASSES = {"interactive": common_pb2.REQUEST_CLASS_INTERACTIVE, "agent": common_pb2.REQUEST_CLASS_AGENT}
+_CLASSES: dict[str, common_pb2.RequestClass] = {"interactive": common_pb2.REQUEST_CLASS_INTERACTIVE, "agent": common_pb2.REQUEST_CLASS_AGENT}
 _LOOKUP = {"use_cache": engine_pb2.ReusePolicy.LOOKUP_USE_CACHE, "bypass": engine_pb2.ReusePolicy.LOOKUP_BYPASS}
 _COMMIT = {"all": engine_pb2.ReusePolicy.COMMIT_INCLUDING_GENERATED_TOKENS,
            "prefill": engine_pb2.ReusePolicy.COMMIT_PREFILL_STATE_ONLY,
@@ -26,7 +26,7 @@ _COMMIT = {"all": engine_pb2.ReusePolicy.COMMIT_INCLUDING_GENERATED_TOKENS,
 
 @dataclass(frozen=True, slots=True)
 class EngineOptions:
-    request_class: int  # common_pb2.RequestClass
+    request_class: common_pb2.RequestClass
     cache_salt: str
     reuse: engine_pb2.ReusePolicy | None
     route_key: str | None  # prompt_cache_key: when set, routing hashes this instead of the prompt head

@@ -15,6 +15,7 @@ import contextlib
 import json
 from typing import AsyncIterator
 
+from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.aliases import JSONObject, SSEBytes
@@ -41,12 +42,18 @@ def named_event(event: str, data: JSONObject) -> SSEBytes:
     return f"event: {event}\ndata: {_dumps(data)}\n\n".encode()
 
 
-class EventStream:
-    """An ASGI response streaming `events`; see the module docstring."""
+class EventStream(Response):
+    """A streaming response of `events`; see the module docstring.
+
+    A `Response` only so handlers have one return type: it sets its own head
+    and replaces `__call__`.
+    """
 
     def __init__(self, events: AsyncIterator[SSEBytes], headers: dict[str, str] | None = None) -> None:
         self.events = events
-        self.headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
+        self.status_code = 200
+        self.background = None
+        self.extra_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         producer = asyncio.create_task(self._stream(scope, send))
@@ -70,7 +77,7 @@ class EventStream:
             except OpenAIError as err:
                 await error_response(err)(scope, _no_receive, send)
                 return
-            await send({"type": "http.response.start", "status": 200, "headers": _HEADERS + self.headers})
+            await send({"type": "http.response.start", "status": 200, "headers": _HEADERS + self.extra_headers})
             if first is not None:
                 await send({"type": "http.response.body", "body": first, "more_body": True})
                 async for event in self.events:

@@ -87,13 +87,13 @@ async def merge(streams: Sequence[AsyncIterator[engine_pb2.GenerateResponse]]
     try:
         remaining = len(tasks)
         while remaining:
-            i, msg, exc = await queue.get()
+            i, item, exc = await queue.get()
             if exc is not None:
                 raise exc
-            if msg is None:
+            if item is None:
                 remaining -= 1
             else:
-                yield i, msg
+                yield i, item
     finally:
         for task in tasks:
             task.cancel()

@@ -86,3 +86,37 @@ def start_engine(workdir: Path, model: str = "ignis-tiny", args: list[str] | Non
     port = _wait_for_port_file(proc, port_file, log_path, timeout)
     wait_grpc_serving(f"127.0.0.1:{port}", timeout)
     return RunningService("engine", proc, port, log_path)
+
+
+def start_gateway(workdir: Path, engines: list[str], args: list[str] | None = None,
+                  env: dict[str, str] | None = None, timeout: float = 60.0) -> RunningService:
+    """`python -m gateway` on a free port in front of `engines`; ready once it answers HTTP.
+
+    /health may answer 503 (no engine up): that still means the gateway serves.
+    """
+    import httpx
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    port_file = workdir / "gateway.port"
+    port_file.unlink(missing_ok=True)
+    log_path = workdir / "gateway.log"
+    cmd = [sys.executable, "-m", "gateway", "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file)]
+    for address in engines:
+        cmd += ["--engine", address]
+    cmd += args or []
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log,
+                                stderr=subprocess.STDOUT)
+    port = _wait_for_port_file(proc, port_file, log_path, timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code in (200, 503):
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError(f"the gateway did not answer within {timeout}s:\n{log_path.read_text(errors='replace')}")
+        time.sleep(0.05)
+    return RunningService("gateway", proc, port, log_path)

@@ -147,7 +147,7 @@ class _Reply:
         logprobs = {"content": lp.chat_content(msg.logprobs)} if self.logprobs and msg.logprobs else None
         if logprobs is not None and not deltas:
             deltas.append({"content": ""})
-        choices = [{"index": i, "delta": d, "logprobs": logprobs if k == 0 else None, "finish_reason": None}
+        choices: list[JSONObject] = [{"index": i, "delta": d, "logprobs": logprobs if k == 0 else None, "finish_reason": None}
                    for k, d in enumerate(deltas)]
         if finished:
             calls = bool(parsers[i].calls) if self.tools and i < len(parsers) else False

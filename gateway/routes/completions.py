@@ -81,6 +81,12 @@ class _Reply:
         text = self.prompts[p].text
         return text if text is not None else lp.prompt_text(prompt_logprobs)
 
+    def _prompt_logprobs(self, builder: lp.CompletionLogprobs, p: int,
+                         items: list[engine_pb2.TokenLogprob]) -> JSONObject:
+        text = self.prompts[p].text
+        first = lp.prompt_first_token(text, items) if text is not None else None
+        return builder.add(items, first_has_no_logprob=True, first_text=first)
+
     def whole(self, results: list[list[engine_pb2.GenerateResponse]]) -> JSONObject:
         choices = []
         usages = []
@@ -92,7 +98,7 @@ class _Reply:
                 logprobs = None
                 if self.logprobs:
                     builder = lp.CompletionLogprobs()
-                    parts = [builder.add(collected.prompt_logprobs, first_has_no_logprob=True)] if self.echo else []
+                    parts = [self._prompt_logprobs(builder, p, collected.prompt_logprobs)] if self.echo else []
                     parts.append(builder.add(c.logprobs))
                     logprobs = lp.merge_completion(parts)
                 choices.append({"index": p * self.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
@@ -154,7 +160,7 @@ class _Reply:
         if first and self.echo:  # each choice starts with the prompt
             text = self._prompt_text(p, prompt_lps.get(p, [])) + text
             if self.logprobs:
-                parts.append(builder.add(prompt_lps.get(p, []), first_has_no_logprob=True))
+                parts.append(self._prompt_logprobs(builder, p, prompt_lps.get(p, [])))
         if self.logprobs:
             parts.append(builder.add(msg.logprobs))
             logprobs = lp.merge_completion(parts)

@@ -1,0 +1,82 @@
+"""`python -m gateway` / `ignis-gateway`: serve the OpenAI API in front of one or more engines."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.tracing import setup_tracing
+
+log = logging.getLogger("ignis.gateway")
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfig]:
+    parser = argparse.ArgumentParser(prog="ignis-gateway", description="OpenAI-compatible REST gateway to engines.")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
+    parser.add_argument("--engine", action="append", default=[], metavar="HOST:PORT",
+                        help="an engine's gRPC address; repeat for several engines")
+    parser.add_argument("--api-key", default=os.environ.get("IGNIS_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $IGNIS_API_KEY, or none)")
+    parser.add_argument("--port-file", default=None, help="write the bound port here once serving (for tests)")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="deadline of one generation in seconds (default: none)")
+    parser.add_argument("--probe-interval", type=float, default=2.0, help="seconds between engine health probes")
+    parser.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
+    parser.add_argument("--grace", type=float, default=10.0, help="seconds to finish open streams on shutdown")
+    args = parser.parse_args(argv)
+    try:
+        config = GatewayConfig(engines=args.engine, api_key=args.api_key or None,
+                               request_timeout=args.request_timeout, probe_interval=args.probe_interval)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args, config
+
+
+async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
+    # Bind first, so --port 0 has a port to report and the port file is written only once serving.
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    port = sock.getsockname()[1]
+    uv_config = uvicorn.Config(create_app(config), log_level="info", access_log=args.access_log,
+                               timeout_graceful_shutdown=args.grace, lifespan="on", log_config=None)
+    server = uvicorn.Server(uv_config)
+
+    async def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.02)
+        log.info("gateway serving on %s:%d, engines: %s", args.host, port, ", ".join(config.engines))
+        if args.port_file:
+            tmp = Path(args.port_file + ".tmp")
+            tmp.write_text(str(port))
+            tmp.replace(args.port_file)  # readers never see a half-written file
+
+    announcer = asyncio.create_task(announce())
+    await server.serve(sockets=[sock])
+    announcer.cancel()
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=os.environ.get("IGNIS_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args, config = parse_args(argv)
+    setup_tracing()
+    sys.exit(asyncio.run(serve(args, config)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The Starlette app: routes, middleware (pure ASGI) and error handlers."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.routing import Route
+
+from gateway.auth import APIKeyMiddleware
+from gateway.config import GatewayConfig
+from gateway.engines import EnginePool
+from gateway.errors import handle_http_exception, handle_unexpected
+from gateway.metrics import GatewayMetrics, MetricsMiddleware
+from gateway.routes.chat import chat_completions
+from gateway.routes.completions import completions
+from gateway.routes.health import health
+from gateway.routes.metrics import metrics
+from gateway.routes.models import get_model, list_models
+from gateway.routes.responses import responses
+from gateway.state import GatewayState
+from gateway.tracing import TracingMiddleware
+
+
+def create_app(config: GatewayConfig) -> Starlette:
+    state = GatewayState(config, GatewayMetrics())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        pool = EnginePool(config.engines, config.probe_interval, config.probe_timeout)
+        state._pool = pool
+        await pool.start()
+        try:
+            yield
+        finally:
+            await pool.close()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    # Outermost first: metrics see every answer (401s included), then the trace span, then the key check.
+    middleware = [Middleware(MetricsMiddleware, metrics=state.metrics), Middleware(TracingMiddleware)]
+    if config.api_key is not None:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key, public_paths=config.public_paths))
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                    exception_handlers={HTTPException: handle_http_exception, Exception: handle_unexpected})
+    app.state.gateway = state
+    return app
