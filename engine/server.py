@@ -149,9 +149,11 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
     async def GetStats(self, request: engine_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
                        ) -> engine_pb2.GetStatsResponse:
-        if self._core is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        s = self._core.stats()
+        try:
+            s = self.core.stats()
+        except _Abort as exc:
+            await context.abort(exc.code, exc.message)
+            raise
         return engine_pb2.GetStatsResponse(
             waiting=engine_pb2.ClassCounts(interactive=s.waiting_interactive, agent=s.waiting_agent),
             running=engine_pb2.ClassCounts(interactive=s.running_interactive, agent=s.running_agent),

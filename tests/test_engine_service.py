@@ -291,3 +291,31 @@ def test_queue_bound_is_resource_exhausted(tiny_model_dir: Path, tmp_path: Path)
                 pytest.fail("the engine never accepted work again")
     finally:
         assert service.stop() == 0, service.log()
+
+
+async def test_unavailable_while_loading_and_shutting_down() -> None:
+    """Before a model is attached (loading) and after shutdown begins, calls answer UNAVAILABLE
+    while health reports NOT_SERVING."""
+    from engine.server import EngineService, create_server, set_serving
+
+    service = EngineService(MODEL)
+    server, port, health = create_server(service, "127.0.0.1:0")
+    await set_serving(health, False)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            for call in (lambda: stub.Generate(make_request([1, 2, 3])).read(),
+                         lambda: stub.Tokenize(engine_pb2.TokenizeRequest(text="hi")),
+                         lambda: stub.GetStats(engine_pb2.GetStatsRequest())):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call()
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            service.accepting = False
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Generate(make_request([1, 2, 3])).read()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await server.stop(0)

@@ -141,3 +141,22 @@ def test_greedy_generation_matches_transformers(arch: str, checkpoint_dir: Calla
 
 def test_hybrid_list_is_consistent() -> None:
     assert set(HYBRID) <= set(ARCHITECTURES)
+
+
+@pytest.mark.parametrize(
+    "arch, rope",
+    [
+        ("LlamaForCausalLM", {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        ("Qwen3ForCausalLM", {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 64}),
+        ("Qwen2ForCausalLM", {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    ],
+)
+def test_rope_scaling_matches_transformers(arch: str, rope: dict[str, object], tmp_path: Path) -> None:
+    from checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "ckpt", arch, seed=2, rope_parameters=rope)
+    ids = make_prompt(150, seed=3)  # beyond original_max_position_embeddings: the scaling matters
+    ours = run_chunks(load_model(path), make_cache(load_model(path)), ids, [150], list(range(10)))
+    assert (ours - hf_logits(path, ids)).abs().max().item() < 1e-4

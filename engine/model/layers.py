@@ -99,8 +99,8 @@ def _inv_freq(config: ModelConfig, dim: int) -> tuple[torch.Tensor, float]:
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
-    low_dim = max(math.floor(correction_dim(beta_fast)), 0)
-    high_dim = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    low_dim: float = max(math.floor(correction_dim(beta_fast)), 0)
+    high_dim: float = min(math.ceil(correction_dim(beta_slow)), dim - 1)
     if low_dim == high_dim:
         high_dim += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low_dim) / (high_dim - low_dim)).clamp(0, 1)
