@@ -46,6 +46,25 @@ def _prepare(
     return q, k, v, g, beta
 
 
+def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
+    """(I + L)^-1 for L the strictly lower triangle of a: [..., C, C].
+
+    L is nilpotent (L^C = 0), so (I + L)^-1 = sum_k (-L)^k = prod_j (I + (-L)^(2^j)):
+    log2(C) squarings and products, batched matmuls instead of one small
+    triangular solve per (head, chunk) — several times faster on the CPU.
+    """
+    size = a.shape[-1]
+    eye = torch.eye(size, dtype=a.dtype, device=a.device)
+    power = -a.tril(-1)
+    inverse = eye + power
+    span = 2
+    while span < size:
+        power = power @ power
+        inverse = inverse @ (eye + power)
+        span *= 2
+    return inverse
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -81,8 +100,9 @@ def chunk_gated_delta_rule(
     ut = (k_beta @ k.transpose(-1, -2)) * decay
     intra = (q @ k.transpose(-1, -2)) * decay
     # Solve (I + strictly-lower(ut)) X = rhs: condenses C delta-rule updates into matmuls.
-    u = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(ut, k_beta * g.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    inverse = unit_lower_inverse(ut)
+    u = inverse @ v_beta
+    w = inverse @ (k_beta * g.exp().unsqueeze(-1))
 
     state = (
         torch.zeros(b, h, dk, dv, dtype=q.dtype, device=q.device)
