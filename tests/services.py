@@ -120,3 +120,36 @@ def start_gateway(workdir: Path, engines: list[str], args: list[str] | None = No
             raise TimeoutError(f"the gateway did not answer within {timeout}s:\n{log_path.read_text(errors='replace')}")
         time.sleep(0.05)
     return RunningService("gateway", proc, port, log_path)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_tierstore(workdir: Path, args: list[str] | None = None, env: dict[str, str] | None = None,
+                    metrics: bool = False, timeout: float = 60.0) -> RunningService:
+    """`python -m tierstore` on a free port; ready once gRPC health says SERVING.
+
+    Pass the tier sizes in ``args`` (``--kv-host-pool-bytes``, ``--kv-disk-path``,
+    ``--kv-disk-bytes``). With ``metrics``, /metrics listens on ``extra["metrics"]``.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    port_file = workdir / "tierstore.port"
+    port_file.unlink(missing_ok=True)
+    log_path = workdir / "tierstore.log"
+    cmd = [sys.executable, "-m", "tierstore", "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file)]
+    extra: dict[str, int] = {}
+    if metrics:
+        extra["metrics"] = _free_port()
+        cmd += ["--metrics-port", str(extra["metrics"])]
+    cmd += args or []
+    with log_path.open("ab") as log:  # appended: a restart on the same workdir keeps the earlier log
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log,
+                                stderr=subprocess.STDOUT)
+    port = _wait_for_port_file(proc, port_file, log_path, timeout)
+    wait_grpc_serving(f"127.0.0.1:{port}", timeout)
+    return RunningService("tierstore", proc, port, log_path, extra)

@@ -1,0 +1,185 @@
+"""KV-RAM: one shared-memory file carved into extents.
+
+The engine maps the same file (its path travels in RegisterResponse) and copies
+state in and out by offset, so the bytes of a state never cross gRPC on one host.
+The allocator is best-fit over a free list sorted by offset, coalescing on free;
+every extent starts and ends on a 4 KiB boundary (page-aligned copies, and
+``cudaHostRegister`` on the engine side wants whole pages).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import mmap
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("ignis.tierstore")
+
+ALIGN = 4096
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "ignis-tierstore-"
+
+
+def align_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Extent:
+    """A byte range of the arena: [offset, offset + length)."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+class ExtentAllocator:
+    """Best-fit extents over ``total`` bytes (a multiple of ALIGN)."""
+
+    def __init__(self, total: int) -> None:
+        if total <= 0 or total % ALIGN:
+            raise ValueError(f"the arena size must be a positive multiple of {ALIGN} bytes, got {total}")
+        self.total = total
+        self._free: list[Extent] = [Extent(0, total)]  # sorted by offset, never adjacent (coalesced)
+        self._used: dict[int, Extent] = {}  # offset -> extent handed out
+        self.used_bytes = 0
+
+    @property
+    def free_bytes(self) -> int:
+        return self.total - self.used_bytes
+
+    def largest_free(self) -> int:
+        return max((e.length for e in self._free), default=0)
+
+    def allocate(self, nbytes: int) -> Extent | None:
+        """An extent of at least ``nbytes`` (rounded up to ALIGN), or None if no free run is long enough."""
+        if nbytes <= 0:
+            raise ValueError(f"cannot allocate {nbytes} bytes")
+        size = align_up(nbytes)
+        best = -1
+        for i, run in enumerate(self._free):  # best fit: least waste left behind
+            if run.length >= size and (best < 0 or run.length < self._free[best].length):
+                best = i
+                if run.length == size:
+                    break
+        if best < 0:
+            return None
+        run = self._free[best]
+        extent = Extent(run.offset, size)
+        if run.length == size:
+            del self._free[best]
+        else:
+            self._free[best] = Extent(run.offset + size, run.length - size)
+        self._used[extent.offset] = extent
+        self.used_bytes += size
+        return extent
+
+    def free(self, extent: Extent) -> None:
+        """Returns an extent from allocate(); merges it with free neighbours."""
+        if self._used.get(extent.offset) != extent:
+            raise RuntimeError(f"free of {extent}, which is not allocated: this is a bug")
+        del self._used[extent.offset]
+        self.used_bytes -= extent.length
+        i = bisect.bisect_left(self._free, extent)
+        start, end = extent.offset, extent.end
+        if i < len(self._free) and self._free[i].offset == end:  # merge with the right neighbour
+            end = self._free.pop(i).end
+        if i > 0 and self._free[i - 1].end == start:  # and the left one
+            i -= 1
+            start = self._free.pop(i).offset
+        self._free.insert(i, Extent(start, end - start))
+
+    def check_integrity(self) -> None:
+        """free + used == total, no overlaps, free runs coalesced; raises AssertionError."""
+        spans = sorted([*self._free, *self._used.values()])
+        pos = 0
+        for span in spans:
+            assert span.offset == pos, f"gap or overlap at {pos}: {span}"
+            assert span.length > 0 and span.offset % ALIGN == 0 and span.length % ALIGN == 0, span
+            pos = span.end
+        assert pos == self.total, f"extents cover {pos} of {self.total} bytes"
+        assert sum(e.length for e in self._used.values()) == self.used_bytes
+        for a, b in zip(self._free, self._free[1:]):
+            assert a.end < b.offset, f"free runs {a} and {b} are not coalesced"
+
+
+class Arena:
+    """The shared-memory file, its mapping, and the extents carved from it."""
+
+    def __init__(self, nbytes: int, *, instance_id: str | None = None, directory: Path = SHM_DIR) -> None:
+        size = nbytes // ALIGN * ALIGN
+        if size <= 0:
+            raise ValueError(f"reuse.kv_host_pool_bytes must be at least {ALIGN} bytes, got {nbytes}")
+        reap_stale_arenas(directory)
+        # The pid in the name lets a later start remove the file of a killed instance.
+        self.path = directory / f"{SHM_PREFIX}{os.getpid()}-{instance_id or uuid.uuid4().hex}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # Allocate the pages now: a full /dev/shm fails here, at start, not as SIGBUS mid-copy.
+            os.posix_fallocate(fd, 0, size)
+            self._mmap = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        os.close(fd)  # the mapping keeps the file alive
+        self.size = size
+        self.view = memoryview(self._mmap)
+        self.allocator = ExtentAllocator(size)
+
+    def allocate(self, nbytes: int) -> Extent | None:
+        return self.allocator.allocate(nbytes)
+
+    def free(self, extent: Extent) -> None:
+        self.allocator.free(extent)
+
+    def slice(self, offset: int, nbytes: int) -> memoryview:
+        """The arena bytes [offset, offset + nbytes), zero copy."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise ValueError(f"[{offset}, {offset + nbytes}) lies outside the {self.size}-byte arena")
+        return self.view[offset:offset + nbytes]
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()
+
+    def close(self) -> None:
+        """Unmaps and removes the file. Engines that still map it keep their mapping until they unmap."""
+        try:
+            self.view.release()
+            self._mmap.close()
+        except BufferError:  # a slice is still exported (an in-flight Get): the unlink below still happens
+            log.warning("arena still referenced at close; unmapped at exit")
+        self.path.unlink(missing_ok=True)
+
+
+def reap_stale_arenas(directory: Path = SHM_DIR) -> list[Path]:
+    """Removes arena files of tierstores that died without cleaning up (kill -9): ours by uid, pid gone."""
+    removed: list[Path] = []
+    for path in directory.glob(SHM_PREFIX + "*"):
+        pid_text = path.name[len(SHM_PREFIX):].partition("-")[0]
+        try:
+            if not pid_text.isdigit() or path.stat().st_uid != os.getuid() or _alive(int(pid_text)):
+                continue
+            path.unlink()
+        except OSError:
+            continue
+        log.info("removed the arena %s of a tierstore that is gone", path)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

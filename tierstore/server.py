@@ -1,0 +1,211 @@
+"""The gRPC face of the tierstore: a thin servicer over TierStore, plus health and reflection.
+
+Every store call runs in the default thread pool (it may fsync or hash a large
+state) so the asyncio loop keeps answering health checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import NoReturn, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ignis.v1 import tierstore_pb2, tierstore_pb2_grpc
+from tierstore.arena import Extent
+from tierstore.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, TierStoreError
+from tierstore.registry import Registration
+from tierstore.state import check_hash
+from tierstore.store import Hit, StoreStats, TierStore
+
+log = logging.getLogger("ignis.tierstore")
+SERVICE_NAME = "ignis.v1.TierStore"
+CHUNK = 1 << 20  # Get sends at most 1 MiB per message (tierstore.proto)
+T = TypeVar("T")
+
+_CODES: dict[type[TierStoreError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    DataLoss: grpc.StatusCode.DATA_LOSS,
+}
+
+
+def _extent(e: Extent) -> tierstore_pb2.Extent:
+    return tierstore_pb2.Extent(offset=e.offset, length=e.length)
+
+
+def _hit(h: Hit) -> tierstore_pb2.MatchHit:
+    return tierstore_pb2.MatchHit(hash=h.hash, state_hash=h.state_hash, tokens=h.tokens, tier=h.tier,  # type: ignore[arg-type]
+                                  kind=h.kind, nbytes=h.nbytes,  # type: ignore[arg-type]
+                                  extent=_extent(h.extent) if h.extent is not None else None)
+
+
+def stats_message(s: StoreStats) -> tierstore_pb2.StatsResponse:
+    return tierstore_pb2.StatsResponse(
+        arena_bytes_used=s.arena_bytes_used, arena_bytes_total=s.arena_bytes_total,
+        disk_bytes_used=s.disk_bytes_used, disk_bytes_total=s.disk_bytes_total, states_ram=s.states_ram,
+        states_disk=s.states_disk, checksum_failures=s.checksum_failures, leases_active=s.leases_active,
+        reservations_pending=s.reservations_pending, spills=s.spills, restores=s.restores, evictions=s.evictions)
+
+
+class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
+    def __init__(self, store: TierStore) -> None:
+        self.store = store
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: object) -> T:
+        """Runs a store call off the loop; its refusals become their status codes."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except TierStoreError as exc:
+            await _abort(context, exc)
+        except Exception:  # a bug: say so with INTERNAL rather than a bare UNKNOWN
+            log.exception("%s failed", getattr(fn, "__name__", fn))
+            await _fail(context, grpc.StatusCode.INTERNAL, "internal error in the tierstore; see its log")
+
+    async def Register(self, request: tierstore_pb2.RegisterRequest, context: grpc.aio.ServicerContext
+                       ) -> tierstore_pb2.RegisterResponse:
+        try:
+            reg = Registration(bytes(request.namespace), request.model, request.page_size, request.layout,
+                               request.kv_bytes_per_token, request.fixed_state_bytes)
+        except TierStoreError as exc:
+            await _abort(context, exc)
+        arena = await self._call(context, self.store.register, reg)
+        log.info("registered namespace=%s model=%r page_size=%d", reg.namespace.hex(), reg.model, reg.page_size)
+        return tierstore_pb2.RegisterResponse(arena_path=arena.path, arena_bytes=arena.nbytes,
+                                              instance_id=arena.instance_id)
+
+    async def Match(self, request: tierstore_pb2.MatchRequest, context: grpc.aio.ServicerContext
+                    ) -> tierstore_pb2.MatchResponse:
+        tail = bytes(request.tail_hash) if request.HasField("tail_hash") else None
+        hits = await self._call(context, self.store.match, bytes(request.namespace),
+                                [bytes(p) for p in request.page_hashes], tail)
+        return tierstore_pb2.MatchResponse(hits=[_hit(h) for h in hits])
+
+    async def Reserve(self, request: tierstore_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+                      ) -> tierstore_pb2.ReserveResponse:
+        extent = await self._call(context, self.store.reserve, bytes(request.hash), request.nbytes,
+                                  request.request_class, request.protect_seconds)
+        if extent is None:
+            await self._exhausted(context, request.nbytes)
+        return tierstore_pb2.ReserveResponse(extent=_extent(extent))
+
+    async def Commit(self, request: tierstore_pb2.CommitRequest, context: grpc.aio.ServicerContext
+                     ) -> tierstore_pb2.CommitResponse:
+        await self._call(context, self.store.commit, bytes(request.hash), request.metadata)
+        return tierstore_pb2.CommitResponse()
+
+    async def Acquire(self, request: tierstore_pb2.AcquireRequest, context: grpc.aio.ServicerContext
+                      ) -> tierstore_pb2.AcquireResponse:
+        lease = await self._call(context, self.store.acquire, bytes(request.hash), request.lease_seconds)
+        if lease is None:
+            await _fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                "no room in the arena to restore the state: every extent is pinned; retry later")
+        return tierstore_pb2.AcquireResponse(lease_id=lease.lease_id, extent=_extent(lease.extent),
+                                             metadata=lease.info.to_proto(), from_tier=lease.from_tier)  # type: ignore[arg-type]
+
+    async def Release(self, request: tierstore_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+                      ) -> tierstore_pb2.ReleaseResponse:
+        await self._call(context, self.store.release, request.lease_id)
+        return tierstore_pb2.ReleaseResponse()
+
+    async def Drop(self, request: tierstore_pb2.DropRequest, context: grpc.aio.ServicerContext
+                   ) -> tierstore_pb2.DropResponse:
+        return tierstore_pb2.DropResponse(dropped=await self._call(context, self.store.drop, bytes(request.hash)))
+
+    async def Stats(self, request: tierstore_pb2.StatsRequest, context: grpc.aio.ServicerContext
+                    ) -> tierstore_pb2.StatsResponse:
+        return stats_message(await self._call(context, self.store.stats))
+
+    async def Put(self, request_iterator: AsyncIterator[tierstore_pb2.PutRequest],
+                  context: grpc.aio.ServicerContext) -> tierstore_pb2.PutResponse:
+        messages = request_iterator.__aiter__()
+        first = await anext(messages, None)
+        if first is None or first.WhichOneof("part") != "header":
+            await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, "a Put stream starts with its header")
+        header = first.header
+        try:
+            name = check_hash(bytes(header.hash))
+        except TierStoreError as exc:
+            await _abort(context, exc)
+        meta = header.metadata
+        extent = await self._call(context, self.store.reserve, name, meta.nbytes, meta.request_class,
+                                  header.protect_seconds)
+        if extent is None:
+            await self._exhausted(context, meta.nbytes)
+        committed = False
+        try:
+            pos = 0
+            async for message in messages:
+                if message.WhichOneof("part") != "data":
+                    await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, "only the first Put message is a header")
+                await self._call(context, self.store.write_reserved, name, pos, message.data)
+                pos += len(message.data)
+            if pos != meta.nbytes:
+                await _fail(context, grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"the stream carried {pos} bytes; metadata.nbytes is {meta.nbytes}")
+            await self._call(context, self.store.commit, name, meta)
+            committed = True
+        finally:
+            if not committed:  # a failed or cancelled stream leaves no reservation behind
+                self.store.abandon(name)
+        return tierstore_pb2.PutResponse()
+
+    async def Get(self, request: tierstore_pb2.GetRequest, context: grpc.aio.ServicerContext
+                  ) -> AsyncIterator[tierstore_pb2.GetResponse]:
+        info, data, done = await self._call(context, self.store.open_read, bytes(request.hash))
+        view = memoryview(data)
+        try:
+            yield tierstore_pb2.GetResponse(metadata=info.to_proto())
+            for pos in range(0, len(view), CHUNK):
+                yield tierstore_pb2.GetResponse(data=bytes(view[pos:pos + CHUNK]))
+        finally:
+            view.release()
+            if isinstance(data, memoryview):
+                data.release()
+            done()  # unpins a RAM state (it may be spilled again)
+
+    async def _exhausted(self, context: grpc.aio.ServicerContext, nbytes: int) -> NoReturn:
+        arena = self.store.arena
+        await _fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"no room for {nbytes} bytes in the {arena.size}-byte arena even after spilling every "
+                            "unpinned state; release leases or raise reuse.kv_host_pool_bytes")
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: TierStoreError) -> NoReturn:
+    await _fail(context, next(c for cls, c in _CODES.items() if isinstance(exc, cls)), str(exc))
+
+
+async def _fail(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """Ends the call with ``code``; context.abort raises, so this never returns."""
+    await context.abort(code, message)
+    raise AssertionError("unreachable")
+
+
+def create_server(service: TierStoreService, address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Build (not start) the server on `address` (port 0 picks a free one); returns (server, port, health)."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    tierstore_pb2_grpc.add_TierStoreServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (
+        tierstore_pb2.DESCRIPTOR.services_by_name["TierStore"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind the tierstore to {address}")
+    return server, port, health_servicer
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, status)

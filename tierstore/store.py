@@ -1,0 +1,572 @@
+"""The tierstore's logic, without gRPC: states by hash across KV-RAM and KV-disk.
+
+- Reserve hands out an arena extent; the engine writes the state into it by
+  offset; Commit makes it a state (checksummed here, so a later scribble over
+  the arena is caught before it reaches disk).
+- Acquire pins a state in the arena (restoring it from disk first if needed);
+  Release, or the lease running out, unpins it.
+- RAM pressure spills the lowest-ranked unpinned states to disk; disk pressure
+  drops the lowest-ranked states, but only those ranked below the one coming
+  down (policy.py is the one order). ``kv_disk.bytes`` is never exceeded: a
+  spill that cannot fit is dropped and counted as an eviction.
+- A restored state keeps its disk copy (states are immutable), so spilling it
+  again only frees its extent.
+
+One lock guards everything; disk I/O runs under it, in the server's thread pool
+(so the asyncio loop stays free), which serializes moves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from ignis.v1 import common_pb2, tierstore_pb2
+from tierstore.arena import Arena, Extent, align_up
+from tierstore.disk import DiskRecord, DiskTier, blob_size
+from tierstore.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from tierstore.policy import Candidate, EvictionPolicy
+from tierstore.registry import NamespaceRegistry, Registration
+from tierstore.state import StateInfo, check_hash, checksum, normal_class
+
+log = logging.getLogger("ignis.tierstore")
+
+RAM, DISK = common_pb2.REUSE_TIER_RAM, common_pb2.REUSE_TIER_DISK
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    arena_bytes: int  # reuse.kv_host_pool_bytes
+    disk_path: str  # kv_disk.path
+    disk_bytes: int  # kv_disk.bytes; 0 = no disk tier (RAM pressure drops states)
+    interactive_ttl: float = 300.0  # reuse.retained_interactive_ttl
+    lease_seconds: float = 60.0  # an Acquire with lease_seconds 0 gets this
+    reservation_seconds: float = 300.0  # a Reserve never committed is abandoned after this
+
+    def __post_init__(self) -> None:
+        for name in ("interactive_ttl", "lease_seconds", "reservation_seconds"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0")
+
+
+# ------------------------------------------------------------ records crossing the boundary
+
+@dataclass(frozen=True, slots=True)
+class ArenaInfo:
+    path: str
+    nbytes: int
+    instance_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """The best state of one tier for a prompt (MatchHit)."""
+
+    hash: bytes  # the request's page hash or tail hash that matched
+    state_hash: bytes  # the stored state to Acquire
+    tokens: int
+    tier: int
+    kind: int
+    extent: Extent | None  # RAM only: (offset, nbytes)
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: int
+    extent: Extent  # (offset, nbytes) of the bytes in the arena
+    info: StateInfo
+    from_tier: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    arena_bytes_used: int
+    arena_bytes_total: int
+    disk_bytes_used: int
+    disk_bytes_total: int
+    states_ram: int
+    states_disk: int
+    checksum_failures: int
+    leases_active: int
+    reservations_pending: int
+    spills: int
+    restores: int
+    evictions: int
+
+
+# ------------------------------------------------------------ internal, mutable
+
+@dataclass(slots=True, eq=False)
+class _State:
+    info: StateInfo
+    last_used: float
+    protect_until: float = 0.0
+    extent: Extent | None = None  # arena allocation (4 KiB aligned) when in RAM
+    leases: int = 0  # Acquire leases
+    reads: int = 0  # Get streams in flight
+    dropped: bool = False  # gone from the index; its extent waits for the last unpin
+
+    @property
+    def pinned(self) -> bool:
+        return self.leases + self.reads > 0
+
+
+@dataclass(slots=True)
+class _Reservation:
+    extent: Extent
+    nbytes: int
+    request_class: int
+    protect_seconds: float
+    expires_at: float
+
+
+@dataclass(slots=True)
+class _LeaseEntry:
+    state: _State
+    expires_at: float
+
+
+@dataclass(slots=True)
+class _Counters:
+    spills: int = 0
+    restores: int = 0
+    evictions: int = 0
+    checksum_failures: int = 0  # at commit/spill/restore; the disk tier counts its own too
+
+
+class TierStore:
+    def __init__(self, config: StoreConfig, *, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.instance_id = uuid.uuid4().hex
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._policy = EvictionPolicy(config.interactive_ttl)
+        self._disk = DiskTier(config.disk_path, config.disk_bytes) if config.disk_bytes > 0 else None
+        self.arena = Arena(config.arena_bytes, instance_id=self.instance_id)
+        known: dict[bytes, Registration] = {}
+        if self._disk is not None:
+            known = {ns: Registration.decode(raw) for ns, raw in self._disk.load_namespaces().items()}
+        disk = self._disk
+        self._registry = NamespaceRegistry(known, None if disk is None
+                                           else lambda r: disk.save_namespace(r.namespace, r.encode()))
+        self._states: dict[bytes, _State] = {}
+        self._ram_pages: dict[bytes, set[bytes]] = {}  # page hash -> sliceable RAM states holding it
+        self._reservations: dict[bytes, _Reservation] = {}
+        self._leases: dict[int, _LeaseEntry] = {}
+        self._lease_ids = itertools.count(1)
+        self._busy: set[bytes] = set()  # states being restored: their disk copy must stay
+        self._zombies: dict[int, _State] = {}  # dropped while pinned: their extents wait for the last unpin
+        self._counters = _Counters()
+        if self._disk is not None:  # what survived a restart is served again
+            for rec in self._disk.records():
+                self._states[rec.info.hash] = _State(rec.info, rec.last_used, rec.protect_until)
+
+    # ------------------------------------------------------------ control plane
+
+    def register(self, reg: Registration) -> ArenaInfo:
+        with self._lock:
+            self._registry.register(reg)
+        return ArenaInfo(str(self.arena.path), self.arena.size, self.instance_id)
+
+    def match(self, namespace: bytes, page_hashes: Iterable[bytes], tail_hash: bytes | None = None) -> list[Hit]:
+        """The longest state per tier whose tokens prefix the prompt; a lower tier only if longer."""
+        check_hash(namespace, "namespace")
+        pages = [check_hash(p, f"page_hashes[{i}]") for i, p in enumerate(page_hashes)]
+        if tail_hash is not None:
+            check_hash(tail_hash, "tail_hash")
+        with self._lock:
+            self._expire(self._clock())
+            ram = self._best(namespace, pages, tail_hash, in_ram=True)
+            disk = self._best(namespace, pages, tail_hash, in_ram=False) if self._disk is not None else None
+        hits = [h for h in (ram,) if h is not None]
+        if disk is not None and disk.tokens > (ram.tokens if ram is not None else 0):
+            hits.append(disk)
+        return hits
+
+    def reserve(self, hash: bytes, nbytes: int, request_class: int = common_pb2.REQUEST_CLASS_INTERACTIVE,
+                protect_seconds: float = 0.0) -> Extent | None:
+        """An arena extent (offset, nbytes) to write the state into; None if it cannot fit even after spilling."""
+        check_hash(hash)
+        if nbytes <= 0:
+            raise InvalidArgument("nbytes must be > 0")
+        _check_seconds(protect_seconds, "protect_seconds")
+        request_class = normal_class(request_class)
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            if hash in self._states or hash in self._reservations:
+                what = "stored" if hash in self._states else "reserved"
+                raise AlreadyExists(f"state {hash.hex()} is already {what}")
+            extent = self._make_room(nbytes, now)
+            if extent is None:
+                return None
+            self._reservations[hash] = _Reservation(extent, nbytes, request_class, protect_seconds,
+                                                    now + self.config.reservation_seconds)
+            return Extent(extent.offset, nbytes)
+
+    def write_reserved(self, hash: bytes, pos: int, data: bytes | memoryview) -> None:
+        """Copies ``data`` into a reservation at ``pos`` (Put: the bytes arrive over gRPC)."""
+        with self._lock:
+            res = self._reservations.get(hash)
+            if res is None:
+                raise NotFound(f"no reservation for {hash.hex()} (dropped, or it expired)")
+            if pos + len(data) > res.nbytes:
+                raise InvalidArgument(f"data runs past the state's {res.nbytes} bytes")
+            self.arena.slice(res.extent.offset + pos, len(data))[:] = data
+
+    def commit(self, hash: bytes, meta: tierstore_pb2.StateMetadata) -> StateInfo:
+        """Publishes a reservation, once written, as a state (it becomes visible to Match)."""
+        check_hash(hash)
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            res = self._reservations.get(hash)
+            if res is None:
+                raise FailedPrecondition(f"no reservation for {hash.hex()}: Reserve first (or it expired)")
+            info = self._info(hash, meta, res.request_class)
+            if info.nbytes != res.nbytes:
+                raise InvalidArgument(f"metadata.nbytes is {info.nbytes}, the reservation {res.nbytes}")
+            digest = checksum(self.arena.slice(res.extent.offset, res.nbytes))
+            if info.checksum and info.checksum != digest:
+                self._counters.checksum_failures += 1
+                raise FailedPrecondition(f"the arena bytes of {hash.hex()} do not match metadata.checksum; "
+                                         "write them again and commit, or Drop the reservation")
+            del self._reservations[hash]
+            state = _State(replace(info, checksum=digest), now,
+                           now + res.protect_seconds if res.protect_seconds > 0 else 0.0, res.extent)
+            self._states[hash] = state
+            self._index_ram(state)
+            return state.info
+
+    def acquire(self, hash: bytes, lease_seconds: float = 0.0) -> Lease | None:
+        """Pins a state in the arena, restoring it from disk if needed; None if RAM has no room for it."""
+        check_hash(hash)
+        _check_seconds(lease_seconds, "lease_seconds")
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            state = self._live(hash)
+            from_tier = RAM
+            if state.extent is None:
+                if not self._restore(state, now):
+                    return None
+                from_tier = DISK
+            state.leases += 1
+            state.last_used = now
+            lease_id = next(self._lease_ids)
+            self._leases[lease_id] = _LeaseEntry(state, now + (lease_seconds or self.config.lease_seconds))
+            assert state.extent is not None
+            return Lease(lease_id, Extent(state.extent.offset, state.info.nbytes), state.info, from_tier)
+
+    def release(self, lease_id: int) -> None:
+        with self._lock:
+            entry = self._leases.pop(lease_id, None)
+            if entry is None:
+                raise NotFound(f"no lease {lease_id} (released already, or it expired)")
+            entry.state.leases -= 1
+            self._unpinned(entry.state)
+
+    def drop(self, hash: bytes) -> bool:
+        """Removes a state from every tier, or abandons a reservation; False if neither existed."""
+        check_hash(hash)
+        with self._lock:
+            res = self._reservations.pop(hash, None)
+            if res is not None:
+                self.arena.free(res.extent)
+                return True
+            state = self._states.get(hash)
+            if state is None:
+                return False
+            self._forget(state)
+            return True
+
+    def abandon(self, hash: bytes) -> bool:
+        """Frees a reservation that will not be committed (a failed Put); never touches a stored state."""
+        with self._lock:
+            res = self._reservations.pop(hash, None)
+            if res is not None:
+                self.arena.free(res.extent)
+            return res is not None
+
+    def open_read(self, hash: bytes) -> tuple[StateInfo, memoryview | bytes, Callable[[], None]]:
+        """(info, bytes, done) for Get: RAM bytes stay pinned until ``done()``; disk bytes are read and verified."""
+        check_hash(hash)
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            state = self._live(hash)
+            state.last_used = now
+            if state.extent is not None:
+                state.reads += 1
+                return state.info, self.arena.slice(state.extent.offset, state.info.nbytes), \
+                    lambda: self._end_read(state)
+            assert self._disk is not None
+            data = self._disk.read(hash)
+            if data is None:
+                self._forget(state)
+                raise DataLoss(f"the blob of {hash.hex()} failed its checksum; it was dropped")
+            return state.info, data, lambda: None
+
+    def expire(self) -> None:
+        """Ends leases and reservations past their time (the server calls it every second)."""
+        with self._lock:
+            self._expire(self._clock())
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            disk = self._disk
+            c = self._counters
+            return StoreStats(
+                arena_bytes_used=self.arena.allocator.used_bytes, arena_bytes_total=self.arena.size,
+                disk_bytes_used=disk.used_bytes if disk is not None else 0,
+                disk_bytes_total=disk.budget if disk is not None else 0,
+                states_ram=sum(1 for s in self._states.values() if s.extent is not None),
+                states_disk=sum(1 for s in self._states.values() if s.extent is None),
+                checksum_failures=c.checksum_failures + (disk.checksum_failures if disk is not None else 0),
+                leases_active=len(self._leases), reservations_pending=len(self._reservations),
+                spills=c.spills, restores=c.restores, evictions=c.evictions,
+            )
+
+    def check_integrity(self) -> None:
+        """Arena, index and disk agree; raises AssertionError."""
+        with self._lock:
+            self.arena.check_integrity()
+            extents = [s.extent for s in (*self._states.values(), *self._zombies.values()) if s.extent]
+            extents += [r.extent for r in self._reservations.values()]
+            assert sum(e.length for e in extents) == self.arena.allocator.used_bytes, "arena use != extents held"
+            assert len({e.offset for e in extents}) == len(extents), "two holders share an extent"
+            for h, s in self._states.items():
+                assert s.info.hash == h and not s.dropped
+                assert s.leases == sum(1 for e in self._leases.values() if e.state is s), f"lease count of {h.hex()}"
+                assert s.extent is not None or (self._disk is not None and h in self._disk), f"{h.hex()} is nowhere"
+            want: dict[bytes, set[bytes]] = {}
+            for s in self._states.values():
+                if s.extent is not None and s.info.sliceable:
+                    for p in s.info.page_hashes:
+                        want.setdefault(p, set()).add(s.info.hash)
+            assert want == self._ram_pages, "RAM page index is stale"
+            if self._disk is not None:
+                self._disk.check_integrity()
+                assert all(r.info.hash in self._states for r in self._disk.records()), "disk state not indexed"
+
+    def close(self) -> None:
+        with self._lock:
+            self.arena.close()
+            if self._disk is not None:
+                self._disk.close()
+
+    # ------------------------------------------------------------ internals (lock held)
+
+    def _live(self, hash: bytes) -> _State:
+        state = self._states.get(hash)
+        if state is None:
+            raise NotFound(f"no state {hash.hex()}")
+        return state
+
+    def _info(self, hash: bytes, meta: tierstore_pb2.StateMetadata, reserved_class: int) -> StateInfo:
+        reg = self._registry.get(bytes(meta.namespace))
+        page_size = reg.page_size if reg is not None else 0
+        if page_size == 0 and meta.kind == common_pb2.REUSE_KIND_PAGES and meta.page_hashes \
+                and meta.tokens % len(meta.page_hashes) == 0:
+            page_size = meta.tokens // len(meta.page_hashes)  # pages-only state: whole pages by definition
+        sliceable = meta.kind == common_pb2.REUSE_KIND_PAGES or (reg is not None and reg.attention_only)
+        info = StateInfo.from_proto(hash, meta, page_size=page_size, sliceable=sliceable)
+        if meta.request_class == common_pb2.REQUEST_CLASS_UNSPECIFIED:  # the class given at Reserve
+            info = replace(info, request_class=reserved_class)
+        return info
+
+    def _best(self, namespace: bytes, pages: Sequence[bytes], tail: bytes | None, *, in_ram: bool) -> Hit | None:
+        """Longest hit among states in RAM (or on disk only): tail first, then pages from the last."""
+        def usable(s: _State | None) -> bool:
+            return s is not None and s.info.namespace == namespace and (s.extent is not None) == in_ram
+
+        if tail is not None:
+            state = self._states.get(tail)
+            if usable(state):
+                assert state is not None
+                return self._hit(tail, state, state.info.tokens)
+        for i in range(len(pages) - 1, -1, -1):
+            state = self._states.get(pages[i])
+            if usable(state):
+                assert state is not None
+                return self._hit(pages[i], state, state.info.tokens)
+            # A page-aligned prefix of a longer sliceable state: page i of the prompt is page i of it.
+            holders: Iterable[bytes] = self._ram_pages.get(pages[i], ()) if in_ram else \
+                (self._disk.states_with_page(pages[i]) if self._disk is not None else ())
+            found: list[_State] = []
+            for h in holders:
+                holder = self._states.get(h)
+                if holder is not None and usable(holder) and holder.info.page_hashes[i:i + 1] == (pages[i],):
+                    found.append(holder)
+            if found:
+                state = min(found, key=lambda s: (s.info.nbytes, s.info.hash))  # cheapest to copy
+                return self._hit(pages[i], state, state.info.prefix_tokens(i))
+        return None
+
+    @staticmethod
+    def _hit(name: bytes, state: _State, tokens: int) -> Hit:
+        extent = Extent(state.extent.offset, state.info.nbytes) if state.extent is not None else None
+        return Hit(name, state.info.hash, tokens, RAM if extent is not None else DISK, state.info.kind, extent,
+                   state.info.nbytes)
+
+    def _candidate(self, state: _State) -> Candidate:
+        return Candidate(state.info.hash, state.info.request_class, state.last_used, state.protect_until,
+                         state.pinned)
+
+    def _make_room(self, nbytes: int, now: float) -> Extent | None:
+        """An arena extent, spilling unpinned states in eviction order until one fits."""
+        extent = self.arena.allocate(nbytes)
+        if extent is not None:
+            return extent
+        movable = [s for s in self._states.values() if s.extent is not None and not s.pinned]
+        # Spill nothing when even every movable state would not make enough room.
+        if self.arena.allocator.free_bytes + sum(s.extent.length for s in movable if s.extent) < align_up(nbytes):
+            return None
+        for cand in self._policy.order(map(self._candidate, movable), now):
+            self._spill(self._states[cand.hash], now)
+            extent = self.arena.allocate(nbytes)
+            if extent is not None:
+                return extent
+        return None
+
+    def _spill(self, state: _State, now: float) -> None:
+        """Moves a RAM state down to disk; drops it (an eviction) when the disk cannot take it."""
+        assert state.extent is not None and not state.pinned
+        disk = self._disk
+        if disk is None or not (state.info.hash in disk or self._make_disk_room(state, now)):
+            log.info("evicted state=%s bytes=%d (no room below RAM)", state.info.hash.hex(), state.info.nbytes)
+            self._counters.evictions += 1
+            self._forget(state)
+            return
+        if state.info.hash not in disk:  # a restored state kept its disk copy: nothing to write
+            data = self.arena.slice(state.extent.offset, state.info.nbytes)
+            try:
+                stored = disk.put(DiskRecord(state.info, state.last_used, state.protect_until), data)
+            except DataLoss as exc:  # the arena copy was corrupted after commit: never persist it
+                log.error("%s", exc)
+                self._forget(state)
+                return
+            finally:
+                data.release()
+            assert stored, "the disk had room a moment ago: this is a bug"
+        self._unindex_ram(state)
+        self.arena.free(state.extent)
+        state.extent = None
+        self._counters.spills += 1
+        log.info("spilled state=%s bytes=%d", state.info.hash.hex(), state.info.nbytes)
+
+    def _make_disk_room(self, incoming: _State, now: float) -> bool:
+        """Frees disk room for ``incoming`` by dropping only states ranked below it."""
+        disk = self._disk
+        assert disk is not None
+        need = blob_size(incoming.info.nbytes)
+        if need > disk.budget:
+            return False
+        if disk.free_bytes() >= need:
+            return True
+        bar = self._policy.rank(self._candidate(incoming), now)
+        victims = [c for c in self._policy.order(
+            (self._candidate(self._states[r.info.hash]) for r in disk.records()
+             if r.info.hash not in self._busy and r.info.hash != incoming.info.hash), now)
+            if self._policy.rank(c, now) < bar]
+        sizes = {c.hash: blob_size(self._states[c.hash].info.nbytes) for c in victims}
+        if disk.free_bytes() + sum(sizes.values()) < need:
+            return False  # keep everything that outranks the incoming state
+        for c in victims:
+            victim = self._states[c.hash]
+            if victim.extent is None:  # its last tier: the state is gone
+                self._counters.evictions += 1
+                log.info("evicted state=%s bytes=%d", c.hash.hex(), victim.info.nbytes)
+                self._forget(victim)
+            else:  # still in RAM: only the disk copy goes
+                disk.remove(c.hash)
+            if disk.free_bytes() >= need:
+                return True
+        raise AssertionError("disk room was counted but not found: this is a bug")
+
+    def _restore(self, state: _State, now: float) -> bool:
+        """Brings a disk state into the arena, checked; False if RAM has no room. DataLoss if the blob is bad."""
+        assert self._disk is not None
+        h = state.info.hash
+        self._busy.add(h)
+        try:
+            extent = self._make_room(state.info.nbytes, now)
+        finally:
+            self._busy.discard(h)
+        if extent is None:
+            return False
+        view = self.arena.slice(extent.offset, state.info.nbytes)
+        try:
+            ok = self._disk.read_into(h, view)
+        finally:
+            view.release()
+        if not ok:
+            self.arena.free(extent)
+            self._forget(state)
+            raise DataLoss(f"the blob of {h.hex()} failed its checksum; it was dropped")
+        state.extent = extent
+        self._index_ram(state)
+        self._counters.restores += 1
+        log.info("restored state=%s bytes=%d", h.hex(), state.info.nbytes)
+        return True
+
+    def _forget(self, state: _State) -> None:
+        """Removes a state from every tier; a pinned extent is freed at the last unpin."""
+        h = state.info.hash
+        if self._states.get(h) is state:
+            del self._states[h]
+        if self._disk is not None:
+            self._disk.remove(h)
+        if state.extent is not None:
+            self._unindex_ram(state)
+        state.dropped = True
+        if state.extent is not None and state.pinned:
+            self._zombies[id(state)] = state
+        self._unpinned(state)
+
+    def _unpinned(self, state: _State) -> None:
+        if state.dropped and not state.pinned and state.extent is not None:
+            self.arena.free(state.extent)
+            state.extent = None
+            self._zombies.pop(id(state), None)
+
+    def _end_read(self, state: _State) -> None:
+        with self._lock:
+            state.reads -= 1
+            self._unpinned(state)
+
+    def _index_ram(self, state: _State) -> None:
+        if state.info.sliceable:
+            for p in state.info.page_hashes:
+                self._ram_pages.setdefault(p, set()).add(state.info.hash)
+
+    def _unindex_ram(self, state: _State) -> None:
+        if state.info.sliceable:
+            for p in state.info.page_hashes:
+                holders = self._ram_pages.get(p)
+                if holders is not None:
+                    holders.discard(state.info.hash)
+                    if not holders:
+                        del self._ram_pages[p]
+
+    def _expire(self, now: float) -> None:
+        for lease_id in [i for i, e in self._leases.items() if e.expires_at <= now]:
+            entry = self._leases.pop(lease_id)
+            entry.state.leases -= 1
+            self._unpinned(entry.state)
+            log.info("lease %d on %s expired", lease_id, entry.state.info.hash.hex())
+        for h in [h for h, r in self._reservations.items() if r.expires_at <= now]:
+            self.arena.free(self._reservations.pop(h).extent)
+            log.info("reservation of %s expired uncommitted", h.hex())
+
+
+def _check_seconds(value: float, name: str) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidArgument(f"{name} must be a finite number >= 0")
