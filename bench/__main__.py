@@ -1,23 +1,31 @@
-"""`make bench`: every benchmark in one run; each prints its table and writes bench/results/."""
+"""`make bench`: every benchmark in one run; each prints its table and writes bench/results/.
+
+Extra arguments (`make bench ARGS="--hidden 512 --layers 8"`) go to the model benchmarks
+(throughput and reuse), which share the checkpoint geometry flags.
+"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-SUITES = [
-    ["bench.throughput", "--kind", "dense"],
-    ["bench.throughput", "--kind", "hybrid"],
-    ["bench.reuse"],
+# (module and its own arguments, whether it takes the geometry arguments)
+SUITES: list[tuple[list[str], bool]] = [
+    (["bench.throughput", "--kind", "dense"], True),
+    (["bench.throughput", "--kind", "hybrid"], True),
+    (["bench.reuse"], True),
+    (["bench.tiers"], False),
+    (["bench.gateway"], False),
 ]
 
 
 def main() -> int:
     extra = sys.argv[1:]
     failed = 0
-    for suite in SUITES:
-        print(f"\n=== python -m {' '.join(suite)} {' '.join(extra)}", flush=True)
-        failed |= subprocess.call([sys.executable, "-m", *suite, *extra])
+    for suite, takes_geometry in SUITES:
+        cmd = [*suite, *(extra if takes_geometry else [])]
+        print(f"\n=== python -m {' '.join(cmd)}", flush=True)
+        failed |= subprocess.call([sys.executable, "-m", *cmd])
     return 1 if failed else 0
 
 

@@ -62,11 +62,11 @@ def _token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:
     return raw.decode("utf-8", errors="replace"), raw
 
 
-def logprob_message(tokenizer: Tokenizer, lp: TokenLogprob | None) -> engine_pb2.TokenLogprob:
-    if lp is None:  # the first prompt token has no logprob
-        return engine_pb2.TokenLogprob()
+def logprob_message(tokenizer: Tokenizer, lp: TokenLogprob) -> engine_pb2.TokenLogprob:
     text, raw = _token_text(tokenizer, lp.token_id)
-    msg = engine_pb2.TokenLogprob(token_id=lp.token_id, token=text, logprob=lp.logprob, token_bytes=raw)
+    msg = engine_pb2.TokenLogprob(token_id=lp.token_id, token=text, token_bytes=raw)
+    if lp.logprob is not None:  # unset for the first prompt token
+        msg.logprob = lp.logprob
     for tid, value in lp.top:
         t_text, t_raw = _token_text(tokenizer, tid)
         msg.top_logprobs.add(token_id=tid, token=t_text, logprob=value, token_bytes=t_raw)

@@ -69,7 +69,7 @@ class _Live:
     seqs: list[Sequence]
     finished: int = 0
     prompt_logprobs_sent: bool = False
-    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class EngineCore:
@@ -361,7 +361,7 @@ class EngineCore:
         start = seq.num_computed
         top_n = seq.request.params.top_logprobs
         if start == 0:
-            live.prompt_logprobs = [None]  # the first prompt token has no logprob
+            live.prompt_logprobs = [TokenLogprob(seq.token_ids[0], None)]  # nothing predicts the first token
         for i in range(res.num_tokens):
             pos = start + i + 1  # logits at position p predict token p+1
             if pos >= seq.num_prompt:

@@ -10,7 +10,7 @@ from engine.request import FinishReason, ReuseReport
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     token_id: int
-    logprob: float
+    logprob: float | None  # None for the first prompt token, which nothing predicts
     top: tuple[tuple[int, float], ...] = ()
 
 
@@ -37,7 +37,7 @@ class Usage:
 class RequestUpdate:
     request_id: str
     deltas: tuple[ChoiceDelta, ...] = ()
-    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # echo: one per prompt token
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # echo with logprobs: one per prompt token
     usage: Usage | None = None  # on the last update of the request only
     error: str | None = None  # an internal failure; the request is over
 

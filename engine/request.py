@@ -63,6 +63,12 @@ class EngineRequest:
         if not self.prompt_ids:
             raise ValueError("the prompt is empty")
 
+    @property
+    def claims_state(self) -> bool:
+        """Whether this request may start from retained state. Echo with logprobs needs the
+        logits at every prompt position, which only a full prefill produces."""
+        return self.lookup and not (self.echo and self.params.logprobs)
+
 
 class Sequence:
     """One choice of a request: prompt + generated tokens and where their state lives."""

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import uvicorn
 
@@ -17,6 +20,24 @@ from gateway.config import GatewayConfig
 from gateway.tracing import setup_tracing
 
 log = logging.getLogger("ignis.gateway")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, ending with status 0 after a graceful SIGTERM/SIGINT stop.
+
+    (uvicorn re-raises the signal once it has shut down, so the process would end killed by it.)
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfig]:
@@ -45,13 +66,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
 async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
     # Bind first, so --port 0 has a port to report and the port file is written only once serving.
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP explicitly: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose proto says TCP,
+    # and accepted sockets inherit proto 0 otherwise: every keep-alive answer then waits ~40 ms for an ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     port = sock.getsockname()[1]
     uv_config = uvicorn.Config(create_app(config), log_level="info", access_log=args.access_log,
                                timeout_graceful_shutdown=args.grace, lifespan="on", log_config=None)
-    server = uvicorn.Server(uv_config)
+    server = _Server(uv_config)
 
     async def announce() -> None:
         while not server.started:
@@ -74,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("IGNIS_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args, config = parse_args(argv)
-    setup_tracing()
+    config.tracing = setup_tracing()
     sys.exit(asyncio.run(serve(args, config)))
 
 

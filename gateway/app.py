@@ -48,7 +48,9 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
     ]
     # Outermost first: metrics see every answer (401s included), then the trace span, then the key check.
-    middleware = [Middleware(MetricsMiddleware, metrics=state.metrics), Middleware(TracingMiddleware)]
+    middleware = [Middleware(MetricsMiddleware, metrics=state.metrics)]
+    if config.tracing:  # without an exporter the spans would go nowhere: skip their per-request cost
+        middleware.append(Middleware(TracingMiddleware))
     if config.api_key is not None:
         middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key, public_paths=config.public_paths))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,

@@ -13,17 +13,27 @@ from typing import Any
 
 from starlette.requests import Request
 
-from gateway.errors import invalid
+from gateway.errors import OpenAIError, invalid
 from gateway.aliases import JSONObject
 
 MAX_BODY_BYTES = 64 << 20  # a 32k-token prompt as token ids is well under 1 MiB
 
 
 async def read_json(request: Request) -> JSONObject:
-    """The body as a JSON object; 400 when it is not JSON or not an object."""
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise invalid(f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    """The body as a JSON object; 413 when too large, 400 when it is not JSON or not an object."""
+    too_large = OpenAIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                            code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large  # before reading any of it
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     if not raw.strip():
         raise invalid("the request body is empty: send a JSON object")
     try:

@@ -13,6 +13,7 @@ class GatewayConfig:
     probe_interval: float = 2.0  # seconds between engine health probes
     probe_timeout: float = 2.0
     public_paths: tuple[str, ...] = field(default=("/health", "/metrics"))  # never need the key
+    tracing: bool = False  # a server span per request (on when an OTLP endpoint is configured)
 
     def __post_init__(self) -> None:
         if not self.engines:

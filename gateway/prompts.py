@@ -53,10 +53,12 @@ def parse_prompts(raw: Any) -> list[Prompt]:
     if not isinstance(raw, list) or not raw:
         raise invalid("'prompt' must be a string, an array of strings, an array of token ids or an array of "
                       "arrays of token ids", param="prompt")
-    if len(raw) > MAX_PROMPTS:
-        raise invalid(f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(raw)}", param="prompt")
     if all(isinstance(p, str) for p in raw):
-        return [Prompt(text=p) for p in raw]
-    if all(isinstance(p, list) for p in raw):
-        return [Prompt(token_ids=_tokens(p, f"prompt[{i}]")) for i, p in enumerate(raw)]
-    return [Prompt(token_ids=_tokens(raw, "prompt"))]
+        prompts = [Prompt(text=p) for p in raw]
+    elif all(isinstance(p, list) for p in raw):
+        prompts = [Prompt(token_ids=_tokens(p, f"prompt[{i}]")) for i, p in enumerate(raw)]
+    else:
+        return [Prompt(token_ids=_tokens(raw, "prompt"))]
+    if len(prompts) > MAX_PROMPTS:
+        raise invalid(f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(prompts)}", param="prompt")
+    return prompts

@@ -128,7 +128,7 @@ def test_echo_prompt_logprobs_and_max_tokens_zero(tiny: tuple[LoadedModel, Token
     out = run_all(core, [request])
     first = out.updates["e"][0]
     assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == len(prompt)
-    assert first.prompt_logprobs[0] is None
+    assert first.prompt_logprobs[0].token_id == prompt[0] and first.prompt_logprobs[0].logprob is None
     # Oracle: the logprob of prompt token i+1 under the model's distribution after tokens 0..i.
     for i in (1, 6, 20):
         logits = greedy_generate(tiny[0], list(prompt[:i]), 1).logits[0]
@@ -138,6 +138,9 @@ def test_echo_prompt_logprobs_and_max_tokens_zero(tiny: tuple[LoadedModel, Token
         assert abs(got.logprob - expected[prompt[i]].item()) < 1e-4
         assert [t for t, _ in got.top] == torch.topk(expected, 2).indices.tolist()
     assert out.tokens("e") == []
+    # Sent again, the prompt's state is retained, but echo with logprobs still prefills it all.
+    again = run_all(make_core(tiny, pages=64), [request, EngineRequest("e2", prompt, request.params, echo=True)])
+    assert again.updates["e2"][0].prompt_logprobs == first.prompt_logprobs
     core.check_integrity()
 
 

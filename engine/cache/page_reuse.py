@@ -23,7 +23,7 @@ class PageReuse(PromptReuse):
         self.page_size = page_size
 
     def match(self, seq: Sequence) -> Claim | None:
-        if not seq.request.lookup:
+        if not seq.request.claims_state:
             return None
         limit = (len(seq.token_ids) - 1) // self.page_size
         matched: list[int] = []

@@ -55,7 +55,7 @@ class RetainedStateReuse(PromptReuse):
 
     # --- lookup -------------------------------------------------------------
     def match(self, seq: Sequence) -> Claim | None:
-        if not seq.request.lookup or not self._by_name:
+        if not seq.request.claims_state or not self._by_name:
             return None
         tokens = seq.token_ids
         n = len(tokens)

@@ -1,0 +1,96 @@
+"""Start the services as processes on free loopback ports for a benchmark, and stop them.
+
+Each service is told ``--port 0 --port-file F``; readiness is polled (the port
+file, then gRPC health or HTTP /health), never slept for.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Service:
+    name: str
+    process: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def launch(name: str, module: str, args: list[str], workdir: Path, ready: Callable[[int], bool],
+           timeout: float = 600.0) -> Service:
+    """`python -m module args --port 0 --port-file F`; returns once `ready(port)` is true."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port_file = workdir / f"{name}.port"
+    port_file.unlink(missing_ok=True)
+    log_path = workdir / f"{name}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", module, *args, "--port", "0", "--port-file", str(port_file)],
+                                cwd=ROOT, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
+    service = Service(name, proc, 0, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{service.log()}")
+        if not service.port and port_file.exists() and port_file.read_text().strip():
+            service.port = int(port_file.read_text())
+        if service.port and ready(service.port):
+            return service
+        time.sleep(0.05)
+    service.stop()
+    raise TimeoutError(f"{name} was not ready within {timeout:.0f}s:\n{service.log()}")
+
+
+def grpc_serving(port: int) -> bool:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        except grpc.RpcError:
+            return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def http_healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def launch_engine(workdir: Path, model: str = "ignis-tiny", args: list[str] | None = None) -> Service:
+    return launch("engine", "engine", ["--model", model, *(args or [])], workdir, grpc_serving)
+
+
+def launch_gateway(workdir: Path, engines: list[str], args: list[str] | None = None) -> Service:
+    flags = ["--host", "127.0.0.1"] + [f for e in engines for f in ("--engine", e)] + (args or [])
+    return launch("gateway", "gateway", flags, workdir, http_healthy, timeout=120)
