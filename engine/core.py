@@ -273,26 +273,26 @@ class EngineCore:
         self.counters["prompt_tokens"] += len(request.prompt_ids)
         self.scheduler.add(first)
 
-    def _cancel(self, request_id: str) -> None:
+    def _abort_all(self, request_id: str) -> _Live | None:
+        """Stop every unfinished choice of a request and free what it holds."""
         live = self._live.pop(request_id, None)
-        if live is None:
-            return
-        for seq in live.seqs:
-            if seq.status is not SeqStatus.FINISHED:
-                seq.finish(FinishReason.ABORT)
-                self.scheduler.remove(seq)
-        self.counters["cancelled"] += 1
-        live.sink(RequestUpdate(request_id, usage=self._usage(live)))
+        if live is not None:
+            for seq in live.seqs:
+                if seq.status is not SeqStatus.FINISHED:
+                    seq.finish(FinishReason.ABORT)
+                    self.scheduler.remove(seq)
+        return live
+
+    def _cancel(self, request_id: str) -> None:
+        live = self._abort_all(request_id)
+        if live is not None:
+            self.counters["cancelled"] += 1
+            live.sink(RequestUpdate(request_id, usage=self._usage(live)))
 
     def _fail(self, request_id: str, message: str) -> None:
-        live = self._live.pop(request_id, None)
-        if live is None:
-            return
-        for seq in live.seqs:
-            if seq.status is not SeqStatus.FINISHED:
-                seq.finish(FinishReason.ABORT)
-                self.scheduler.remove(seq)
-        live.sink(RequestUpdate(request_id, error=message))
+        live = self._abort_all(request_id)
+        if live is not None:
+            live.sink(RequestUpdate(request_id, error=message))
 
     def step(self) -> None:
         plan = self.scheduler.schedule()

@@ -9,9 +9,10 @@ import time
 from typing import AsyncIterator
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
+from common.grpc_server import build_server
+from common.grpc_server import set_serving as set_health
 from engine.api_convert import commit_policy, request_class, sampling_params, update_messages
 from engine.core import EngineCore, EngineStopped, QueueFull
 from engine.outputs import RequestUpdate
@@ -180,23 +181,9 @@ class _Abort(Exception):
 
 def create_server(service: EngineService, address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Build (not start) the server on `address` (port 0 picks a free one); returns (server, port, health)."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-    engine_pb2_grpc.add_EngineServicer_to_server(service, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (
-        engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind the engine to {address}")
-    return server, port, health_servicer
+    return build_server(lambda server: engine_pb2_grpc.add_EngineServicer_to_server(service, server),
+                        engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name, address, "engine")
 
 
 async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, status)
+    await set_health(health_servicer, SERVICE_NAME, serving)

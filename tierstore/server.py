@@ -12,9 +12,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import NoReturn, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
+from common.grpc_server import build_server
+from common.grpc_server import set_serving as set_health
 from ignis.v1 import tierstore_pb2, tierstore_pb2_grpc
 from tierstore.arena import Extent
 from tierstore.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, TierStoreError
@@ -189,23 +190,9 @@ async def _fail(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
 
 def create_server(service: TierStoreService, address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Build (not start) the server on `address` (port 0 picks a free one); returns (server, port, health)."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-    tierstore_pb2_grpc.add_TierStoreServicer_to_server(service, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (
-        tierstore_pb2.DESCRIPTOR.services_by_name["TierStore"].full_name,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind the tierstore to {address}")
-    return server, port, health_servicer
+    return build_server(lambda server: tierstore_pb2_grpc.add_TierStoreServicer_to_server(service, server),
+                        tierstore_pb2.DESCRIPTOR.services_by_name["TierStore"].full_name, address, "tierstore")
 
 
 async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, status)
+    await set_health(health_servicer, SERVICE_NAME, serving)
