@@ -14,7 +14,9 @@ from typing import Any
 import torch
 
 from bench.drive import make_core, random_prompt, run
-from bench.geometry import ensure_geometry
+from bench.geometry import ensure_geometry, geometry_config
+from engine.cache.device_cache import kv_bytes_per_page
+from engine.model.config import parse_config
 from bench.table import markdown, save
 from engine.cache.chain_hash import Namespace, page_hashes
 from engine.request import EngineRequest
@@ -45,7 +47,10 @@ def timed(fn: Any, repeat: int = 20) -> float:
 
 def bench_kind(kind: str, sizes: list[int], hidden: int, layers: int) -> dict[str, Any]:
     path = ensure_geometry(kind, hidden, layers)
-    kv_bytes = (max(sizes) * 3 + 4096) * 2 * layers * 1024 * 4  # generous: every attention layer, fp32
+    config = parse_config(geometry_config(kind, hidden, layers))
+    # Room for the live prompt, its turn-2 extension and the retained copies, fp32.
+    pages_needed = 4 * (max(sizes) + 128) // P + 64
+    kv_bytes = pages_needed * kv_bytes_per_page(config, P, torch.float32)
     on = make_core(path, page_size=P, kv_cache_bytes=kv_bytes, max_num_seqs=4, step_token_budget=2048,
                    retained_device=8)
     off = make_core(path, page_size=P, kv_cache_bytes=kv_bytes, max_num_seqs=4, step_token_budget=2048,

@@ -30,11 +30,12 @@ def accumulation_dtype(device: torch.device) -> torch.dtype:
 
 
 def _prepare(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    acc: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Expand grouped key heads to value heads, move heads first, fp32, normalise q/k."""
+    """Expand grouped key heads to value heads, move heads first, upcast, normalise q/k."""
     # q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; g, beta: [B, T, Hv]
-    acc = accumulation_dtype(q.device)
+    acc = acc or accumulation_dtype(q.device)
     hk, hv = k.shape[2], v.shape[2]
     if hk != hv:
         q = q.repeat_interleave(hv // hk, dim=2)
@@ -129,21 +130,27 @@ def recurrent_gated_delta_rule(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token gated delta rule; same contract as chunk_gated_delta_rule."""
+    """Token-by-token gated delta rule; same contract as chunk_gated_delta_rule.
+
+    The decode path: it runs in fp32 (the state's own dtype) with in-place updates and
+    batched matrix-vector products, so a step touches the state once instead of
+    materialising several state-sized temporaries.
+    """
     out_dtype = v.dtype
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, torch.float32)
     b, h, t, dk = k.shape
     dv = v.shape[-1]
     state = (
-        torch.zeros(b, h, dk, dv, dtype=q.dtype, device=q.device)
+        torch.zeros(b * h, dk, dv, dtype=torch.float32, device=q.device)
         if initial_state is None
-        else initial_state.to(q.dtype)
+        else initial_state.to(torch.float32).reshape(b * h, dk, dv).clone()
     )
-    out = torch.empty(b, h, t, dv, dtype=q.dtype, device=q.device)
+    out = torch.empty(b, h, t, dv, dtype=torch.float32, device=q.device)
     for i in range(t):
-        state = state * g[:, :, i].exp()[..., None, None]
-        remembered = (state * k[:, :, i].unsqueeze(-1)).sum(dim=-2)  # S^T k: [B,H,Dv]
-        delta = (v[:, :, i] - remembered) * beta[:, :, i].unsqueeze(-1)
-        state = state + k[:, :, i].unsqueeze(-1) * delta.unsqueeze(-2)
-        out[:, :, i] = (state * q[:, :, i].unsqueeze(-1)).sum(dim=-2)
-    return out.transpose(1, 2).to(out_dtype).contiguous(), state.float()
+        k_t = k[:, :, i].reshape(b * h, 1, dk)  # row vector
+        state.mul_(g[:, :, i].exp().reshape(b * h, 1, 1))
+        remembered = torch.bmm(k_t, state)  # S^T k: [BH, 1, Dv]
+        delta = (v[:, :, i].reshape(b * h, 1, dv) - remembered) * beta[:, :, i].reshape(b * h, 1, 1)
+        state.baddbmm_(k_t.transpose(1, 2), delta)  # S += k delta^T
+        out[:, :, i] = torch.bmm(q[:, :, i].reshape(b * h, 1, dk), state).reshape(b, h, dv)
+    return out.transpose(1, 2).to(out_dtype).contiguous(), state.reshape(b, h, dk, dv)
