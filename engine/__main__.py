@@ -32,6 +32,7 @@ _SETTING_FLAGS = {
     "prefill_chunk_tokens": "engine.prefill_chunk_tokens",
     "dtype": "engine.dtype",
     "device": "engine.device",
+    "tierstore": "tierstore.address",  # --tierstore HOST:PORT
 }
 
 
@@ -74,6 +75,7 @@ def build_core(model_path: Path, settings: Settings) -> EngineCore:
         step_token_budget=e.prefill_chunk_tokens, max_queue=e.max_queue, max_model_len=e.max_model_len,
         reuse_prompt=settings.reuse.prompt, retained_device=settings.reuse.retained_device,
         retained_interactive_ttl=settings.reuse.retained_interactive_ttl,
+        tierstore_address=settings.tierstore.address,
     )
     return EngineCore(loaded, tokenizer, config)
 

@@ -31,6 +31,9 @@ from engine.sampling.sampler import RequestSampler, sample
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.text.detokenizer import TextStream
 from engine.text.tokenizer import Tokenizer
+from engine.tiers.client import TierClient
+from engine.tiers.codec import StateCodec
+from engine.tiers.link import TierLink
 
 log = logging.getLogger("ignis.engine")
 
@@ -56,6 +59,10 @@ class EngineConfig:
     reuse_prompt: bool = True  # reuse.prompt
     retained_device: int = 8  # reuse.retained_device: retained-state slots reserved at load (hybrid models)
     retained_interactive_ttl: float = 300.0  # reuse.retained_interactive_ttl
+    tierstore_address: str = ""  # tierstore.address; empty = device-only reuse
+    tier_restore_floor: int = -1  # a lower-tier match must beat the device match by more tokens; -1: two pages
+    tier_timeout: float = 2.0  # deadline of each tierstore call (seconds)
+    tier_retry_seconds: float = 5.0  # after the store fails, device-only this long before trying again
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.kv_cache_bytes <= 0 or self.max_queue <= 0:
@@ -93,7 +100,8 @@ class EngineCore:
             self.reuse = NoReuse()
         elif model_cfg.is_hybrid:
             self.reuse = RetainedStateReuse(self.cache, self.pages, live_slots, retained_slots,
-                                            config.retained_interactive_ttl)
+                                            config.retained_interactive_ttl, tiers=self._tier_link(),
+                                            restore_floor=self._restore_floor())
         else:
             self.reuse = PageReuse(self.pages, config.page_size)
         self.scheduler = Scheduler(
@@ -121,6 +129,24 @@ class EngineCore:
         self._next_seq = 0
         self.counters = {"finished": 0, "cancelled": 0, "preempted": 0, "prompt_tokens": 0, "generated_tokens": 0}
 
+    def _restore_floor(self) -> int:
+        floor = self.config.tier_restore_floor
+        return 2 * self.config.page_size if floor < 0 else floor
+
+    def _tier_link(self) -> TierLink | None:
+        """The tierstore below the device (hybrid models: retained states), if one is configured."""
+        if not self.config.tierstore_address:
+            return None
+        codec = StateCodec(self.cache, self.loaded.config.vocab_size)
+        client = TierClient(
+            self.config.tierstore_address, model=self.loaded.config.model_type, page_size=self.config.page_size,
+            layout=codec.layout(), kv_bytes_per_token=codec.kv_bytes_per_token,
+            fixed_state_bytes=codec.fixed_state_bytes, timeout=self.config.tier_timeout,
+            retry_seconds=self.config.tier_retry_seconds)
+        log.info("retained states spill to the tierstore at %s (restore floor %d tokens)",
+                 self.config.tierstore_address, self._restore_floor())
+        return TierLink(client, codec)
+
     # --- public, any thread -------------------------------------------------------
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="ignis-engine-step", daemon=True)
@@ -131,6 +157,9 @@ class EngineCore:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        tiers = getattr(self.reuse, "tiers", None)
+        if isinstance(tiers, TierLink) and (self._thread is None or not self._thread.is_alive()):
+            tiers.client.close()
 
     def validate(self, request: EngineRequest) -> None:
         """Raise ValueError (a caller mistake) before anything is queued."""
@@ -213,6 +242,8 @@ class EngineCore:
             retained_hits=rc.hits,
             retained_misses=rc.misses,
             reused_tokens_device=rc.reused_tokens["device"],
+            reused_tokens_ram=rc.reused_tokens["ram"],
+            reused_tokens_disk=rc.reused_tokens["disk"],
             prefix_reused_tokens=rc.prefix_reused_tokens,
             retained_slot_skips=rc.slot_skips,
         )

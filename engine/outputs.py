@@ -68,5 +68,7 @@ class EngineStats:  # noqa: D101 - a snapshot for GetStats and /metrics
     retained_hits: int = 0
     retained_misses: int = 0
     reused_tokens_device: int = 0
+    reused_tokens_ram: int = 0
+    reused_tokens_disk: int = 0
     prefix_reused_tokens: int = 0
     retained_slot_skips: int = 0

@@ -4,11 +4,16 @@ A retained state is the whole sequence state at one position: the recurrent
 state and conv taps (a copy in a slot reserved at load), and the KV pages up to
 that position (full pages shared by reference, a partial last page copied).
 It is immutable: a claim copies it into the claimant's own slot and pages.
+
+With a tierstore (`tiers`), a state the device evicts is spilled to KV-RAM
+instead of lost, and a lookup also asks the store; a lower-tier state is used
+only if it beats the device match by more than `restore_floor` tokens (ties go up).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,7 +25,15 @@ from engine.cache.device_cache import DeviceCache
 from engine.cache.eviction import eviction_key
 from engine.cache.page_pool import PagePool
 from engine.cache.reuse import Claim, PromptReuse
+from engine.outputs import ReuseReport
 from engine.request import CommitPolicy, RequestClass, Sequence
+from engine.tiers.link import Spillable, TierHit, TierLink
+from ignis.v1 import common_pb2
+
+log = logging.getLogger("ignis.request")
+_CLASS_PB = {RequestClass.INTERACTIVE: common_pb2.REQUEST_CLASS_INTERACTIVE,
+             RequestClass.AGENT: common_pb2.REQUEST_CLASS_AGENT}
+_TIER_MEMO_SECONDS = 1.0  # a blocked queue head is matched every step: ask the store at most this often
 
 
 @dataclass(eq=False)
@@ -35,11 +48,14 @@ class RetainedState:
     lineage: int | None
     logits: torch.Tensor | None  # next-token logits at the end (opener checkpoints): a retry prefills nothing
     last_used: float = field(default_factory=time.monotonic)
+    seed: bytes = b""  # namespace (for the tierstore)
+    page_hashes: tuple[bytes, ...] = ()  # hashes of its full pages (for the tierstore)
 
 
 class RetainedStateReuse(PromptReuse):
     def __init__(self, cache: DeviceCache, pages: PagePool, first_slot: int, num_slots: int,
-                 interactive_ttl: float, max_per_lineage: int = 2) -> None:
+                 interactive_ttl: float, max_per_lineage: int = 2, tiers: TierLink | None = None,
+                 restore_floor: int = 32) -> None:
         super().__init__()
         self.cache = cache
         self.pages = pages
@@ -52,10 +68,40 @@ class RetainedStateReuse(PromptReuse):
         self._by_anchor: dict[BlockHash, list[RetainedState]] = {}
         self._lineages: dict[int, deque[RetainedState]] = {}
         self._lineage_ids = itertools.count(1)
+        self.tiers = tiers
+        self.restore_floor = restore_floor
+        self._tier_memo: dict[int, tuple[float, int, TierHit | None]] = {}  # seq_id -> (at, tokens, hit)
+        self._restored: tuple[int, str] | None = None  # (seq_id, tier) of the last apply from a lower tier
 
     # --- lookup -------------------------------------------------------------
     def match(self, seq: Sequence) -> Claim | None:
-        if not seq.request.claims_state or not self._by_name:
+        if not seq.request.claims_state:
+            return None
+        device = self._match_device(seq)
+        have = device.num_tokens if device else 0
+        if len(seq.token_ids) - have <= self.restore_floor:
+            return device  # nothing below the device could beat it: do not ask the store
+        hit = self._match_tiers(seq)
+        if hit is not None and hit.tokens > have + self.restore_floor:
+            # Every page of a restored state is a fresh page: they all count against the free list.
+            return Claim(hit.tokens, hit.kind, hit.tokens // self.page_size, hit)
+        return device
+
+    def _match_tiers(self, seq: Sequence) -> TierHit | None:
+        if self.tiers is None:
+            return None
+        now = time.monotonic()
+        memo = self._tier_memo.get(seq.seq_id)
+        if memo is not None and now - memo[0] < _TIER_MEMO_SECONDS and memo[1] == len(seq.token_ids):
+            return memo[2]
+        hit = self.tiers.lookup(seq.seed, seq.page_hashes, seq.token_ids)
+        if len(self._tier_memo) > 1024:
+            self._tier_memo = {k: v for k, v in self._tier_memo.items() if now - v[0] < _TIER_MEMO_SECONDS}
+        self._tier_memo[seq.seq_id] = (now, len(seq.token_ids), hit)
+        return hit
+
+    def _match_device(self, seq: Sequence) -> Claim | None:
+        if not self._by_name:
             return None
         tokens = seq.token_ids
         n = len(tokens)
@@ -74,6 +120,10 @@ class RetainedStateReuse(PromptReuse):
         return None
 
     def apply(self, seq: Sequence, claim: Claim) -> None:
+        self._restored = None
+        if isinstance(claim.handle, TierHit):
+            self._apply_tier(seq, claim.handle)
+            return
         state = claim.handle
         assert isinstance(state, RetainedState) and seq.slot is not None
         full = state.num_tokens // self.page_size
@@ -94,6 +144,39 @@ class RetainedStateReuse(PromptReuse):
         if state.kind == "checkpoint":
             seq.lineage = state.lineage
         state.last_used = time.monotonic()
+
+    def _apply_tier(self, seq: Sequence, hit: TierHit) -> None:
+        assert self.tiers is not None and seq.slot is not None
+        self._tier_memo.pop(seq.seq_id, None)
+        got = self.pages.allocate(-(-hit.tokens // self.page_size))
+        if got is None:
+            raise RuntimeError("lower-tier claim admitted without its pages: this is a bug")
+        result = self.tiers.restore(seq.seed, hit, seq.slot, got)
+        if result is None:  # gone, corrupt or the store is down: the sequence prefills cold
+            self.pages.release(got)
+            return
+        tier, logits = result
+        seq.page_table = got
+        seq.num_computed = hit.tokens
+        if hit.tokens == len(seq.token_ids):
+            seq.pending_logits = logits
+        self._restored = (seq.seq_id, tier)
+
+    def record(self, seq: Sequence, claim: Claim | None) -> None:
+        if claim is None or not isinstance(claim.handle, TierHit):
+            super().record(seq, claim)
+            return
+        restored, self._restored = self._restored, None
+        if restored is None or restored[0] != seq.seq_id:
+            self.counters.misses += 1  # the restore failed: served cold
+            return
+        tier = restored[1]
+        self.counters.hits += 1
+        self.counters.reused_tokens[tier] += claim.num_tokens
+        if claim.kind == "prefix":
+            self.counters.prefix_reused_tokens += claim.num_tokens
+        seq.num_cached = claim.num_tokens
+        seq.reuse = ReuseReport(tier, claim.kind, claim.num_tokens)
 
     # --- capture ------------------------------------------------------------
     def cut_point(self, seq: Sequence) -> int | None:
@@ -157,6 +240,7 @@ class RetainedStateReuse(PromptReuse):
             name=name, anchor=anchor, num_tokens=m, kind=kind, slot=slot, pages=shared + private,  # type: ignore[arg-type]
             request_class=seq.request.request_class, lineage=lineage,
             logits=None if logits is None else logits.clone(), last_used=now,
+            seed=seq.seed, page_hashes=tuple(seq.page_hashes[:full]),
         )
         self._by_name[name] = state
         self._by_anchor.setdefault(anchor, []).append(state)  # type: ignore[arg-type]
@@ -177,17 +261,26 @@ class RetainedStateReuse(PromptReuse):
         victim = min(self._by_name.values(), key=lambda s: self._key(s, now), default=None)
         if victim is None or self._key(victim, now) >= newcomer:
             return False
-        self._drop(victim)
-        self.counters.evictions += 1
+        self._evict(victim)
         return True
 
     def reclaim(self, pages_needed: int) -> bool:
         now = time.monotonic()
         while self.pages.num_free < pages_needed and self._by_name:
             victim = min(self._by_name.values(), key=lambda s: self._key(s, now))
-            self._drop(victim)
-            self.counters.evictions += 1
+            self._evict(victim)
         return self.pages.num_free >= pages_needed
+
+    def _evict(self, state: RetainedState) -> None:
+        """The device needs the room: move the state down a tier if there is one, then free it."""
+        spilled = self.tiers is not None and self.tiers.spill(Spillable(
+            state.name, state.seed, state.num_tokens, state.kind, _CLASS_PB[state.request_class],
+            state.page_hashes, state.slot, state.pages, state.logits))
+        if not spilled:
+            log.info("ignis.request.evicted hash=%s tokens=%d kind=%s tier=device", state.name.hex(),
+                     state.num_tokens, state.kind)
+        self._drop(state)
+        self.counters.evictions += 1
 
     def _drop(self, state: RetainedState) -> None:
         if self._by_name.pop(state.name, None) is None:

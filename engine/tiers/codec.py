@@ -1,0 +1,121 @@
+"""The byte layout of one retained state in the arena, and the copies in and out.
+
+A state is [recurrent slot | conv slot | KV pages | next-token logits?], each
+section 64-byte aligned so a uint8 view of the arena can be reinterpreted as the
+section's dtype. Each section is one tensor copy; nothing is done per element in Python.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache.device_cache import DeviceCache
+
+_ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class Sections:
+    recurrent: int
+    conv: int
+    kv: int
+    logits: int  # offset of the logits (also the size without them)
+    end: int  # size with the logits
+
+
+class StateCodec:
+    def __init__(self, cache: DeviceCache, vocab_size: int) -> None:
+        self.cache = cache
+        self.page_size = cache.page_size
+        self.vocab_size = vocab_size
+        self.recurrent_bytes = _nbytes(cache.recurrent[0]) if cache.recurrent.shape[0] else 0
+        self.conv_bytes = _nbytes(cache.conv[0]) if cache.conv.shape[0] else 0
+        self.page_bytes = _nbytes(cache.kv[0])
+        self.logits_bytes = 4 * vocab_size  # logits are fp32 (the model returns them so)
+
+    @property
+    def fixed_state_bytes(self) -> int:
+        return self.recurrent_bytes + self.conv_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.page_bytes // self.page_size
+
+    def layout(self) -> str:
+        """Compared by the tierstore on re-register: a state is never read under another layout."""
+        c = self.cache
+        return json.dumps({
+            "format": "ignis.retained.v1", "align": _ALIGN,
+            "recurrent": [list(c.recurrent.shape[1:]), str(c.recurrent.dtype)],
+            "conv": [list(c.conv.shape[1:]), str(c.conv.dtype)],
+            "kv_page": [list(c.kv.shape[1:]), str(c.kv.dtype)],
+            "logits": [[self.vocab_size], "torch.float32"],
+        }, sort_keys=True)
+
+    def sections(self, tokens: int) -> Sections:
+        num_pages = -(-tokens // self.page_size)
+        conv = _align(self.recurrent_bytes)
+        kv = conv + _align(self.conv_bytes)
+        logits = kv + _align(num_pages * self.page_bytes)
+        return Sections(0, conv, kv, logits, logits + self.logits_bytes)
+
+    def nbytes(self, tokens: int, with_logits: bool) -> int:
+        s = self.sections(tokens)
+        return s.end if with_logits else s.logits
+
+    def has_logits(self, tokens: int, nbytes: int) -> bool:
+        return nbytes == self.sections(tokens).end
+
+    @staticmethod
+    def _view(arena: torch.Tensor, start: int, like: torch.Tensor, count: int | None = None) -> torch.Tensor:
+        n = _nbytes(like) * (count or 1)
+        shape = like.shape if count is None else (count, *like.shape)
+        return arena[start:start + n].view(like.dtype).view(shape)
+
+    def pack(self, arena: torch.Tensor, offset: int, tokens: int, slot: int, pages: list[int],
+             logits: torch.Tensor | None) -> None:
+        """Copy a state (device slot + its pages + logits) into the arena at `offset`."""
+        c, s = self.cache, self.sections(tokens)
+        if len(pages) != -(-tokens // self.page_size):
+            raise ValueError(f"{len(pages)} pages do not hold {tokens} tokens")
+        if self.recurrent_bytes:
+            self._view(arena, offset + s.recurrent, c.recurrent[slot]).copy_(c.recurrent[slot])
+        if self.conv_bytes:
+            self._view(arena, offset + s.conv, c.conv[slot]).copy_(c.conv[slot])
+        if pages:
+            dst = self._view(arena, offset + s.kv, c.kv[0], len(pages))
+            idx = torch.tensor(pages, dtype=torch.long, device=c.kv.device)
+            if c.kv.device.type == "cpu":
+                torch.index_select(c.kv, 0, idx, out=dst)  # gather straight into the arena
+            else:
+                dst.copy_(c.kv.index_select(0, idx))
+        if logits is not None:
+            self._view(arena, offset + s.logits, logits.float()).copy_(logits.float())
+
+    def unpack(self, arena: torch.Tensor, offset: int, tokens: int, nbytes: int, slot: int,
+               pages: list[int]) -> torch.Tensor | None:
+        """Copy a state out of the arena into `slot` and fresh `pages`; returns its logits, if stored."""
+        c, s = self.cache, self.sections(tokens)
+        if self.recurrent_bytes:
+            c.recurrent[slot].copy_(self._view(arena, offset + s.recurrent, c.recurrent[slot]))
+        if self.conv_bytes:
+            c.conv[slot].copy_(self._view(arena, offset + s.conv, c.conv[slot]))
+        if pages:
+            src = self._view(arena, offset + s.kv, c.kv[0], len(pages))
+            idx = torch.tensor(pages, dtype=torch.long, device=c.kv.device)
+            c.kv.index_copy_(0, idx, src.to(c.kv.device))
+        if not self.has_logits(tokens, nbytes):
+            return None
+        like = torch.empty(self.vocab_size, dtype=torch.float32)
+        return self._view(arena, offset + s.logits, like).to(c.kv.device, copy=True)

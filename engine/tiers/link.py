@@ -1,0 +1,152 @@
+"""Retained states moving between the device and the tierstore: spill, look up, restore.
+
+Used by RetainedStateReuse on the engine thread. Every failure ends in "nothing
+happened": a spill that fails loses the state (as without a store), a restore that
+fails leaves the sequence cold.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+import xxhash
+
+from engine.cache.chain_hash import BlockHash, state_name
+from engine.tiers.client import TierClient
+from engine.tiers.codec import StateCodec
+from ignis.v1 import common_pb2, tierstore_pb2
+
+log = logging.getLogger("ignis.request")
+
+_KINDS = {"checkpoint": common_pb2.REUSE_KIND_CHECKPOINT, "prefix": common_pb2.REUSE_KIND_PREFIX}
+_KIND_NAMES = {v: k for k, v in _KINDS.items()}
+_TIERS = {common_pb2.REUSE_TIER_RAM: "ram", common_pb2.REUSE_TIER_DISK: "disk"}
+
+
+@dataclass(frozen=True, slots=True)
+class TierHit:
+    """A usable state in a lower tier (the handle of a Claim)."""
+
+    state_hash: bytes
+    tokens: int
+    kind: str
+    tier: str  # where Match saw it; Acquire's from_tier is what gets reported
+
+
+@dataclass(frozen=True, slots=True)
+class Spillable:
+    """What a spill needs of a retained state (kept free of engine.cache imports)."""
+
+    name: BlockHash
+    seed: bytes
+    tokens: int
+    kind: str
+    request_class: int  # common_pb2.RequestClass
+    page_hashes: tuple[bytes, ...]
+    slot: int
+    pages: list[int]
+    logits: torch.Tensor | None
+
+
+class TierLink:
+    def __init__(self, client: TierClient, codec: StateCodec) -> None:
+        self.client = client
+        self.codec = codec
+        self.page_size = codec.page_size
+        self.spills = 0
+        self.spill_failures = 0
+        self.restores = 0
+        self.restore_failures = 0
+
+    # --- down ----------------------------------------------------------------------------
+    def spill(self, s: Spillable) -> bool:
+        """Write a state leaving the device into KV-RAM; True if the store now holds it."""
+        if not self.client.available or not self.client.ensure(s.seed):
+            return False
+        nbytes = self.codec.nbytes(s.tokens, s.logits is not None)
+        extent = self.client.reserve(s.name, nbytes, s.request_class)
+        if extent is None:
+            if self.client.last_code is grpc.StatusCode.ALREADY_EXISTS:
+                return True  # states are immutable: the store already holds this one
+            self.spill_failures += 1  # no room, or the store is down
+            return False
+        arena = self.client.arena
+        assert arena is not None
+        self.codec.pack(arena, extent.offset, s.tokens, s.slot, s.pages, s.logits)
+        # Our own checksum: Commit rejects it if the bytes landed in a stale mapping (store restarted).
+        digest = xxhash.xxh3_128_digest(self.client.arena_bytes(extent.offset, nbytes))
+        meta = tierstore_pb2.StateMetadata(
+            namespace=s.seed, tokens=s.tokens, kind=_KINDS[s.kind], request_class=s.request_class,  # type: ignore[arg-type]
+            page_hashes=s.page_hashes, checksum=digest, nbytes=nbytes)
+        if not self.client.commit(s.name, meta):
+            self.client.drop(s.name)  # abandon the reservation
+            self.spill_failures += 1
+            return False
+        self.spills += 1
+        log.info("ignis.request.spilled hash=%s tokens=%d kind=%s tier=ram bytes=%d",
+                 s.name.hex(), s.tokens, s.kind, nbytes)
+        return True
+
+    # --- lookup --------------------------------------------------------------------------
+    def lookup(self, seed: bytes, page_hashes: list[BlockHash], tokens: list[int]) -> TierHit | None:
+        """The longest usable state below the device for this prompt.
+
+        Match knows page-aligned names plus one tail hash, so we pass the whole prompt's
+        name as the tail: a checkpoint that ends mid-page before the end of the prompt
+        (a previous turn's reply) is matchable only on the device.
+        """
+        if not self.client.available:
+            return None
+        n = len(tokens)
+        full = min(len(page_hashes), n // self.page_size)
+        pages = list(page_hashes[:full])
+        tail = None
+        if n % self.page_size and len(page_hashes) >= n // self.page_size:
+            tail = state_name(seed, page_hashes, tokens, n, self.page_size)  # type: ignore[arg-type]
+        for _ in range(2):
+            hits = self.client.match(seed, pages, tail)
+            if not hits:
+                return None
+            best = max(hits, key=lambda h: h.tokens)
+            # The whole prompt is usable only with its next-token logits stored.
+            if best.tokens < n or self.codec.has_logits(best.tokens, best.nbytes):
+                return TierHit(bytes(best.state_hash or best.hash), best.tokens, _KIND_NAMES.get(best.kind, "checkpoint"),
+                               _TIERS.get(best.tier, "ram"))
+            if tail is not None:
+                tail = None
+            else:
+                pages = pages[:-1]
+        return None
+
+    # --- up ------------------------------------------------------------------------------
+    def restore(self, seed: bytes, hit: TierHit, slot: int, pages: list[int]) -> tuple[str, torch.Tensor | None] | None:
+        """Copy a stored state into `slot` and `pages`; (from tier, logits) or None if it failed."""
+        if not self.client.ensure(seed):
+            self.restore_failures += 1
+            return None
+        started = time.perf_counter()
+        lease = self.client.acquire(hit.state_hash)
+        if lease is None:
+            self.restore_failures += 1
+            return None
+        try:
+            meta, ext = lease.metadata, lease.extent
+            arena = self.client.arena
+            if meta.tokens != hit.tokens or ext.length < meta.nbytes or arena is None or \
+                    xxhash.xxh3_128_digest(self.client.arena_bytes(ext.offset, meta.nbytes)) != meta.checksum:
+                self.restore_failures += 1
+                log.warning("ignis.request.restore_rejected hash=%s: metadata or checksum mismatch",
+                            hit.state_hash.hex())
+                return None
+            logits = self.codec.unpack(arena, ext.offset, meta.tokens, meta.nbytes, slot, pages)
+        finally:
+            self.client.release(lease.lease_id)
+        tier = _TIERS.get(lease.from_tier, "ram")
+        self.restores += 1
+        log.info("ignis.request.restored hash=%s tokens=%d kind=%s tier=%s ms=%.2f", hit.state_hash.hex(),
+                 hit.tokens, hit.kind, tier, (time.perf_counter() - started) * 1000)
+        return tier, logits

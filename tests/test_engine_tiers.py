@@ -1,0 +1,237 @@
+"""Retained states of a hybrid model moving device -> KV-RAM -> KV-disk and back, end to end.
+
+A real tierstore process (real shared memory, real LMDB) under an in-process
+EngineCore on ignis-tiny with 2 retained device slots. Every output is checked
+against a cold run (reuse off): greedy tokens identical, logprobs within 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from engine.core import EngineConfig, EngineCore
+from engine.model.loader import LoadedModel, load_model
+from engine.outputs import RequestUpdate
+from engine.prompt import render_chat
+from engine.request import EngineRequest
+from engine.sampling.params import SamplingParams
+from engine.text.tokenizer import Tokenizer
+from ignis.v1 import engine_pb2
+from services import RunningService, start_tierstore
+
+P = 16
+MiB = 1 << 20
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    logprobs: list[float | None]
+    cached: int
+    tier: str
+    error: str | None
+
+
+class Engine:
+    """An EngineCore driven from the test thread."""
+
+    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, *, reuse: bool = True, tierstore: str = "") -> None:
+        self.tokenizer = tokenizer
+        self.core = EngineCore(loaded, tokenizer, EngineConfig(
+            page_size=P, kv_cache_bytes=16 * MiB, max_num_seqs=4, reuse_prompt=reuse, retained_device=2,
+            tierstore_address=tierstore, tier_timeout=2.0, tier_retry_seconds=0.3))
+        self.core.start()
+        self.n = 0
+
+    def request(self, topic: str) -> EngineRequest:
+        chat = engine_pb2.ChatInput()
+        chat.messages.add(role="user", content=f"Conversation about {topic}: " + f"tell me about {topic}. " * 6)
+        self.n += 1
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=True)
+        return EngineRequest(f"r{self.n}", render_chat(self.tokenizer, chat).token_ids, params)
+
+    def run(self, topic: str) -> Result:
+        req = self.request(topic)
+        done = threading.Event()
+        updates: list[RequestUpdate] = []
+
+        def sink(u: RequestUpdate) -> None:
+            updates.append(u)
+            if u.done:
+                done.set()
+
+        self.core.submit(req, sink)
+        assert done.wait(60)
+        last = updates[-1]
+        deltas = [d for u in updates for d in u.deltas]
+        usage = last.usage
+        return Result([t for d in deltas for t in d.token_ids], [lp.logprob for d in deltas for lp in d.logprobs],
+                      usage.cached_tokens if usage else 0, usage.reuse.tier if usage else "none", last.error)
+
+    def check(self) -> None:
+        self.core.check_integrity()
+        assert self.core.stats().used_pages == 0
+
+    def close(self) -> None:
+        self.core.stop()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Path) -> tuple[LoadedModel, Tokenizer]:
+    return load_model(tiny_model_dir), Tokenizer.from_dir(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def oracle(model: tuple[LoadedModel, Tokenizer]):
+    cold = Engine(*model, reuse=False)
+    memo: dict[str, Result] = {}
+
+    def get(topic: str) -> Result:
+        if topic not in memo:
+            memo[topic] = cold.run(topic)
+        return memo[topic]
+
+    yield get
+    cold.check()
+    cold.close()
+
+
+def tierstore(tmp_path: Path, arena: int, disk: int, port: int = 0) -> RunningService:
+    args = ["--kv-host-pool-bytes", str(arena), "--kv-disk-path", str(tmp_path / "kv-disk"),
+            "--kv-disk-bytes", str(disk)]
+    return start_tierstore(tmp_path / "ts", args + (["--port", str(port)] if port else []))
+
+
+def same(got: Result, want: Result) -> None:
+    assert got.error is None
+    assert got.tokens == want.tokens
+    assert max(abs((x or 0.0) - (y or 0.0)) for x, y in zip(got.logprobs, want.logprobs)) < 1e-5
+
+
+TOPICS = ["tides", "glaciers", "volcanoes", "comets", "lichens"]
+
+
+def test_evicted_states_spill_to_ram_and_hit_from_ram(tmp_path: Path, model, oracle) -> None:
+    store = tierstore(tmp_path, arena=16 * MiB, disk=0)
+    engine = Engine(*model, tierstore=store.address)
+    try:
+        for topic in TOPICS:  # 2 device slots: each conversation evicts the one before
+            same(engine.run(topic), oracle(topic))
+        link = engine.core.reuse.tiers  # type: ignore[attr-defined]
+        assert link.spills >= 2 * (len(TOPICS) - 1)  # opener + end-of-reply checkpoint of each evicted one
+        for topic in TOPICS[:3]:
+            got = engine.run(topic)
+            same(got, oracle(topic))
+            assert got.tier == "ram" and got.cached == len(engine.request(topic).prompt_ids)
+        assert engine.core.reuse.counters.reused_tokens["ram"] > 0
+        assert engine.core.stats().reused_tokens_ram == engine.core.reuse.counters.reused_tokens["ram"]
+        engine.core.reuse.restore_floor = 10**6  # type: ignore[attr-defined] # a restore never beats re-prefilling
+        got = engine.run(TOPICS[3])  # in RAM, but below the floor: served cold
+        same(got, oracle(TOPICS[3]))
+        assert (got.tier, got.cached) == ("none", 0)
+        engine.check()
+    finally:
+        engine.close()
+        store.stop()
+
+
+def test_small_arena_spills_on_to_disk_and_hits_from_disk(tmp_path: Path, model, oracle) -> None:
+    store = tierstore(tmp_path, arena=1 * MiB, disk=64 * MiB)  # about two states fit in RAM
+    engine = Engine(*model, tierstore=store.address)
+    try:
+        for topic in TOPICS:
+            same(engine.run(topic), oracle(topic))
+        got = engine.run(TOPICS[0])  # spilled first: long pushed out of the arena onto disk
+        same(got, oracle(TOPICS[0]))
+        assert got.tier == "disk"
+        assert engine.core.reuse.counters.reused_tokens["disk"] > 0
+        engine.check()
+    finally:
+        engine.close()
+        store.stop()
+
+
+def test_tierstore_down_then_back(tmp_path: Path, model, oracle, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="ignis")
+    store = tierstore(tmp_path, arena=16 * MiB, disk=0)
+    port = store.port
+    engine = Engine(*model, tierstore=store.address)
+    try:
+        for topic in TOPICS[:3]:
+            same(engine.run(topic), oracle(topic))
+        store.process.send_signal(signal.SIGKILL)  # mid-service, no goodbye
+        store.process.wait()
+        for topic in [*TOPICS, TOPICS[0]]:  # spills and lookups fail; nothing else does
+            same(engine.run(topic), oracle(topic))
+        client = engine.core.reuse.tiers.client  # type: ignore[attr-defined]
+        assert client.unavailable_events == 1 and client.errors >= 1
+        warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
+        assert len(warnings) == 1  # logged once, however many calls failed
+        engine.check()
+
+        store = tierstore(tmp_path, arena=16 * MiB, disk=0, port=port)  # a new instance on the same port
+        threading.Event().wait(0.4)  # past the client's retry backoff
+        for topic in ["auroras", "dunes", "mesas"]:  # auroras' states are evicted, spilled to the new store
+            same(engine.run(topic), oracle(topic))
+        got = engine.run("auroras")
+        same(got, oracle("auroras"))
+        assert got.tier == "ram"
+        assert client.unavailable_events == 1
+        engine.check()
+    finally:
+        engine.close()
+        store.stop()
+
+
+def test_layout_refused_means_device_only(tmp_path: Path, model, oracle, caplog: pytest.LogCaptureFixture) -> None:
+    from tierstore.client import TierStoreClient  # the test plays another engine; the engine never imports it
+
+    caplog.set_level(logging.INFO, logger="ignis")
+    store = tierstore(tmp_path, arena=16 * MiB, disk=0)
+    engine = Engine(*model, tierstore=store.address)
+    try:
+        with TierStoreClient(store.address) as other:  # the namespace is taken with another state layout
+            other.register(engine.core.namespace_seed(""), page_size=P, layout='{"another": "layout"}')
+        for topic in [*TOPICS[:4], *TOPICS[:2]]:
+            got = engine.run(topic)
+            same(got, oracle(topic))
+            assert got.tier in ("none", "device")
+        assert engine.core.reuse.tiers.spills == 0  # type: ignore[attr-defined]
+        assert len([r for r in caplog.records if "refused namespace" in r.getMessage()]) == 1
+        engine.check()
+    finally:
+        engine.close()
+        store.stop()
+
+
+def test_codec_round_trip_is_bit_exact(model: tuple[LoadedModel, Tokenizer]) -> None:
+    """Pack a slot + pages + logits at an odd 4 KiB offset, unpack into another slot and other pages."""
+    import torch
+
+    from engine.tiers.codec import StateCodec
+
+    engine = Engine(*model, reuse=True)
+    try:
+        cache = engine.core.cache
+        codec = StateCodec(cache, model[0].config.vocab_size)
+        gen = torch.Generator().manual_seed(0)
+        for t in (cache.kv, cache.recurrent, cache.conv):
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        tokens, src_pages, dst_pages = 3 * P + 5, [7, 2, 9, 4], [11, 12, 13, 14]
+        logits = torch.randn(codec.vocab_size, generator=gen)
+        arena = torch.zeros(3 * 4096 + codec.nbytes(tokens, True), dtype=torch.uint8)
+        codec.pack(arena, 3 * 4096, tokens, 1, src_pages, logits)
+        got = codec.unpack(arena, 3 * 4096, tokens, codec.nbytes(tokens, True), 3, dst_pages)
+        assert got is not None and torch.equal(got, logits)
+        assert torch.equal(cache.recurrent[3], cache.recurrent[1]) and torch.equal(cache.conv[3], cache.conv[1])
+        assert torch.equal(cache.kv[dst_pages], cache.kv[src_pages])
+        assert codec.unpack(arena, 3 * 4096, tokens, codec.nbytes(tokens, False), 3, dst_pages) is None
+    finally:
+        engine.close()
