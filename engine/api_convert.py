@@ -29,6 +29,8 @@ def commit_policy(value: int) -> CommitPolicy:
         return CommitPolicy.PREFILL_STATE_ONLY
     if value == engine_pb2.ReusePolicy.COMMIT_INCLUDING_GENERATED_TOKENS:
         return CommitPolicy.INCLUDING_GENERATED_TOKENS
+    if value == engine_pb2.ReusePolicy.COMMIT_NONE:
+        return CommitPolicy.NONE
     raise ValueError(f"reuse.commit value {value} is not supported")
 
 

@@ -44,6 +44,7 @@ class ReuseReport:
 class CommitPolicy(enum.Enum):
     INCLUDING_GENERATED_TOKENS = "including_generated_tokens"  # prompt and reply both stay findable
     PREFILL_STATE_ONLY = "prefill_state_only"  # only state computed from the prompt is kept
+    NONE = "none"  # look up, but publish nothing
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,11 @@ class EngineRequest:
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("the prompt is empty")
+
+    @property
+    def publishes(self) -> bool:
+        """Whether state computed for this request is kept for others (bypass and commit=none: no)."""
+        return self.lookup and self.commit is not CommitPolicy.NONE
 
     @property
     def claims_state(self) -> bool:

@@ -220,6 +220,7 @@ def test_misses(pair) -> None:  # type: ignore[no-untyped-def]
     name, warm, _ = pair
     msgs = conversation("Estimate the cost of the run.")
     warm.run(warm.request(msgs, tools=TOOLS))
+    assert warm.run(warm.request(msgs, tools=TOOLS, commit=CommitPolicy.NONE))[0].cached > 0  # looks up
     changed_system = [{"role": "system", "content": "Different system prompt."}, msgs[1]]
     assert warm.run(warm.request(changed_system, tools=TOOLS))[0].cached == 0
     assert warm.run(warm.request(msgs, tools=TOOLS, salt="tenant-b"))[0].cached == 0
@@ -231,6 +232,10 @@ def test_misses(pair) -> None:  # type: ignore[no-untyped-def]
     other_system = [{"role": "system", "content": "Another system block for bypass."}, fresh[1]]
     warm.run(warm.request(other_system, lookup=False))
     assert warm.run(warm.request(other_system))[0].cached == 0
+    # commit=none looks up (it hits what others published) but publishes nothing of its own.
+    third = [{"role": "system", "content": "A third system block, committed with none."}, fresh[1]]
+    assert warm.run(warm.request(third, commit=CommitPolicy.NONE))[0].cached == 0
+    assert warm.run(warm.request(third))[0].cached == 0
 
 
 def test_retained_slots_exhausted_skip_and_count(model: tuple[str, LoadedModel, Tokenizer]) -> None:

@@ -46,8 +46,8 @@ class PageReuse(PromptReuse):
         seq.num_registered = len(pages)  # revived pages are already published
 
     def after_compute(self, seq: Sequence, next_logits: torch.Tensor | None) -> None:
-        if not seq.request.lookup:
-            return  # bypass publishes nothing
+        if not seq.request.publishes:
+            return  # bypass and commit=none publish nothing
         limit = seq.num_computed
         if seq.request.commit is CommitPolicy.PREFILL_STATE_ONLY:
             limit = min(limit, seq.num_prompt)

@@ -180,13 +180,13 @@ class RetainedStateReuse(PromptReuse):
 
     # --- capture ------------------------------------------------------------
     def cut_point(self, seq: Sequence) -> int | None:
-        if not seq.request.lookup:
+        if not seq.request.publishes:
             return None
         cuts = [p for p in (seq.request.publish_point, seq.num_prompt) if seq.num_computed < p < len(seq.token_ids)]
         return min(cuts, default=None)
 
     def after_compute(self, seq: Sequence, next_logits: torch.Tensor | None) -> None:
-        if not seq.request.lookup:
+        if not seq.request.publishes:
             return
         m = seq.num_computed
         if m == seq.request.publish_point and 0 < m < seq.num_prompt:
@@ -195,7 +195,7 @@ class RetainedStateReuse(PromptReuse):
             self._capture(seq, m, "checkpoint", next_logits)
 
     def on_finish(self, seq: Sequence) -> None:
-        if seq.request.lookup and seq.request.commit is CommitPolicy.INCLUDING_GENERATED_TOKENS \
+        if seq.request.publishes and seq.request.commit is CommitPolicy.INCLUDING_GENERATED_TOKENS \
                 and seq.num_computed > seq.num_prompt:
             self._capture(seq, seq.num_computed, "checkpoint", None)
 
