@@ -16,7 +16,6 @@ ARCHITECTURES = (
     "Qwen3NextForCausalLM",
     "Qwen3NextForCausalLM-moe",
 )
-HYBRID = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM", "Qwen3NextForCausalLM-moe")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=512,

@@ -8,7 +8,7 @@ from typing import Callable
 import pytest
 import torch
 
-from checkpoints import ARCHITECTURES, HYBRID
+from checkpoints import ARCHITECTURES
 from engine.cache.device_cache import CacheGeometry, DeviceCache
 from engine.model.batch import ForwardBatch, LogitsWanted, SequenceChunk
 from engine.model.loader import LoadedModel, load_model
@@ -137,10 +137,6 @@ def test_greedy_generation_matches_transformers(arch: str, checkpoint_dir: Calla
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=2, pad_token_id=0)
     assert ours.token_ids == ref[0, len(ids):].tolist()
     assert len(ours.token_ids) > 1
-
-
-def test_hybrid_list_is_consistent() -> None:
-    assert set(HYBRID) <= set(ARCHITECTURES)
 
 
 @pytest.mark.parametrize(
