@@ -365,3 +365,23 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
         overrides[dotted.strip()] = value
     config = args.config or env.get(CONFIG_ENV) or None
     return load_settings(config, env, overrides)
+
+
+def parse_service_args(
+    parser: argparse.ArgumentParser, shorthands: Mapping[str, str], argv: list[str] | None = None
+) -> tuple[argparse.Namespace, Settings]:
+    """Parse a service's command line: its own flags, `shorthands` (flag name -> settings key,
+    e.g. {"max_queue": "engine.max_queue"}, each a `--max-queue VALUE` that wins like --set),
+    and --config/--set. A bad setting is a usage error naming it."""
+    for name, key in shorthands.items():
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=f"same as --set {key}=VALUE")
+    add_settings_flags(parser)
+    args = parser.parse_args(argv)
+    for name, key in shorthands.items():
+        value = getattr(args, name)
+        if value is not None:
+            args.settings_overrides.append(f"{key}={value}")
+    try:
+        return args, settings_from_args(args)
+    except SettingsError as exc:
+        parser.error(str(exc))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from common.settings import Settings, SettingsError, add_settings_flags, settings_from_args
+from common.settings import Settings, parse_service_args
 from engine.core import EngineConfig, EngineCore
 from engine.model.errors import CheckpointError
 from engine.model.loader import load_model
@@ -44,20 +44,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving (for tests)")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds to finish in-flight work on shutdown")
-    for name in _SETTING_FLAGS:
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
-                            help=f"same as --set {_SETTING_FLAGS[name]}=VALUE")
-    add_settings_flags(parser)
-    args = parser.parse_args(argv)
-    for name, key in _SETTING_FLAGS.items():
-        value = getattr(args, name)
-        if value is not None:
-            args.settings_overrides.append(f"{key}={value}")
-    try:
-        settings = settings_from_args(args)
-    except SettingsError as exc:
-        parser.error(str(exc))
-    return args, settings
+    return parse_service_args(parser, _SETTING_FLAGS, argv)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -11,7 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
-from common.settings import Settings, SettingsError, add_settings_flags, settings_from_args
+from common.settings import Settings, parse_service_args
 from tierstore.metrics import serve_metrics
 from tierstore.server import TierStoreService, create_server, set_serving
 from tierstore.store import StoreConfig, TierStore
@@ -38,20 +38,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
                         help="lease length of an Acquire that asks for 0 (default 60)")
     parser.add_argument("--reservation-seconds", type=float, default=300.0,
                         help="a reservation not committed within this is abandoned (default 300)")
-    for name, key in _SETTING_FLAGS.items():
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
-                            help=f"same as --set {key}=VALUE")
-    add_settings_flags(parser)
-    args = parser.parse_args(argv)
-    for name, key in _SETTING_FLAGS.items():
-        value = getattr(args, name)
-        if value is not None:
-            args.settings_overrides.append(f"{key}={value}")
-    try:
-        settings = settings_from_args(args)
-    except SettingsError as exc:
-        parser.error(str(exc))
-    return args, settings
+    return parse_service_args(parser, _SETTING_FLAGS, argv)
 
 
 async def serve(args: argparse.Namespace, settings: Settings) -> int:
