@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
 
 import torch
 
+from common.logs import configure_logging
 from common.settings import Settings, parse_service_args
 from engine.core import EngineConfig, EngineCore
 from engine.model.errors import CheckpointError
@@ -110,8 +110,7 @@ async def serve(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=os.environ.get("IGNIS_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     args, settings = parse_args(argv)
     sys.exit(asyncio.run(serve(args, settings)))
 

@@ -15,6 +15,7 @@ from typing import Iterator
 
 import uvicorn
 
+from common.logs import configure_logging
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.tracing import setup_tracing
@@ -94,8 +95,7 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=os.environ.get("IGNIS_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     args, config = parse_args(argv)
     config.tracing = setup_tracing()
     sys.exit(asyncio.run(serve(args, config)))

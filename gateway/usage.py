@@ -8,7 +8,7 @@ object naming the tier and kind of the reused state.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from gateway.aliases import JSONObject
 from ignis.v1 import common_pb2, engine_pb2
@@ -65,3 +65,16 @@ class Usage:
     def ignis(self) -> JSONObject:
         return {"tier": self.tier, "kind": self.kind, "reused_tokens": self.reused_tokens,
                 "time_to_first_token_ms": round(self.time_to_first_token_ms, 3)}
+
+
+def close_stream(chunks: list[JSONObject], usage: Usage, include_usage: bool,
+                 empty_chunk: Callable[[], JSONObject]) -> None:
+    """Finish a chat or completions stream: a usage chunk when the client asked for one
+    (stream_options.include_usage), and the `ignis` reuse report on the last chunk either way."""
+    if include_usage:
+        final = empty_chunk()
+        final["usage"] = usage.openai()
+        chunks.append(final)
+    elif not chunks:
+        chunks.append(empty_chunk())
+    chunks[-1]["ignis"] = usage.ignis()

@@ -11,6 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
+from common.logs import configure_logging
 from common.settings import Settings, parse_service_args
 from tierstore.metrics import serve_metrics
 from tierstore.server import TierStoreService, create_server, set_serving
@@ -93,8 +94,7 @@ async def serve(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=os.environ.get("IGNIS_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     args, settings = parse_args(argv)
     sys.exit(asyncio.run(serve(args, settings)))
 

@@ -25,7 +25,7 @@ from gateway.state import GatewayState, state_of
 from gateway.tool_calls import ContentDelta, Event, ToolCallStream, parse_tool_calls
 from gateway.unsupported import reject_unsupported
 from gateway.upstream import CallSpec, collect, generate
-from gateway.usage import Usage
+from gateway.usage import Usage, close_stream
 from ignis.v1 import engine_pb2
 
 LIMIT = TokenLimit(("max_completion_tokens", "max_tokens"), default=None)
@@ -114,13 +114,7 @@ class _Reply:
                     if msg.HasField("usage"):
                         usage = Usage.from_proto(msg.usage)
                         self.state.metrics.observe_usage(usage)
-                        if include_usage:
-                            final = self._chunk([], False)
-                            final["usage"] = usage.openai()
-                            chunks.append(final)
-                        elif not chunks:
-                            chunks.append(self._chunk([], False))
-                        chunks[-1]["ignis"] = usage.ignis()
+                        close_stream(chunks, usage, include_usage, lambda: self._chunk([], False))
                     for chunk in chunks:
                         yield data_event(chunk)
             except OpenAIError as err:

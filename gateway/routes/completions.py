@@ -23,7 +23,7 @@ from gateway.sampling import COMPLETIONS_DEFAULT_MAX_TOKENS, TokenLimit, samplin
 from gateway.sse import DONE, EventStream, data_event
 from gateway.state import GatewayState, state_of
 from gateway.upstream import CallSpec, collect_all, generate, merge
-from gateway.usage import Usage
+from gateway.usage import Usage, close_stream
 from ignis.v1 import engine_pb2
 
 # max_tokens 0 is allowed with echo: score the prompt only.
@@ -133,13 +133,7 @@ class _Reply:
                         if len(usages) == len(calls):  # the last call ended: the final chunk
                             usage = Usage.total(usages[i] for i in sorted(usages))
                             self.state.metrics.observe_usage(usage)
-                            if include_usage:
-                                final = self._chunk([], False)
-                                final["usage"] = usage.openai()
-                                chunks.append(final)
-                            elif not chunks:
-                                chunks.append(self._chunk([], False))
-                            chunks[-1]["ignis"] = usage.ignis()
+                            close_stream(chunks, usage, include_usage, lambda: self._chunk([], False))
                     for chunk in chunks:
                         yield data_event(chunk)
             except OpenAIError as err:
