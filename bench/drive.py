@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import torch
 
 from engine.core import EngineConfig, EngineCore
 from engine.model.loader import load_model
-from engine.outputs import RequestUpdate, Usage
+from engine.offline import run_to_completion
+from engine.outputs import Usage
 from engine.request import EngineRequest
 from engine.text.tokenizer import Tokenizer
 
@@ -21,26 +21,13 @@ def make_core(path: Path, **config: object) -> EngineCore:
 
 
 def run(core: EngineCore, *requests: EngineRequest) -> list[tuple[list[int], Usage]]:
-    done = threading.Semaphore(0)
-    updates: dict[str, list[RequestUpdate]] = {r.request_id: [] for r in requests}
-
-    def sink(u: RequestUpdate) -> None:
-        updates[u.request_id].append(u)
-        if u.done:
-            done.release()
-
-    for r in requests:
-        core.submit(r, sink)
-    for _ in requests:
-        if not done.acquire(timeout=3600):
-            raise TimeoutError("request did not finish")
+    """(generated tokens, usage) of each request, submitted together."""
     out = []
-    for r in requests:
-        final = updates[r.request_id][-1]
+    for updates in run_to_completion(core, *requests):
+        final = updates[-1]
         if final.error or final.usage is None:
             raise RuntimeError(f"request failed: {final.error}")
-        tokens = [t for u in updates[r.request_id] for d in u.deltas for t in d.token_ids]
-        out.append((tokens, final.usage))
+        out.append(([t for u in updates for d in u.deltas for t in d.token_ids], final.usage))
     return out
 
 

@@ -6,14 +6,20 @@ want tokens without starting a server.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from engine.cache.device_cache import CacheGeometry, DeviceCache
 from engine.model.batch import ForwardBatch, LogitsWanted, SequenceChunk
 from engine.model.loader import LoadedModel
+from engine.outputs import RequestUpdate
+from engine.request import EngineRequest
+
+if TYPE_CHECKING:
+    from engine.core import EngineCore
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,3 +65,23 @@ def greedy_generate(
         logits = model(batch, cache)[0]
         position += 1
     return OfflineResult(token_ids=out, logits=seen)
+
+
+def run_to_completion(core: "EngineCore", *requests: EngineRequest, timeout: float = 3600.0
+                      ) -> list[list[RequestUpdate]]:
+    """Submit `requests` together to a started EngineCore (so they may batch) and block until
+    each is done; returns every request's updates, in submission order."""
+    done = threading.Semaphore(0)
+    updates: dict[str, list[RequestUpdate]] = {r.request_id: [] for r in requests}
+
+    def sink(update: RequestUpdate) -> None:  # called on the engine thread
+        updates[update.request_id].append(update)
+        if update.done:
+            done.release()
+
+    for request in requests:
+        core.submit(request, sink)
+    for _ in requests:
+        if not done.acquire(timeout=timeout):
+            raise TimeoutError(f"requests did not finish within {timeout:.0f}s")
+    return [updates[r.request_id] for r in requests]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from checkpoints import make_checkpoint  # noqa: E402
+from services import RunningService, start_engine  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +44,12 @@ def dense_chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            vocab_size=TINY_VOCAB_SIZE, hidden_size=128, num_hidden_layers=4)
     write_tiny_tokenizer(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
+    """A real engine process serving ignis-tiny on a free port, one per test module that asks."""
+    service = start_engine(tmp_path_factory.mktemp("engine"), str(tiny_model_dir),
+                           ["--served-model-name", "ignis-tiny", "--max-queue", "64"])
+    yield service
+    assert service.stop() == 0, service.log()

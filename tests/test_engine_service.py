@@ -23,14 +23,6 @@ MODEL = "ignis-tiny"
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
-    service = start_engine(tmp_path_factory.mktemp("engine"), str(tiny_model_dir),
-                           ["--served-model-name", MODEL, "--max-queue", "64"])
-    yield service
-    assert service.stop() == 0, service.log()
-
-
-@pytest.fixture(scope="module")
 def stub(engine: RunningService) -> Iterator[engine_pb2_grpc.EngineStub]:
     with grpc.insecure_channel(engine.address) as channel:
         yield engine_pb2_grpc.EngineStub(channel)

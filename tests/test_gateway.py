@@ -32,14 +32,6 @@ STOP_AFTER_3 = {"min_tokens": 3, "logit_bias": {"2": 100}}
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
-    service = start_engine(tmp_path_factory.mktemp("engine"), str(tiny_model_dir),
-                           ["--served-model-name", MODEL, "--max-queue", "64"])
-    yield service
-    assert service.stop() == 0, service.log()
-
-
-@pytest.fixture(scope="module")
 def gateway(engine: RunningService, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
     service = start_gateway(tmp_path_factory.mktemp("gateway"), [engine.address])
     yield service

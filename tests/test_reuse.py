@@ -8,7 +8,6 @@ logprobs within 1e-5, and cached_tokens exactly what was reused.
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 
 from engine.core import EngineConfig, EngineCore
 from engine.model.loader import LoadedModel, load_model
-from engine.outputs import RequestUpdate
+from engine.offline import run_to_completion
 from engine.prompt import render_chat
 from engine.request import CommitPolicy, EngineRequest, RequestClass
 from engine.sampling.params import SamplingParams
@@ -71,22 +70,11 @@ class Harness:
 
     def run(self, *requests: EngineRequest) -> list[Result]:
         """Submit together (so they may batch) and wait for all."""
-        done = threading.Semaphore(0)
-        updates: dict[str, list[RequestUpdate]] = {r.request_id: [] for r in requests}
-
-        def sink(u: RequestUpdate) -> None:
-            updates[u.request_id].append(u)
-            if u.done:
-                done.release()
-
-        for r in requests:
-            self.core.submit(r, sink)
-        for _ in requests:
-            assert done.acquire(timeout=120)
+        all_updates = run_to_completion(self.core, *requests, timeout=120)
         out = []
-        for r in requests:
-            deltas = [d for u in updates[r.request_id] for d in u.deltas if d.choice == 0]
-            usage = updates[r.request_id][-1].usage
+        for updates in all_updates:
+            deltas = [d for u in updates for d in u.deltas if d.choice == 0]
+            usage = updates[-1].usage
             assert usage is not None
             out.append(Result([t for d in deltas for t in d.token_ids], [lp.logprob for d in deltas for lp in d.logprobs],
                               usage.cached_tokens, usage.reuse.kind, "".join(d.text for d in deltas)))
