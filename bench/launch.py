@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -28,6 +28,7 @@ class Service:
     process: subprocess.Popen[bytes]
     port: int
     log_path: Path
+    extra: dict[str, int] = field(default_factory=dict)  # other ports it listens on (e.g. metrics)
 
     @property
     def address(self) -> str:
@@ -48,16 +49,20 @@ class Service:
 
 
 def launch(name: str, module: str, args: list[str], workdir: Path, ready: Callable[[int], bool],
-           timeout: float = 600.0) -> Service:
-    """`python -m module args --port 0 --port-file F`; returns once `ready(port)` is true."""
+           timeout: float = 600.0, env: dict[str, str] | None = None, append_log: bool = False,
+           extra: dict[str, int] | None = None) -> Service:
+    """`python -m module --port 0 --port-file F args` (a `--port` in args wins); returns once `ready(port)`.
+
+    `append_log` keeps an earlier log in the same workdir (a restart of the same service).
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     port_file = workdir / f"{name}.port"
     port_file.unlink(missing_ok=True)
     log_path = workdir / f"{name}.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", module, *args, "--port", "0", "--port-file", str(port_file)],
-                                cwd=ROOT, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
-    service = Service(name, proc, 0, log_path)
+    with log_path.open("ab" if append_log else "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", "--port-file", str(port_file), *args],
+                                cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+    service = Service(name, proc, 0, log_path, dict(extra or {}))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
