@@ -50,15 +50,19 @@ class Engine:
         self.core.start()
         self.n = 0
 
-    def request(self, topic: str) -> EngineRequest:
+    def request(self, topic: str, turns: int = 1) -> EngineRequest:
+        """The first user turn about `topic`; with turns=2, a fixed reply and a second user turn follow."""
         chat = engine_pb2.ChatInput()
         chat.messages.add(role="user", content=f"Conversation about {topic}: " + f"tell me about {topic}. " * 6)
+        if turns == 2:
+            chat.messages.add(role="assistant", content=f"Here is what I know of {topic}.")
+            chat.messages.add(role="user", content=f"And what else about {topic}?")
         self.n += 1
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=True)
         return EngineRequest(f"r{self.n}", render_chat(self.tokenizer, chat).token_ids, params)
 
-    def run(self, topic: str) -> Result:
-        req = self.request(topic)
+    def run(self, topic: str, turns: int = 1) -> Result:
+        req = self.request(topic, turns)
         done = threading.Event()
         updates: list[RequestUpdate] = []
 
@@ -93,10 +97,11 @@ def oracle(model: tuple[LoadedModel, Tokenizer]):
     cold = Engine(*model, reuse=False)
     memo: dict[str, Result] = {}
 
-    def get(topic: str) -> Result:
-        if topic not in memo:
-            memo[topic] = cold.run(topic)
-        return memo[topic]
+    def get(topic: str, turns: int = 1) -> Result:
+        key = f"{topic}/{turns}"
+        if key not in memo:
+            memo[key] = cold.run(topic, turns)
+        return memo[key]
 
     yield get
     cold.check()
@@ -136,6 +141,28 @@ def test_evicted_states_spill_to_ram_and_hit_from_ram(tmp_path: Path, model, ora
         got = engine.run(TOPICS[3])  # in RAM, but below the floor: served cold
         same(got, oracle(TOPICS[3]))
         assert (got.tier, got.cached) == ("none", 0)
+        engine.check()
+    finally:
+        engine.close()
+        store.stop()
+
+
+def test_next_turn_hits_a_checkpoint_that_ends_mid_page_in_ram(tmp_path: Path, model, oracle) -> None:
+    """Turn 2 extends turn 1's prompt; turn 1's opener checkpoint (mid-page) was spilled to RAM.
+
+    Its name depends on where it ends, so the store returns it as an anchored candidate
+    and the engine keeps it after checking the name against its own tokens.
+    """
+    store = tierstore(tmp_path, arena=16 * MiB, disk=0)
+    engine = Engine(*model, tierstore=store.address)
+    try:
+        for topic in TOPICS:
+            same(engine.run(topic), oracle(topic))
+        first_turn = len(engine.request(TOPICS[0]).prompt_ids)
+        assert first_turn % P, "the test needs an opener that ends mid-page"
+        got = engine.run(TOPICS[0], turns=2)
+        same(got, oracle(TOPICS[0], turns=2))
+        assert got.tier == "ram" and got.cached == first_turn
         engine.check()
     finally:
         engine.close()

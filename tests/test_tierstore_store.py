@@ -302,6 +302,36 @@ def test_match_longest_per_tier_pages_prefixes_and_tails(store: TierStore, clock
     assert [x.tier for x in store.match(NS, [h("p1")])] == [RAM]
 
 
+def test_anchored_match_lists_states_ending_mid_page_after_a_prompt_page(tmp_path: Path, clock: Clock) -> None:
+    """A previous turn's checkpoint ends mid-page: listed as a candidate by its last full page, longest first."""
+    store = make_store(tmp_path, clock, ram=2)
+    store.register(Registration(NS_HYBRID, "h", 16, "layout-h", 1024, 4096))
+    try:
+        put(store, "t1", ns=NS_HYBRID, pages=("a1",), tokens=21)  # ends 5 tokens into page 2
+        clock.t += 1
+        put(store, "t2", ns=NS_HYBRID, pages=("a1", "a2", "a3"), tokens=40)
+        clock.t += 1
+        put(store, "aligned", ns=NS_HYBRID, pages=("a1", "aligned"), tokens=32)  # page-aligned: not a candidate
+        assert where(store)["t1"] == "disk"  # spilled: candidates come from every tier
+        prompt = [h("a1"), h("a2"), h("a3"), h("a4")]
+        hits, candidates = store.match_anchored(NS_HYBRID, prompt)
+        assert hits == []
+        assert [(c.hash, c.tokens, c.tier) for c in candidates] == [(h("t2"), 40, RAM), (h("t1"), 21, DISK)]
+        assert store.match_anchored(NS_HYBRID, prompt, None, False)[1] == []  # only when asked
+        assert store.match_anchored(NS, prompt)[1] == []  # another namespace never sees them
+        assert [c.hash for c in store.match_anchored(NS_HYBRID, [h("a1"), h("b2")])[1]] == [h("t1")]
+        assert store.drop(h("t2"))
+        assert [c.hash for c in store.match_anchored(NS_HYBRID, prompt)[1]] == [h("t1")]
+        store.check_integrity()
+    finally:
+        store.close()
+    again = make_store(tmp_path, clock, ram=2)  # the anchor index is rebuilt from what survived on disk
+    try:
+        assert [c.hash for c in again.match_anchored(NS_HYBRID, [h("a1")])[1]] == [h("t1")]
+    finally:
+        again.close()
+
+
 def test_drop_while_leased_frees_the_extent_at_release(store: TierStore) -> None:
     data = put(store, "a")
     lease = store.acquire(h("a"))

@@ -84,9 +84,9 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
     async def Match(self, request: tierstore_pb2.MatchRequest, context: grpc.aio.ServicerContext
                     ) -> tierstore_pb2.MatchResponse:
         tail = bytes(request.tail_hash) if request.HasField("tail_hash") else None
-        hits = await self._call(context, self.store.match, bytes(request.namespace),
-                                [bytes(p) for p in request.page_hashes], tail)
-        return tierstore_pb2.MatchResponse(hits=[_hit(h) for h in hits])
+        hits, candidates = await self._call(context, self.store.match_anchored, bytes(request.namespace),
+                                            [bytes(p) for p in request.page_hashes], tail, request.anchored)
+        return tierstore_pb2.MatchResponse(hits=[_hit(h) for h in hits], candidates=[_hit(c) for c in candidates])
 
     async def Reserve(self, request: tierstore_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> tierstore_pb2.ReserveResponse:

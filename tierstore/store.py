@@ -38,6 +38,7 @@ from tierstore.state import StateInfo, check_hash, checksum, normal_class
 log = logging.getLogger("ignis.tierstore")
 
 RAM, DISK = common_pb2.REUSE_TIER_RAM, common_pb2.REUSE_TIER_DISK
+MAX_CANDIDATES = 32  # anchored Match candidates returned (longest first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +159,7 @@ class TierStore:
                                            else lambda r: disk.save_namespace(r.namespace, r.encode()))
         self._states: dict[bytes, _State] = {}
         self._ram_pages: dict[bytes, set[bytes]] = {}  # page hash -> sliceable RAM states holding it
+        self._anchored: dict[bytes, set[bytes]] = {}  # last full page hash -> states ending mid-page after it
         self._reservations: dict[bytes, _Reservation] = {}
         self._leases: dict[int, _LeaseEntry] = {}
         self._lease_ids = itertools.count(1)
@@ -166,7 +168,7 @@ class TierStore:
         self._counters = _Counters()
         if self._disk is not None:  # what survived a restart is served again
             for rec in self._disk.records():
-                self._states[rec.info.hash] = _State(rec.info, rec.last_used, rec.protect_until)
+                self._add(_State(rec.info, rec.last_used, rec.protect_until))
 
     # ------------------------------------------------------------ control plane
 
@@ -177,6 +179,15 @@ class TierStore:
 
     def match(self, namespace: bytes, page_hashes: Iterable[bytes], tail_hash: bytes | None = None) -> list[Hit]:
         """The longest state per tier whose tokens prefix the prompt; a lower tier only if longer."""
+        return self.match_anchored(namespace, page_hashes, tail_hash, False)[0]
+
+    def match_anchored(self, namespace: bytes, page_hashes: Iterable[bytes], tail_hash: bytes | None = None,
+                       anchored: bool = True) -> tuple[list[Hit], list[Hit]]:
+        """`match`, plus (with `anchored`) the states ending mid-page right after one of the pages.
+
+        Those candidates are named by a hash over tokens the store never sees, so the
+        caller verifies each by name; longest first, at most MAX_CANDIDATES.
+        """
         check_hash(namespace, "namespace")
         pages = [check_hash(p, f"page_hashes[{i}]") for i, p in enumerate(page_hashes)]
         if tail_hash is not None:
@@ -185,10 +196,27 @@ class TierStore:
             self._expire(self._clock())
             ram = self._best(namespace, pages, tail_hash, in_ram=True)
             disk = self._best(namespace, pages, tail_hash, in_ram=False) if self._disk is not None else None
+            candidates = self._anchored_at(namespace, pages) if anchored else []
         hits = [h for h in (ram,) if h is not None]
         if disk is not None and disk.tokens > (ram.tokens if ram is not None else 0):
             hits.append(disk)
-        return hits
+        return hits, candidates
+
+    def _anchored_at(self, namespace: bytes, pages: Sequence[bytes]) -> list[Hit]:
+        found: list[Hit] = []
+        for page in pages:
+            for h in self._anchored.get(page, ()):
+                state = self._states.get(h)
+                if state is not None and state.info.namespace == namespace:
+                    found.append(self._hit(h, state, state.info.tokens))
+        found.sort(key=lambda hit: (-hit.tokens, hit.hash))
+        return found[:MAX_CANDIDATES]
+
+    def _add(self, state: _State) -> None:
+        self._states[state.info.hash] = state
+        anchor = _anchor(state.info)
+        if anchor is not None:
+            self._anchored.setdefault(anchor, set()).add(state.info.hash)
 
     def reserve(self, hash: bytes, nbytes: int, request_class: int = common_pb2.REQUEST_CLASS_INTERACTIVE,
                 protect_seconds: float = 0.0) -> Extent | None:
@@ -241,7 +269,7 @@ class TierStore:
             del self._reservations[hash]
             state = _State(replace(info, checksum=digest), now,
                            now + res.protect_seconds if res.protect_seconds > 0 else 0.0, res.extent)
-            self._states[hash] = state
+            self._add(state)
             self._index_ram(state)
             return state.info
 
@@ -352,6 +380,11 @@ class TierStore:
                     for p in s.info.page_hashes:
                         want.setdefault(p, set()).add(s.info.hash)
             assert want == self._ram_pages, "RAM page index is stale"
+            anchored: dict[bytes, set[bytes]] = {}
+            for s in self._states.values():
+                if (anchor := _anchor(s.info)) is not None:
+                    anchored.setdefault(anchor, set()).add(s.info.hash)
+            assert anchored == self._anchored, "anchor index is stale"
             if self._disk is not None:
                 self._disk.check_integrity()
                 assert all(r.info.hash in self._states for r in self._disk.records()), "disk state not indexed"
@@ -522,6 +555,11 @@ class TierStore:
         h = state.info.hash
         if self._states.get(h) is state:
             del self._states[h]
+            anchor = _anchor(state.info)
+            if anchor is not None:
+                self._anchored[anchor].discard(h)
+                if not self._anchored[anchor]:
+                    del self._anchored[anchor]
         if self._disk is not None:
             self._disk.remove(h)
         if state.extent is not None:
@@ -565,6 +603,13 @@ class TierStore:
         for h in [h for h, r in self._reservations.items() if r.expires_at <= now]:
             self.arena.free(self._reservations.pop(h).extent)
             log.info("reservation of %s expired uncommitted", h.hex())
+
+
+def _anchor(info: StateInfo) -> bytes | None:
+    """The last full page hash of a state that ends mid-page (its name is not a page hash); else None."""
+    if info.page_hashes and info.hash != info.page_hashes[-1]:
+        return info.page_hashes[-1]
+    return None
 
 
 def _check_seconds(value: float, name: str) -> None:

@@ -150,14 +150,15 @@ class TierClient:
 
     # --- control plane -------------------------------------------------------------------
     def match(self, namespace: bytes, page_hashes: Sequence[bytes], tail_hash: bytes | None
-              ) -> list[tierstore_pb2.MatchHit]:
+              ) -> tuple[list[tierstore_pb2.MatchHit], list[tierstore_pb2.MatchHit]]:
+        """(hits, anchored candidates): candidates end mid-page and must be verified by name."""
         if namespace in self._refused:
-            return []
-        request = tierstore_pb2.MatchRequest(namespace=namespace, page_hashes=page_hashes)
+            return [], []
+        request = tierstore_pb2.MatchRequest(namespace=namespace, page_hashes=page_hashes, anchored=True)
         if tail_hash is not None:
             request.tail_hash = tail_hash
         reply = self._call(lambda s: s.Match(request, timeout=self.timeout))
-        return list(reply.hits) if reply is not None else []
+        return (list(reply.hits), list(reply.candidates)) if reply is not None else ([], [])
 
     def reserve(self, hash: bytes, nbytes: int, request_class: int) -> tierstore_pb2.Extent | None:
         reply = self._call(lambda s: s.Reserve(tierstore_pb2.ReserveRequest(

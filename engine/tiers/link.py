@@ -95,9 +95,10 @@ class TierLink:
     def lookup(self, seed: bytes, page_hashes: list[BlockHash], tokens: list[int]) -> TierHit | None:
         """The longest usable state below the device for this prompt.
 
-        Match knows page-aligned names plus one tail hash, so we pass the whole prompt's
-        name as the tail: a checkpoint that ends mid-page before the end of the prompt
-        (a previous turn's reply) is matchable only on the device.
+        Match resolves page-aligned names and the whole prompt's name (the tail); states
+        that end mid-page earlier in the prompt (a previous turn's checkpoint at its
+        opener) come back as anchored candidates, and we keep those whose name is the
+        hash of our own tokens up to their end.
         """
         if not self.client.available:
             return None
@@ -107,20 +108,32 @@ class TierLink:
         tail = None
         if n % self.page_size and len(page_hashes) >= n // self.page_size:
             tail = state_name(seed, page_hashes, tokens, n, self.page_size)  # type: ignore[arg-type]
-        for _ in range(2):
-            hits = self.client.match(seed, pages, tail)
-            if not hits:
-                return None
-            best = max(hits, key=lambda h: h.tokens)
-            # The whole prompt is usable only with its next-token logits stored.
-            if best.tokens < n or self.codec.has_logits(best.tokens, best.nbytes):
-                return TierHit(bytes(best.state_hash or best.hash), best.tokens, _KIND_NAMES.get(best.kind, "checkpoint"),
-                               _TIERS.get(best.tier, "ram"))
-            if tail is not None:
-                tail = None
-            else:
-                pages = pages[:-1]
-        return None
+        hits, candidates = self.client.match(seed, pages, tail)
+        best: tierstore_pb2.MatchHit | None = None
+        for hit in hits:
+            if self._usable(hit, n) and (best is None or hit.tokens > best.tokens):
+                best = hit
+        if best is None and hits and (tail is not None or pages):
+            # The longest hit is the whole prompt without its logits: ask again one step shorter.
+            shorter = pages if tail is not None else pages[:-1]
+            retry, _ = self.client.match(seed, shorter, None)
+            best = max((h for h in retry if self._usable(h, n)), key=lambda h: h.tokens, default=None)
+        for c in candidates:  # longest first
+            if best is not None and c.tokens <= best.tokens:
+                break
+            m = c.tokens
+            if self._usable(c, n) and m // self.page_size <= len(page_hashes) and \
+                    bytes(c.hash) == state_name(seed, page_hashes, tokens, m, self.page_size):  # type: ignore[arg-type]
+                best = c
+                break
+        if best is None:
+            return None
+        return TierHit(bytes(best.state_hash or best.hash), best.tokens, _KIND_NAMES.get(best.kind, "checkpoint"),
+                       _TIERS.get(best.tier, "ram"))
+
+    def _usable(self, hit: tierstore_pb2.MatchHit, n: int) -> bool:
+        """A state ending before the prompt's end, or at it with its next-token logits stored."""
+        return hit.tokens < n or (hit.tokens == n and self.codec.has_logits(hit.tokens, hit.nbytes))
 
     # --- up ------------------------------------------------------------------------------
     def restore(self, seed: bytes, hit: TierHit, slot: int, pages: list[int]) -> tuple[str, torch.Tensor | None] | None:
