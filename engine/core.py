@@ -17,12 +17,14 @@ from typing import Callable
 
 import torch
 
+from common.logs import log_event
 from engine.cache.chain_hash import BlockHash, Namespace, model_fingerprint, page_hashes
 from engine.cache.device_cache import CacheGeometry, DeviceCache, kv_bytes_per_page, state_bytes_per_slot
 from engine.cache.page_pool import PagePool, SlotPool
 from engine.cache.page_reuse import PageReuse
 from engine.cache.retained import RetainedStateReuse
 from engine.cache.reuse import NoReuse, PromptReuse
+from engine.metrics import EngineMetrics, FinishedRequest, class_name
 from engine.model.loader import LoadedModel
 from engine.outputs import ChoiceDelta, EngineStats, RequestUpdate, TokenLogprob, Usage
 from engine.request import EngineRequest, FinishReason, RequestClass, ReuseReport, Sequence, SeqStatus
@@ -34,8 +36,10 @@ from engine.text.tokenizer import Tokenizer
 from engine.tiers.client import TierClient
 from engine.tiers.codec import StateCodec
 from engine.tiers.link import TierLink
+from engine.tracing import emit_request_spans
 
 log = logging.getLogger("ignis.engine")
+events = logging.getLogger("ignis.request")  # ignis.request.done, one JSON line per finished request
 
 Sink = Callable[[RequestUpdate], None]
 
@@ -103,7 +107,8 @@ class EngineCore:
                                             config.retained_interactive_ttl, tiers=self._tier_link(),
                                             restore_floor=self._restore_floor())
         else:
-            self.reuse = PageReuse(self.pages, config.page_size)
+            self.reuse = PageReuse(self.pages, config.page_size, tiers=self._tier_link(),
+                                   restore_floor=self._restore_floor())
         self.scheduler = Scheduler(
             SchedulerLimits(config.page_size, config.max_num_seqs, config.step_token_budget),
             self.pages, self.slots, reuse=self.reuse,
@@ -128,13 +133,14 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self._next_seq = 0
         self.counters = {"finished": 0, "cancelled": 0, "preempted": 0, "prompt_tokens": 0, "generated_tokens": 0}
+        self.metrics = EngineMetrics(self.stats, lambda: getattr(self.reuse, "tiers", None))
 
     def _restore_floor(self) -> int:
         floor = self.config.tier_restore_floor
         return 2 * self.config.page_size if floor < 0 else floor
 
     def _tier_link(self) -> TierLink | None:
-        """The tierstore below the device (hybrid models: retained states), if one is configured."""
+        """The tierstore below the device, if one is configured."""
         if not self.config.tierstore_address:
             return None
         codec = StateCodec(self.cache, self.loaded.config.vocab_size)
@@ -318,11 +324,14 @@ class EngineCore:
         live = self._abort_all(request_id)
         if live is not None:
             self.counters["cancelled"] += 1
-            live.sink(RequestUpdate(request_id, usage=self._usage(live)))
+            usage = self._usage(live)
+            self._request_done(live, usage, FinishReason.ABORT.value)
+            live.sink(RequestUpdate(request_id, usage=usage))
 
     def _fail(self, request_id: str, message: str) -> None:
         live = self._abort_all(request_id)
         if live is not None:
+            self._request_done(live, self._usage(live), "error")
             live.sink(RequestUpdate(request_id, error=message))
 
     def step(self) -> None:
@@ -433,6 +442,7 @@ class EngineCore:
                 self._finish(seq, FinishReason.LENGTH, None, deltas, (token,), lp, text)
                 continue
             deltas.setdefault(seq.request.request_id, []).append(ChoiceDelta(seq.choice, (token,), text, lp))
+        self.metrics.on_tokens(seqs)
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop: str | int | None,
                 deltas: dict[str, list[ChoiceDelta]], tokens: tuple[int, ...],
@@ -475,4 +485,17 @@ class EngineCore:
                 self._live.pop(rid, None)
                 self.counters["finished"] += 1
                 usage = self._usage(live)
+                reason = live.seqs[0].finish_reason if live.seqs else None
+                self._request_done(live, usage, reason.value if reason else "stop")
             live.sink(RequestUpdate(rid, tuple(items), prompt_lp, usage))
+
+    def _request_done(self, live: _Live, usage: Usage, finish_reason: str) -> None:
+        """The request is over: its ignis.request.done line, metrics and trace spans (before its owner is told)."""
+        emit_request_spans(live.request, live.seqs, finish_reason)
+        done = FinishedRequest(
+            request_id=live.request.request_id, request_class=class_name(live.request.request_class),
+            prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens, tier=usage.reuse.tier,
+            kind=usage.reuse.kind, ttft_ms=usage.time_to_first_token_ms, tokens_out=usage.completion_tokens,
+            finish_reason=finish_reason, duration_ms=(time.monotonic() - live.request.arrival) * 1000)
+        log_event(events, "ignis.request.done", **done.event_fields())
+        self.metrics.on_done(done, (s.seq_id for s in live.seqs))

@@ -1,8 +1,10 @@
-"""Retained states of a hybrid model moving device -> KV-RAM -> KV-disk and back, end to end.
+"""Retained states moving device -> KV-RAM -> KV-disk and back, end to end.
 
 A real tierstore process (real shared memory, real LMDB) under an in-process
-EngineCore on ignis-tiny with 2 retained device slots. Every output is checked
-against a cold run (reuse off): greedy tokens identical, logprobs within 1e-5.
+EngineCore: on ignis-tiny (hybrid) with 2 retained device slots, and on a dense
+model whose page pool is small enough that finished pages get reused. Every
+output is checked against a cold run (reuse off): greedy tokens identical,
+logprobs within 1e-5.
 """
 
 from __future__ import annotations
@@ -36,16 +38,18 @@ class Result:
     logprobs: list[float | None]
     cached: int
     tier: str
+    kind: str
     error: str | None
 
 
 class Engine:
     """An EngineCore driven from the test thread."""
 
-    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, *, reuse: bool = True, tierstore: str = "") -> None:
+    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, *, reuse: bool = True, tierstore: str = "",
+                 kv_cache_bytes: int = 16 * MiB) -> None:
         self.tokenizer = tokenizer
         self.core = EngineCore(loaded, tokenizer, EngineConfig(
-            page_size=P, kv_cache_bytes=16 * MiB, max_num_seqs=4, reuse_prompt=reuse, retained_device=2,
+            page_size=P, kv_cache_bytes=kv_cache_bytes, max_num_seqs=4, reuse_prompt=reuse, retained_device=2,
             tierstore_address=tierstore, tier_timeout=2.0, tier_retry_seconds=0.3))
         self.core.start()
         self.n = 0
@@ -77,7 +81,8 @@ class Engine:
         deltas = [d for u in updates for d in u.deltas]
         usage = last.usage
         return Result([t for d in deltas for t in d.token_ids], [lp.logprob for d in deltas for lp in d.logprobs],
-                      usage.cached_tokens if usage else 0, usage.reuse.tier if usage else "none", last.error)
+                      usage.cached_tokens if usage else 0, usage.reuse.tier if usage else "none",
+                      usage.reuse.kind if usage else "none", last.error)
 
     def check(self) -> None:
         self.core.check_integrity()
@@ -94,6 +99,20 @@ def model(tiny_model_dir: Path) -> tuple[LoadedModel, Tokenizer]:
 
 @pytest.fixture(scope="module")
 def oracle(model: tuple[LoadedModel, Tokenizer]):
+    yield from cold_runs(model)
+
+
+@pytest.fixture(scope="module")
+def dense_model(dense_chat_model_dir: Path) -> tuple[LoadedModel, Tokenizer]:
+    return load_model(dense_chat_model_dir), Tokenizer.from_dir(dense_chat_model_dir)
+
+
+@pytest.fixture(scope="module")
+def dense_oracle(dense_model: tuple[LoadedModel, Tokenizer]):
+    yield from cold_runs(dense_model)
+
+
+def cold_runs(model: tuple[LoadedModel, Tokenizer]):
     cold = Engine(*model, reuse=False)
     memo: dict[str, Result] = {}
 
@@ -167,6 +186,42 @@ def test_next_turn_hits_a_checkpoint_that_ends_mid_page_in_ram(tmp_path: Path, m
     finally:
         engine.close()
         store.stop()
+
+
+def test_dense_pages_spill_when_the_pool_reuses_them_and_hit_from_ram(tmp_path: Path, dense_model,
+                                                                             dense_oracle) -> None:
+    """Attention-only: a finished conversation's pages leave the device when the allocator reuses them.
+
+    They go to KV-RAM as one state whose every page hash is indexed; the next turn of that
+    conversation (a longer prompt with the same head) restores a page-aligned prefix of it.
+    """
+    page_bytes = P * 4 * 2 * 2 * 16 * 4  # page x layers x (k, v) x kv heads x head dim x fp32
+    store = tierstore(tmp_path, arena=4 * MiB, disk=0)
+    engine = Engine(*dense_model, tierstore=store.address, kv_cache_bytes=24 * page_bytes)
+    try:
+        assert engine.core.pages.num_pages == 24
+        for topic in TOPICS:  # ~5 pages each: the later ones reuse the first ones' pages
+            same(engine.run(topic), dense_oracle(topic))
+        chains = engine.core.reuse.chains  # type: ignore[attr-defined]
+        assert chains.spills >= 1
+        assert engine.core.pages.lookup(engine_page_hashes(engine, TOPICS[0])[0]) is None  # gone from the device
+        n = len(engine.request(TOPICS[0], turns=2).prompt_ids)
+        got = engine.run(TOPICS[0], turns=2)
+        same(got, dense_oracle(TOPICS[0], turns=2))
+        first_turn = len(engine.request(TOPICS[0]).prompt_ids)
+        assert got.tier == "ram" and got.kind == "pages"
+        assert (first_turn // P) * P <= got.cached < n and got.cached % P == 0  # a page-aligned prefix
+        assert engine.core.reuse.counters.reused_tokens["ram"] == got.cached
+        engine.check()
+    finally:
+        engine.close()
+        store.stop()
+
+
+def engine_page_hashes(engine: Engine, topic: str) -> list[bytes]:
+    from engine.cache.chain_hash import page_hashes
+
+    return page_hashes(engine.core.namespace_seed(""), engine.request(topic).prompt_ids, P)  # type: ignore[arg-type]
 
 
 def test_small_arena_spills_on_to_disk_and_hits_from_disk(tmp_path: Path, model, oracle) -> None:

@@ -71,3 +71,18 @@ def test_cached_pages_are_revived_not_reallocated() -> None:
     assert pool.allocate(1) == [a]
     assert pool.lookup(h) is None  # type: ignore[arg-type]
     pool.check_integrity()
+
+
+def test_evict_hook_sees_a_findable_page_just_before_it_is_handed_out_fresh() -> None:
+    pool = PagePool(3)
+    seen: list[tuple[int, bytes, int | None]] = []
+    pool.on_evict = lambda page, h: seen.append((page, h, pool.lookup(h)))  # type: ignore[arg-type, assignment]
+    a, b = pool.allocate(2)  # type: ignore[misc]
+    pool.register(a, b"A" * 16)  # type: ignore[arg-type]
+    pool.release([a, b])
+    assert pool.allocate(1) == [2] and seen == []  # a never-hashed page first: nothing to evict
+    assert pool.allocate(1) == [a]
+    assert seen == [(a, b"A" * 16, a)]  # still findable while the hook runs
+    assert pool.lookup(b"A" * 16) is None  # type: ignore[arg-type]
+    assert pool.allocate(1) == [b] and len(seen) == 1  # b had no content
+    pool.check_integrity()

@@ -9,6 +9,7 @@ pages stay findable on the free list until reused (prefix caching).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from engine.cache.chain_hash import BlockHash
 
@@ -25,6 +26,9 @@ class PagePool:
         self._hash_of: dict[int, BlockHash] = {}
         self._page_of: dict[BlockHash, int] = {}
         self._num_cached_free = 0
+        # Called with (page, hash) just before a findable free page is handed out fresh,
+        # its content still intact: the moment to move that content down a tier.
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -52,6 +56,9 @@ class PagePool:
         pages = []
         for _ in range(n):
             page, _ = self._free.popitem(last=False)
+            page_hash = self._hash_of.get(page)
+            if page_hash is not None and self.on_evict is not None:
+                self.on_evict(page, page_hash)
             self._forget(page)  # a fresh page: its old content is no longer findable
             self._refcount[page] = 1
             pages.append(page)

@@ -4,6 +4,11 @@ Every full computed page is registered under its chain hash; a new sequence maps
 the longest run of registered pages that prefixes its prompt and prefills only
 the rest. At least one token is always computed, so the claim stops one token
 short of the prompt's end.
+
+With a tierstore, a finished sequence's pages are written to KV-RAM when the
+device reuses them (page_chains.py), and a prompt whose pages the device no
+longer holds is restored from the store when that beats the device match by the
+restore floor.
 """
 
 from __future__ import annotations
@@ -11,16 +16,23 @@ from __future__ import annotations
 import torch
 
 from engine.cache.chain_hash import extend_page_hashes
+from engine.cache.page_chains import PageChain, PageChains
 from engine.cache.page_pool import PagePool
 from engine.cache.reuse import Claim, PromptReuse
+from engine.cache.tier_claims import LowerTierClaims
 from engine.request import CommitPolicy, Sequence
+from engine.tiers.link import TierHit, TierLink
 
 
 class PageReuse(PromptReuse):
-    def __init__(self, pages: PagePool, page_size: int) -> None:
+    def __init__(self, pages: PagePool, page_size: int, tiers: TierLink | None = None,
+                 restore_floor: int = 32) -> None:
         super().__init__()
         self.pages = pages
         self.page_size = page_size
+        self.tiers = tiers
+        self.lower = LowerTierClaims(tiers, pages, page_size, restore_floor) if tiers is not None else None
+        self.chains = PageChains(pages, tiers, page_size) if tiers is not None else None
 
     def match(self, seq: Sequence) -> Claim | None:
         if not seq.request.claims_state:
@@ -32,12 +44,20 @@ class PageReuse(PromptReuse):
             if page is None:
                 break
             matched.append(page)
+        lower = self.lower.claim(seq, len(matched) * self.page_size) if self.lower is not None else None
+        if lower is not None:
+            return lower
         if not matched:
             return None
         from_free = sum(1 for p in matched if self.pages.is_free(p))
         return Claim(len(matched) * self.page_size, "pages", from_free, tuple(matched))
 
     def apply(self, seq: Sequence, claim: Claim) -> None:
+        if isinstance(claim.handle, TierHit):
+            assert self.lower is not None
+            if self.lower.apply(seq, claim.handle):
+                seq.num_registered = 0  # restored pages are published again after the next step
+            return
         pages = list(claim.handle)  # type: ignore[call-overload]
         for page in pages:
             self.pages.revive(page)
@@ -56,3 +76,28 @@ class PageReuse(PromptReuse):
         for i in range(seq.num_registered, min(full, len(seq.page_table))):
             self.pages.register(seq.page_table[i], seq.page_hashes[i])
         seq.num_registered = max(seq.num_registered, min(full, len(seq.page_table)))
+
+    def record(self, seq: Sequence, claim: Claim | None) -> None:
+        if claim is not None and isinstance(claim.handle, TierHit):
+            assert self.lower is not None
+            self.lower.record(seq, claim, self.counters)
+        else:
+            super().record(seq, claim)
+
+    def on_finish(self, seq: Sequence) -> None:
+        if self.chains is not None and seq.request.publishes and seq.num_registered:
+            self.chains.add(PageChain(seq.seed, tuple(seq.page_hashes[:seq.num_registered]),  # type: ignore[arg-type]
+                                      seq.request.request_class))
+
+    @property
+    def restore_floor(self) -> int:
+        return self.lower.restore_floor if self.lower is not None else 0
+
+    @restore_floor.setter
+    def restore_floor(self, tokens: int) -> None:
+        if self.lower is not None:
+            self.lower.restore_floor = tokens
+
+    def check_integrity(self) -> None:
+        if self.chains is not None:
+            self.chains.check_integrity()

@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.logs import log_event
 from engine.cache.chain_hash import BlockHash, extend_page_hashes, state_name
 from engine.cache.device_cache import DeviceCache
 from engine.cache.eviction import eviction_key
 from engine.cache.page_pool import PagePool
 from engine.cache.reuse import Claim, PromptReuse
-from engine.outputs import ReuseReport
+from engine.cache.tier_claims import LowerTierClaims
 from engine.request import CommitPolicy, RequestClass, Sequence
 from engine.tiers.link import Spillable, TierHit, TierLink
 from ignis.v1 import common_pb2
@@ -33,7 +34,6 @@ from ignis.v1 import common_pb2
 log = logging.getLogger("ignis.request")
 _CLASS_PB = {RequestClass.INTERACTIVE: common_pb2.REQUEST_CLASS_INTERACTIVE,
              RequestClass.AGENT: common_pb2.REQUEST_CLASS_AGENT}
-_TIER_MEMO_SECONDS = 1.0  # a blocked queue head is matched every step: ask the store at most this often
 
 
 @dataclass(eq=False)
@@ -69,36 +69,24 @@ class RetainedStateReuse(PromptReuse):
         self._lineages: dict[int, deque[RetainedState]] = {}
         self._lineage_ids = itertools.count(1)
         self.tiers = tiers
-        self.restore_floor = restore_floor
-        self._tier_memo: dict[int, tuple[float, int, TierHit | None]] = {}  # seq_id -> (at, tokens, hit)
-        self._restored: tuple[int, str] | None = None  # (seq_id, tier) of the last apply from a lower tier
+        self.lower = LowerTierClaims(tiers, pages, self.page_size, restore_floor) if tiers is not None else None
 
     # --- lookup -------------------------------------------------------------
     def match(self, seq: Sequence) -> Claim | None:
         if not seq.request.claims_state:
             return None
         device = self._match_device(seq)
-        have = device.num_tokens if device else 0
-        if len(seq.token_ids) - have <= self.restore_floor:
-            return device  # nothing below the device could beat it: do not ask the store
-        hit = self._match_tiers(seq)
-        if hit is not None and hit.tokens > have + self.restore_floor:
-            # Every page of a restored state is a fresh page: they all count against the free list.
-            return Claim(hit.tokens, hit.kind, hit.tokens // self.page_size, hit)
-        return device
+        lower = self.lower.claim(seq, device.num_tokens if device else 0) if self.lower is not None else None
+        return lower or device
 
-    def _match_tiers(self, seq: Sequence) -> TierHit | None:
-        if self.tiers is None:
-            return None
-        now = time.monotonic()
-        memo = self._tier_memo.get(seq.seq_id)
-        if memo is not None and now - memo[0] < _TIER_MEMO_SECONDS and memo[1] == len(seq.token_ids):
-            return memo[2]
-        hit = self.tiers.lookup(seq.seed, seq.page_hashes, seq.token_ids)
-        if len(self._tier_memo) > 1024:
-            self._tier_memo = {k: v for k, v in self._tier_memo.items() if now - v[0] < _TIER_MEMO_SECONDS}
-        self._tier_memo[seq.seq_id] = (now, len(seq.token_ids), hit)
-        return hit
+    @property
+    def restore_floor(self) -> int:
+        return self.lower.restore_floor if self.lower is not None else 0
+
+    @restore_floor.setter
+    def restore_floor(self, tokens: int) -> None:
+        if self.lower is not None:
+            self.lower.restore_floor = tokens
 
     def _match_device(self, seq: Sequence) -> Claim | None:
         if not self._by_name:
@@ -120,9 +108,9 @@ class RetainedStateReuse(PromptReuse):
         return None
 
     def apply(self, seq: Sequence, claim: Claim) -> None:
-        self._restored = None
         if isinstance(claim.handle, TierHit):
-            self._apply_tier(seq, claim.handle)
+            assert self.lower is not None and seq.slot is not None
+            self.lower.apply(seq, claim.handle)
             return
         state = claim.handle
         assert isinstance(state, RetainedState) and seq.slot is not None
@@ -145,38 +133,12 @@ class RetainedStateReuse(PromptReuse):
             seq.lineage = state.lineage
         state.last_used = time.monotonic()
 
-    def _apply_tier(self, seq: Sequence, hit: TierHit) -> None:
-        assert self.tiers is not None and seq.slot is not None
-        self._tier_memo.pop(seq.seq_id, None)
-        got = self.pages.allocate(-(-hit.tokens // self.page_size))
-        if got is None:
-            raise RuntimeError("lower-tier claim admitted without its pages: this is a bug")
-        result = self.tiers.restore(seq.seed, hit, seq.slot, got)
-        if result is None:  # gone, corrupt or the store is down: the sequence prefills cold
-            self.pages.release(got)
-            return
-        tier, logits = result
-        seq.page_table = got
-        seq.num_computed = hit.tokens
-        if hit.tokens == len(seq.token_ids):
-            seq.pending_logits = logits
-        self._restored = (seq.seq_id, tier)
-
     def record(self, seq: Sequence, claim: Claim | None) -> None:
-        if claim is None or not isinstance(claim.handle, TierHit):
+        if claim is not None and isinstance(claim.handle, TierHit):
+            assert self.lower is not None
+            self.lower.record(seq, claim, self.counters)
+        else:
             super().record(seq, claim)
-            return
-        restored, self._restored = self._restored, None
-        if restored is None or restored[0] != seq.seq_id:
-            self.counters.misses += 1  # the restore failed: served cold
-            return
-        tier = restored[1]
-        self.counters.hits += 1
-        self.counters.reused_tokens[tier] += claim.num_tokens
-        if claim.kind == "prefix":
-            self.counters.prefix_reused_tokens += claim.num_tokens
-        seq.num_cached = claim.num_tokens
-        seq.reuse = ReuseReport(tier, claim.kind, claim.num_tokens)
 
     # --- capture ------------------------------------------------------------
     def cut_point(self, seq: Sequence) -> int | None:
@@ -277,8 +239,8 @@ class RetainedStateReuse(PromptReuse):
             state.name, state.seed, state.num_tokens, state.kind, _CLASS_PB[state.request_class],
             state.page_hashes, state.slot, state.pages, state.logits))
         if not spilled:
-            log.info("ignis.request.evicted hash=%s tokens=%d kind=%s tier=device", state.name.hex(),
-                     state.num_tokens, state.kind)
+            log_event(log, "ignis.request.evicted", hash=state.name.hex(), tokens=state.num_tokens, kind=state.kind,
+                      tier="device")
         self._drop(state)
         self.counters.evictions += 1
 

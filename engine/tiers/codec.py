@@ -83,12 +83,14 @@ class StateCodec:
         shape = like.shape if count is None else (count, *like.shape)
         return arena[start:start + n].view(like.dtype).view(shape)
 
-    def pack(self, arena: torch.Tensor, offset: int, tokens: int, slot: int, pages: list[int],
+    def pack(self, arena: torch.Tensor, offset: int, tokens: int, slot: int | None, pages: list[int],
              logits: torch.Tensor | None) -> None:
         """Copy a state (device slot + its pages + logits) into the arena at `offset`."""
         c, s = self.cache, self.sections(tokens)
         if len(pages) != -(-tokens // self.page_size):
             raise ValueError(f"{len(pages)} pages do not hold {tokens} tokens")
+        if slot is None and self.fixed_state_bytes:
+            raise ValueError("a model with recurrent state needs its slot")
         if self.recurrent_bytes:
             self._view(arena, offset + s.recurrent, c.recurrent[slot]).copy_(c.recurrent[slot])
         if self.conv_bytes:
@@ -103,10 +105,19 @@ class StateCodec:
         if logits is not None:
             self._view(arena, offset + s.logits, logits.float()).copy_(logits.float())
 
-    def unpack(self, arena: torch.Tensor, offset: int, tokens: int, nbytes: int, slot: int,
+    def unpack(self, arena: torch.Tensor, offset: int, tokens: int, nbytes: int, slot: int | None,
                pages: list[int]) -> torch.Tensor | None:
-        """Copy a state out of the arena into `slot` and fresh `pages`; returns its logits, if stored."""
+        """Copy a state out of the arena into `slot` and fresh `pages`; returns its logits, if stored.
+
+        Fewer pages than the state holds copy a page-aligned prefix (attention-only models:
+        every prefix of the KV is itself a state); a prefix has no logits.
+        """
         c, s = self.cache, self.sections(tokens)
+        whole = len(pages) == -(-tokens // self.page_size)
+        if slot is None and self.fixed_state_bytes:
+            raise ValueError("a model with recurrent state needs its slot")
+        if not whole and self.fixed_state_bytes:
+            raise ValueError("a state with recurrent layers cannot be cut to a prefix")
         if self.recurrent_bytes:
             c.recurrent[slot].copy_(self._view(arena, offset + s.recurrent, c.recurrent[slot]))
         if self.conv_bytes:
@@ -115,7 +126,7 @@ class StateCodec:
             src = self._view(arena, offset + s.kv, c.kv[0], len(pages))
             idx = torch.tensor(pages, dtype=torch.long, device=c.kv.device)
             c.kv.index_copy_(0, idx, src.to(c.kv.device))
-        if not self.has_logits(tokens, nbytes):
+        if not whole or not self.has_logits(tokens, nbytes):
             return None
         like = torch.empty(self.vocab_size, dtype=torch.float32)
         return self._view(arena, offset + s.logits, like).to(c.kv.device, copy=True)

@@ -15,6 +15,7 @@ import grpc
 import torch
 import xxhash
 
+from common.logs import log_event
 from engine.cache.chain_hash import BlockHash, state_name
 from engine.tiers.client import TierClient
 from engine.tiers.codec import StateCodec
@@ -22,7 +23,8 @@ from ignis.v1 import common_pb2, tierstore_pb2
 
 log = logging.getLogger("ignis.request")
 
-_KINDS = {"checkpoint": common_pb2.REUSE_KIND_CHECKPOINT, "prefix": common_pb2.REUSE_KIND_PREFIX}
+_KINDS = {"checkpoint": common_pb2.REUSE_KIND_CHECKPOINT, "prefix": common_pb2.REUSE_KIND_PREFIX,
+          "pages": common_pb2.REUSE_KIND_PAGES}
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 _TIERS = {common_pb2.REUSE_TIER_RAM: "ram", common_pb2.REUSE_TIER_DISK: "disk"}
 
@@ -47,7 +49,7 @@ class Spillable:
     kind: str
     request_class: int  # common_pb2.RequestClass
     page_hashes: tuple[bytes, ...]
-    slot: int
+    slot: int | None  # None: an attention-only model (no recurrent state)
     pages: list[int]
     logits: torch.Tensor | None
 
@@ -67,6 +69,7 @@ class TierLink:
         """Write a state leaving the device into KV-RAM; True if the store now holds it."""
         if not self.client.available or not self.client.ensure(s.seed):
             return False
+        started = time.perf_counter()
         nbytes = self.codec.nbytes(s.tokens, s.logits is not None)
         extent = self.client.reserve(s.name, nbytes, s.request_class)
         if extent is None:
@@ -87,8 +90,8 @@ class TierLink:
             self.spill_failures += 1
             return False
         self.spills += 1
-        log.info("ignis.request.spilled hash=%s tokens=%d kind=%s tier=ram bytes=%d",
-                 s.name.hex(), s.tokens, s.kind, nbytes)
+        log_event(log, "ignis.request.spilled", hash=s.name.hex(), tokens=s.tokens, kind=s.kind, tier="ram",
+                  bytes=nbytes, ms=round((time.perf_counter() - started) * 1000, 3))
         return True
 
     # --- lookup --------------------------------------------------------------------------
@@ -136,8 +139,13 @@ class TierLink:
         return hit.tokens < n or (hit.tokens == n and self.codec.has_logits(hit.tokens, hit.nbytes))
 
     # --- up ------------------------------------------------------------------------------
-    def restore(self, seed: bytes, hit: TierHit, slot: int, pages: list[int]) -> tuple[str, torch.Tensor | None] | None:
-        """Copy a stored state into `slot` and `pages`; (from tier, logits) or None if it failed."""
+    def restore(self, seed: bytes, hit: TierHit, slot: int | None, pages: list[int]
+                ) -> tuple[str, torch.Tensor | None] | None:
+        """Copy a stored state into `slot` and `pages`; (from tier, logits) or None if it failed.
+
+        A hit of kind `pages` may be a page-aligned prefix of a longer attention-only
+        state: its first len(pages) pages are copied (the whole blob is still checksummed).
+        """
         if not self.client.ensure(seed):
             self.restore_failures += 1
             return None
@@ -149,17 +157,18 @@ class TierLink:
         try:
             meta, ext = lease.metadata, lease.extent
             arena = self.client.arena
-            if meta.tokens != hit.tokens or ext.length < meta.nbytes or arena is None or \
+            sliced = hit.kind == "pages" and hit.tokens <= meta.tokens and hit.tokens % self.page_size == 0
+            if (meta.tokens != hit.tokens and not sliced) or ext.length < meta.nbytes or arena is None or \
                     xxhash.xxh3_128_digest(self.client.arena_bytes(ext.offset, meta.nbytes)) != meta.checksum:
                 self.restore_failures += 1
-                log.warning("ignis.request.restore_rejected hash=%s: metadata or checksum mismatch",
-                            hit.state_hash.hex())
+                log_event(log, "ignis.request.restore_rejected", logging.WARNING, hash=hit.state_hash.hex(),
+                          tokens=hit.tokens, kind=hit.kind, reason="metadata or checksum mismatch")
                 return None
             logits = self.codec.unpack(arena, ext.offset, meta.tokens, meta.nbytes, slot, pages)
         finally:
             self.client.release(lease.lease_id)
         tier = _TIERS.get(lease.from_tier, "ram")
         self.restores += 1
-        log.info("ignis.request.restored hash=%s tokens=%d kind=%s tier=%s ms=%.2f", hit.state_hash.hex(),
-                 hit.tokens, hit.kind, tier, (time.perf_counter() - started) * 1000)
+        log_event(log, "ignis.request.restored", hash=hit.state_hash.hex(), tokens=hit.tokens, kind=hit.kind,
+                  tier=tier, bytes=meta.nbytes, ms=round((time.perf_counter() - started) * 1000, 3))
         return tier, logits
