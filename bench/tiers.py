@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from bench import tier_claims
 from bench.table import markdown, save
 from ignis.v1 import common_pb2, tierstore_pb2
 from tierstore.client import TierStoreClient
@@ -256,12 +257,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=150, help="state size in MiB (default 150)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the best counts")
     parser.add_argument("--dir", default=None, help="scratch folder on the disk to measure (default: $TMPDIR)")
+    parser.add_argument("--claims", action=argparse.BooleanOptionalAction, default=True,
+                        help="also claim a state of that size through the engine vs re-prefilling it (default on)")
+    parser.add_argument("--hidden", type=int, default=1024, help="dense checkpoint of the engine claims")
+    parser.add_argument("--layers", type=int, default=16)
     args = parser.parse_args(argv)
     folder = Path(tempfile.mkdtemp(prefix="ignis-bench-tiers-", dir=args.dir))
     try:
         res = run(args.mib * MiB, args.repeats, folder)
         res["scratch"] = str(folder)
         text, rows = table(res)
+        if args.claims:
+            claims = tier_claims.measure(args.mib, folder, args.hidden, args.layers)
+            res["engine_claims"] = claims
+            claim_rows = tier_claims.rows(claims)
+            text += (f"\n\n#### Claims through the engine: dense h{args.hidden}/{args.layers} layers, "
+                     f"{claims['tokens']} tokens = {claims['state_bytes'] / MiB:.0f} MiB of KV (one run)\n\n"
+                     + markdown(tier_claims.CLAIM_HEADERS, claim_rows))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     title = f"### Tiers: one {args.mib} MiB state (best of {args.repeats})"

@@ -240,6 +240,32 @@ def test_small_arena_spills_on_to_disk_and_hits_from_disk(tmp_path: Path, model,
         store.stop()
 
 
+def test_a_flipped_byte_on_disk_is_never_served_the_request_runs_cold(tmp_path: Path, model, oracle) -> None:
+    from tierstore.client import TierStoreClient  # the test reads the store's counters; the engine never imports it
+
+    store = tierstore(tmp_path, arena=1 * MiB, disk=64 * MiB)
+    engine = Engine(*model, tierstore=store.address)
+    try:
+        for topic in TOPICS:
+            same(engine.run(topic), oracle(topic))
+        blobs = sorted((tmp_path / "kv-disk" / "blobs").iterdir())
+        assert blobs, "nothing reached the disk tier"
+        for blob in blobs:  # one byte in the middle of every state (its KV or recurrent section)
+            data = bytearray(blob.read_bytes())
+            data[len(data) // 2] ^= 0x40
+            blob.write_bytes(bytes(data))
+        got = engine.run(TOPICS[0])  # its states are on disk only: every candidate fails its checksum
+        same(got, oracle(TOPICS[0]))
+        assert (got.tier, got.cached) == ("none", 0)
+        with TierStoreClient(store.address) as client:
+            assert client.stats().checksum_failures >= 1
+        assert engine.core.reuse.tiers.restore_failures >= 1  # type: ignore[attr-defined]
+        engine.check()
+    finally:
+        engine.close()
+        store.stop()
+
+
 def test_tierstore_down_then_back(tmp_path: Path, model, oracle, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="ignis")
     store = tierstore(tmp_path, arena=16 * MiB, disk=0)
