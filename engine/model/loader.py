@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from common.progress import Progress
 from engine.model.config import ModelConfig, load_config
 from engine.model.decoder import CausalLM
 from engine.model.errors import CheckpointError
@@ -86,6 +87,8 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
 
     state: dict[str, torch.Tensor] = {}
     converted: dict[int, torch.Tensor] = {}  # tied tensors stay one tensor after conversion
+    total = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors.values()}.values())
+    bar = Progress(f"loading {path.name}", total, "B")
     for name, shape in expected.items():
         if name not in tensors:
             raise CheckpointError(f"{path}: tensor {name!r} is missing from the safetensors weights")
@@ -97,7 +100,9 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
         key = id(tensor)
         if key not in converted:
             converted[key] = tensor.to(device=dev, dtype=torch_dtype)
+            bar.advance(tensor.numel() * tensor.element_size())
         state[name] = converted[key]
+    bar.close()
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise CheckpointError(

@@ -10,6 +10,7 @@ first use into a cache directory, so nothing is downloaded.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -19,6 +20,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import save_file
 
+from common.progress import Progress
 from engine.model.config import parse_config
 from engine.model.decoder import CausalLM
 from engine.text.tiny_tokenizer import TINY_VOCAB_SIZE, write_tiny_tokenizer
@@ -72,7 +74,9 @@ def random_weights(config_json: dict[str, Any], seed: int) -> dict[str, torch.Te
         shapes = {k: (tuple(v.shape), k) for k, v in CausalLM(config).state_dict().items()}
     gen = torch.Generator().manual_seed(seed)
     weights: dict[str, torch.Tensor] = {}
+    bar = Progress("generating weights", len(shapes), "tensors")
     for name, (shape, _) in sorted(shapes.items()):
+        bar.advance()
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if name.endswith("A_log"):
@@ -86,6 +90,7 @@ def random_weights(config_json: dict[str, Any], seed: int) -> dict[str, torch.Te
         else:
             value = 0.05 * torch.randn(shape, generator=gen)
         weights[name] = value.contiguous()
+    bar.close()
     return weights
 
 
@@ -124,5 +129,5 @@ def ensure_tiny_checkpoint(
 def resolve_model_path(model: str, cache_dir: Path | None = None) -> Path:
     """`ignis-tiny` -> its generated checkpoint; anything else is a checkpoint directory."""
     if model == TINY_NAME:
-        return ensure_tiny_checkpoint(cache_dir)
+        return ensure_tiny_checkpoint(cache_dir, progress=logging.getLogger("ignis.engine").info)
     return Path(model).expanduser()
