@@ -266,6 +266,24 @@ def test_a_flipped_byte_on_disk_is_never_served_the_request_runs_cold(tmp_path: 
         store.stop()
 
 
+def test_full_tiers_stop_spills_and_every_request_still_succeeds(tmp_path: Path, model, oracle) -> None:
+    from tierstore.client import TierStoreClient
+
+    store = tierstore(tmp_path, arena=1 * MiB, disk=1 * MiB)  # room for about two states in all
+    engine = Engine(*model, tierstore=store.address)
+    try:
+        for topic in [*TOPICS, *TOPICS, "auroras", "dunes"]:
+            same(engine.run(topic), oracle(topic))
+        with TierStoreClient(store.address) as client:
+            stats = client.stats()
+        assert stats.disk_bytes_used <= stats.disk_bytes_total == 1 * MiB
+        assert stats.evictions >= 1  # the budget was hit: states were dropped, requests were not
+        engine.check()
+    finally:
+        engine.close()
+        store.stop()
+
+
 def test_tierstore_down_then_back(tmp_path: Path, model, oracle, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="ignis")
     store = tierstore(tmp_path, arena=16 * MiB, disk=0)
