@@ -18,6 +18,7 @@ from typing import TypeVar
 import grpc
 import torch
 
+from common.tracing import ClientTracingInterceptor
 from ignis.v1 import tierstore_pb2, tierstore_pb2_grpc
 
 log = logging.getLogger("ignis.engine.tiers")
@@ -28,8 +29,10 @@ T = TypeVar("T")
 class TierClient:
     def __init__(self, address: str, *, model: str, page_size: int, layout: str, kv_bytes_per_token: int,
                  fixed_state_bytes: int, timeout: float = 2.0, retry_seconds: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, pin: bool = False) -> None:
         self.address = address
+        self.pin = pin  # CUDA: register the mapping as pinned memory so copies to the GPU are DMA
+        self._pinned_ptr: int | None = None
         self.timeout = timeout
         self.retry_seconds = retry_seconds
         self._clock = clock
@@ -58,7 +61,9 @@ class TierClient:
         if self._stub is None:
             # A fresh channel per attempt: a dead one would sit in gRPC's own (long) reconnect backoff.
             self._channel = grpc.insecure_channel(self.address)
-            self._stub = tierstore_pb2_grpc.TierStoreStub(self._channel)
+            # Each call is a CLIENT span carrying the current trace (a request's, or a new one for a spill).
+            traced = grpc.intercept_channel(self._channel, ClientTracingInterceptor(self.address))
+            self._stub = tierstore_pb2_grpc.TierStoreStub(traced)
         return self._stub
 
     def _mark_down(self, why: str) -> None:
@@ -134,8 +139,18 @@ class TierClient:
         finally:
             os.close(fd)
         self.arena = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        if self.pin and torch.cuda.is_available():
+            ptr = self.arena.data_ptr()
+            code = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+            if int(code) == 0:
+                self._pinned_ptr = ptr
+            else:  # copies still work, through a staging buffer
+                log.warning("cudaHostRegister of the arena failed (%s): unpinned copies", code)
 
     def _unmap(self) -> None:
+        if self._pinned_ptr is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._pinned_ptr)
+            self._pinned_ptr = None
         self.arena = None
         if self._mmap is not None:
             try:
