@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,13 +123,38 @@ def test_the_real_arena_lives_in_dev_shm() -> None:
     assert not arena.path.exists()
 
 
-def test_stale_arenas_of_dead_processes_are_reaped(tmp_path: Path) -> None:
+def test_stale_arenas_are_reaped_and_live_ones_kept(tmp_path: Path) -> None:
+    """Live means locked by its tierstore: the pid in the name only speeds up the common case."""
+    live = Arena(4 * K, directory=tmp_path)  # (its own start reaps: create the others after it)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(dead.stdout)
-    stale = tmp_path / f"{SHM_PREFIX}{dead_pid}-abc"
-    live = tmp_path / f"{SHM_PREFIX}{os.getpid()}-def"
+    stale = tmp_path / f"{SHM_PREFIX}{int(dead.stdout)}-abc"
+    reused_pid = tmp_path / f"{SHM_PREFIX}{os.getpid()}-old"  # a container restart: same pid, nobody holds it
+    starting = tmp_path / f"{SHM_PREFIX}{os.getpid()}-new"  # just created by a tierstore starting beside us
     unrelated = tmp_path / "something-else"
-    for p in (stale, live, unrelated):
+    for p in (stale, reused_pid, starting, unrelated):
         p.write_bytes(b"x")
-    assert reap_stale_arenas(tmp_path) == [stale]
-    assert not stale.exists() and live.exists() and unrelated.exists()
+    os.utime(reused_pid, (time.time() - 60, time.time() - 60))
+    os.utime(live.path, (time.time() - 60, time.time() - 60))
+    try:
+        assert sorted(reap_stale_arenas(tmp_path)) == sorted([stale, reused_pid])
+        assert live.path.exists() and starting.exists() and unrelated.exists()
+    finally:
+        live.close()
+    assert not live.path.exists()
+
+
+def test_the_arena_of_a_killed_tierstore_is_reaped_at_the_next_start(tmp_path: Path) -> None:
+    code = (f"import sys, time; from pathlib import Path; from tierstore.arena import Arena; "
+            f"a = Arena(4096, directory=Path({str(tmp_path)!r})); print(a.path, flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    path = Path(proc.stdout.readline().strip())
+    assert path.exists() and reap_stale_arenas(tmp_path) == []  # alive: kept
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    again = Arena(4 * K, directory=tmp_path)  # a start reaps what the killed one left
+    try:
+        assert not path.exists() and again.path.exists()
+    finally:
+        again.close()

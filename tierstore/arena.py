@@ -10,9 +10,11 @@ every extent starts and ends on a 4 KiB boundary (page-aligned copies, and
 from __future__ import annotations
 
 import bisect
+import fcntl
 import logging
 import mmap
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,18 +120,20 @@ class Arena:
         if size <= 0:
             raise ValueError(f"reuse.kv_host_pool_bytes must be at least {ALIGN} bytes, got {nbytes}")
         reap_stale_arenas(directory)
-        # The pid in the name lets a later start remove the file of a killed instance.
         self.path = directory / f"{SHM_PREFIX}{os.getpid()}-{instance_id or uuid.uuid4().hex}"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            # Held for the life of the process (the kernel drops it on any exit, kill -9 included):
+            # a later start removes a file nobody holds, whatever the pid in its name says.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             # Allocate the pages now: a full /dev/shm fails here, at start, not as SIGBUS mid-copy.
             os.posix_fallocate(fd, 0, size)
             self._mmap = mmap.mmap(fd, size)
         except BaseException:
-            os.close(fd)
             self.path.unlink(missing_ok=True)
+            os.close(fd)
             raise
-        os.close(fd)  # the mapping keeps the file alive
+        self._lock_fd = fd
         self.size = size
         self.view = memoryview(self._mmap)
         self.allocator = ExtentAllocator(size)
@@ -157,17 +161,37 @@ class Arena:
         except BufferError:  # a slice is still exported (an in-flight Get): the unlink below still happens
             log.warning("arena still referenced at close; unmapped at exit")
         self.path.unlink(missing_ok=True)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
 
-def reap_stale_arenas(directory: Path = SHM_DIR) -> list[Path]:
-    """Removes arena files of tierstores that died without cleaning up (kill -9): ours by uid, pid gone."""
+def reap_stale_arenas(directory: Path = SHM_DIR, min_age: float = 10.0) -> list[Path]:
+    """Removes arena files of tierstores that died without cleaning up (kill -9).
+
+    A live tierstore holds an flock on its file. A file nobody holds is stale once its
+    owner's pid is gone, or once it is `min_age` seconds old (in a container a restarted
+    tierstore often gets the dead one's pid; the age covers a file just created by a
+    tierstore starting next to us, not yet locked).
+    """
     removed: list[Path] = []
     for path in directory.glob(SHM_PREFIX + "*"):
         pid_text = path.name[len(SHM_PREFIX):].partition("-")[0]
         try:
-            if not pid_text.isdigit() or path.stat().st_uid != os.getuid() or _alive(int(pid_text)):
+            stat = path.stat()
+            if stat.st_uid != os.getuid():
                 continue
-            path.unlink()
+            if pid_text.isdigit() and _alive(int(pid_text)) and time.time() - stat.st_mtime < min_age:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its tierstore is alive
+            else:
+                path.unlink()
+            finally:
+                os.close(fd)
         except OSError:
             continue
         log.info("removed the arena %s of a tierstore that is gone", path)
