@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -99,3 +100,30 @@ def launch_engine(workdir: Path, model: str = "ignis-tiny", args: list[str] | No
 def launch_gateway(workdir: Path, engines: list[str], args: list[str] | None = None) -> Service:
     flags = ["--host", "127.0.0.1"] + [f for e in engines for f in ("--engine", e)] + (args or [])
     return launch("gateway", "gateway", flags, workdir, http_healthy, timeout=120)
+
+
+def free_port() -> int:
+    """A loopback port free right now, for a program that cannot write a port file (it may race; rare)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_binary(name: str, cmd: list[str], port: int, workdir: Path, ready: Callable[[int], bool],
+                  timeout: float = 600.0, env: dict[str, str] | None = None) -> Service:
+    """Start a non-Python program already told to listen on `port`; returns once `ready(port)`."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_path = workdir / f"{name}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, cwd=workdir, env={**os.environ, **(env or {})}, stdout=log,
+                                stderr=subprocess.STDOUT)
+    service = Service(name, proc, port, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{service.log()}")
+        if ready(port):
+            return service
+        time.sleep(0.05)
+    service.stop()
+    raise TimeoutError(f"{name} was not ready within {timeout:.0f}s:\n{service.log()}")

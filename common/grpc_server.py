@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -10,11 +10,13 @@ from grpc_reflection.v1alpha import reflection
 
 
 def build_server(
-    register: Callable[[grpc.aio.Server], None], service_name: str, address: str, what: str
+    register: Callable[[grpc.aio.Server], None], service_name: str, address: str, what: str,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Build (not start) a server with `register`ed services plus health and reflection on
     `address` (port 0 picks a free one); returns (server, port, health)."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    server = grpc.aio.server(interceptors=list(interceptors) or None,
+                             options=[("grpc.max_receive_message_length", 64 << 20)])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -7,13 +7,16 @@ import asyncio
 import logging
 import signal
 import sys
+from http.server import HTTPServer
 from pathlib import Path
 
 import torch
 
 from common.logs import configure_logging
 from common.settings import Settings, parse_service_args
+from common.tracing import setup_tracing, shutdown_tracing
 from engine.core import EngineConfig, EngineCore
+from engine.metrics import serve_metrics
 from engine.model.errors import CheckpointError
 from engine.model.loader import load_model
 from engine.model.tiny import TINY_NAME, resolve_model_path
@@ -43,6 +46,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving (for tests)")
+    parser.add_argument("--metrics-port", type=int, default=0, help="HTTP port of /metrics (0: off)")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds to finish in-flight work on shutdown")
     return parse_service_args(parser, _SETTING_FLAGS, argv)
 
@@ -67,10 +71,10 @@ def build_core(model_path: Path, settings: Settings) -> EngineCore:
     return EngineCore(loaded, tokenizer, config)
 
 
-async def serve(args: argparse.Namespace, settings: Settings) -> int:
+async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = False) -> int:
     model_id = args.served_model_name or (TINY_NAME if args.model == TINY_NAME else Path(args.model).name)
     service = EngineService(model_id)
-    server, port, health = create_server(service, f"{args.host}:{args.port}")
+    server, port, health = create_server(service, f"{args.host}:{args.port}", tracing)
     await set_serving(health, False)
     await server.start()
     log.info("engine listening on %s:%d (loading %s)", args.host, port, args.model)
@@ -84,6 +88,7 @@ async def serve(args: argparse.Namespace, settings: Settings) -> int:
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait({load, waiter}, return_when=asyncio.FIRST_COMPLETED)
     core = None
+    metrics: HTTPServer | None = None
     if load.done():
         try:
             core = load.result()
@@ -93,6 +98,15 @@ async def serve(args: argparse.Namespace, settings: Settings) -> int:
             return 2
         core.start()
         service.attach(core)
+        if args.metrics_port:
+            try:
+                metrics = serve_metrics(args.host, args.metrics_port, core.metrics.registry)
+            except OSError as exc:  # the port is taken: say so instead of a traceback
+                log.error("cannot serve /metrics on %s:%d: %s", args.host, args.metrics_port, exc)
+                core.stop()
+                await server.stop(0)
+                return 2
+            log.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
         await set_serving(health, True)
         log.info("engine serving %s on %s:%d", model_id, args.host, port)
         if args.port_file:
@@ -105,6 +119,9 @@ async def serve(args: argparse.Namespace, settings: Settings) -> int:
     await server.stop(args.grace)  # in-flight RPCs get `grace` seconds, then are cancelled
     if core is not None:
         core.stop()
+    if metrics is not None:
+        metrics.shutdown()
+        metrics.server_close()
     load.cancel()
     return 0
 
@@ -112,7 +129,12 @@ async def serve(args: argparse.Namespace, settings: Settings) -> int:
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
     args, settings = parse_args(argv)
-    sys.exit(asyncio.run(serve(args, settings)))
+    tracing = setup_tracing("ignis-engine")
+    try:
+        code = asyncio.run(serve(args, settings, tracing))
+    finally:
+        shutdown_tracing()  # export the spans still queued
+    sys.exit(code)
 
 
 if __name__ == "__main__":

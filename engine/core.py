@@ -148,7 +148,7 @@ class EngineCore:
             self.config.tierstore_address, model=self.loaded.config.model_type, page_size=self.config.page_size,
             layout=codec.layout(), kv_bytes_per_token=codec.kv_bytes_per_token,
             fixed_state_bytes=codec.fixed_state_bytes, timeout=self.config.tier_timeout,
-            retry_seconds=self.config.tier_retry_seconds)
+            retry_seconds=self.config.tier_retry_seconds, pin=self.cache.kv.device.type == "cuda")
         log.info("retained states spill to the tierstore at %s (restore floor %d tokens)",
                  self.config.tierstore_address, self._restore_floor())
         return TierLink(client, codec)

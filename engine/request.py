@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from opentelemetry.context import Context
 
 from engine.cache.chain_hash import BlockHash
 
@@ -59,6 +60,8 @@ class EngineRequest:
     commit: CommitPolicy = CommitPolicy.INCLUDING_GENERATED_TOKENS
     publish_point: int = 0  # end of the page-rounded system+tools head (0: none)
     arrival: float = field(default_factory=time.monotonic)
+    # The trace of the RPC that submitted it (None: not traced); its engine spans are children of it.
+    trace_context: Context | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -74,6 +77,23 @@ class EngineRequest:
         """Whether this request may start from retained state. Echo with logprobs needs the
         logits at every prompt position, which only a full prefill produces."""
         return self.lookup and not (self.echo and self.params.logprobs)
+
+
+@dataclass(slots=True)
+class SeqTimes:
+    """When a sequence went through each stage (time.monotonic()), for its request's trace spans.
+
+    Only the way to its first admission is kept: a preempted sequence keeps these.
+    """
+
+    admitted: float | None = None  # left the queue
+    lookup: tuple[float, float] | None = None  # the reuse lookup that admitted it
+    claim: tuple[float, float] | None = None  # copying (or restoring) the claimed state in
+    finished: float | None = None
+
+    def mark_admitted(self) -> None:
+        if self.admitted is None:
+            self.admitted = time.monotonic()
 
 
 class Sequence:
@@ -96,6 +116,7 @@ class Sequence:
         self.stop_reason: str | int | None = None  # matched stop string or stop token id
         self.first_token_time: float | None = None
         self.preemptions = 0
+        self.times = SeqTimes()
         self.unforked: list[Sequence] = []  # choices 1..n-1, forked from this one after its prompt
         # Reuse state: the chain hashes of this sequence's full pages (computed once), what it claimed.
         self.seed: bytes = b""
@@ -149,5 +170,6 @@ class Sequence:
 
     def finish(self, reason: FinishReason, stop: str | int | None = None) -> None:
         self.status = SeqStatus.FINISHED
+        self.times.finished = time.monotonic()
         self.finish_reason = reason
         self.stop_reason = stop

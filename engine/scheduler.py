@@ -15,6 +15,7 @@ from typing import Callable
 from engine.cache.page_pool import PagePool, SlotPool
 from engine.cache.reuse import Claim, NoReuse, PromptReuse
 from engine.request import RequestClass, Sequence, SeqStatus
+from engine.tracing import admission_stage
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,21 +154,23 @@ class Scheduler:
             queue = self.waiting[cls]
             while queue:
                 seq = queue[0]
-                claim = self.reuse.match(seq)
+                claim = self._match(seq)
                 if not self._fits(seq, claim):
                     # Reclaiming or preempting may drop what the claim matched: match again after each.
                     self.reuse.reclaim(self._pages_for(seq, claim))
-                    claim = self.reuse.match(seq)
+                    claim = self._match(seq)
                     if not self._fits(seq, claim):
                         if not self._make_room_for(seq, claim, plan):
                             return  # keep order: nothing behind the head jumps it
-                        claim = self.reuse.match(seq)
+                        claim = self._match(seq)
                         if not self._fits(seq, claim):
                             return
                 queue.popleft()
+                seq.times.mark_admitted()
                 seq.slot = self.slots.allocate() if self.slots is not None else None
                 if claim is not None:
-                    self.reuse.apply(seq, claim)
+                    with admission_stage(seq, "claim"):  # a restore's tierstore calls join the request's trace
+                        self.reuse.apply(seq, claim)
                 if seq.preemptions == 0:
                     self.reuse.record(seq, claim)
                 got = self.pages.allocate(seq.pages_needed(len(seq.token_ids), self.limits.page_size))
@@ -175,6 +178,10 @@ class Scheduler:
                 seq.page_table.extend(got)
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
+
+    def _match(self, seq: Sequence) -> Claim | None:
+        with admission_stage(seq, "lookup"):  # the lookup's tierstore calls join the request's trace
+            return self.reuse.match(seq)
 
     def _pages_for(self, seq: Sequence, claim: Claim | None) -> int:
         """Free pages admitting `seq` takes: its whole prompt, less the full pages a claim shares."""

@@ -13,11 +13,13 @@ from grpc_health.v1 import health
 
 from common.grpc_server import build_server
 from common.grpc_server import set_serving as set_health
+from common.tracing import QUIET_METHODS, ServerTracingInterceptor
 from engine.api_convert import commit_policy, request_class, sampling_params, update_messages
 from engine.core import EngineCore, EngineStopped, QueueFull
 from engine.outputs import RequestUpdate
 from engine.prompt import render_input
 from engine.request import EngineRequest
+from engine.tracing import capture_context
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("ignis.engine")
@@ -108,6 +110,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 lookup=request.reuse.lookup != engine_pb2.ReusePolicy.LOOKUP_BYPASS,
                 commit=commit_policy(request.reuse.commit),
                 publish_point=prompt.head_tokens // core.config.page_size * core.config.page_size,
+                trace_context=capture_context(),  # this RPC's SERVER span: the parent of the engine's spans
             )
             core.validate(engine_request)
         except ValueError as exc:
@@ -179,10 +182,17 @@ class _Abort(Exception):
         self.message = message
 
 
-def create_server(service: EngineService, address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Build (not start) the server on `address` (port 0 picks a free one); returns (server, port, health)."""
+def create_server(service: EngineService, address: str, tracing: bool = False
+                  ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Build (not start) the server on `address` (port 0 picks a free one); returns (server, port, health).
+
+    With `tracing`, each RPC is a SERVER span continuing the caller's trace; gateways poll
+    ListModels and monitors GetStats, so those are traced only inside a caller's trace.
+    """
+    quiet = (*QUIET_METHODS, f"/{SERVICE_NAME}/ListModels", f"/{SERVICE_NAME}/GetStats")
     return build_server(lambda server: engine_pb2_grpc.add_EngineServicer_to_server(service, server),
-                        engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name, address, "engine")
+                        engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name, address, "engine",
+                        [ServerTracingInterceptor(quiet)] if tracing else [])
 
 
 async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:

@@ -16,9 +16,9 @@ from typing import Iterator
 import uvicorn
 
 from common.logs import configure_logging
+from common.tracing import setup_tracing, shutdown_tracing
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.tracing import setup_tracing
 
 log = logging.getLogger("ignis.gateway")
 
@@ -97,8 +97,12 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
     args, config = parse_args(argv)
-    config.tracing = setup_tracing()
-    sys.exit(asyncio.run(serve(args, config)))
+    config.tracing = setup_tracing("ignis-gateway")
+    try:
+        code = asyncio.run(serve(args, config))
+    finally:
+        shutdown_tracing()  # export the spans still queued
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,14 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 import grpc
+from opentelemetry import trace
 
+from common.tracing import client_span, grpc_metadata, set_rpc_status
 from gateway.engines import EnginePool
 from gateway.errors import from_grpc, unavailable
-from gateway.tracing import grpc_metadata
 from ignis.v1 import engine_pb2
+
+GENERATE = "/ignis.v1.Engine/Generate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,14 +39,20 @@ async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest, key: b
                    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
     reasons: list[str] = []
     for engine in pool.candidates(request.model, key):
-        call = engine.stub.Generate(request, timeout=spec.timeout, metadata=grpc_metadata())
+        # One CLIENT span per attempt (a child of the request's SERVER span); the engine continues it.
+        span = client_span(GENERATE, engine.address)
+        call = engine.stub.Generate(request, timeout=spec.timeout,
+                                    metadata=grpc_metadata(trace.set_span_in_context(span)))
         started = False
+        code = grpc.StatusCode.CANCELLED  # unless the call ends by itself: the client went away
         try:
             async for msg in call:
                 started = True
                 yield msg
+            code = grpc.StatusCode.OK
             return
         except grpc.aio.AioRpcError as exc:
+            code = exc.code()
             if exc.code() == grpc.StatusCode.UNAVAILABLE and not started:
                 pool.mark_down(engine, exc.details() or "unavailable")
                 reasons.append(f"{engine.address}: {exc.details()}")
@@ -51,6 +60,8 @@ async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest, key: b
             raise from_grpc(exc, prompt_param=spec.prompt_param, max_tokens_param=spec.max_tokens_param) from None
         finally:
             call.cancel()  # no-op when the call already ended; frees the engine's work when it did not
+            set_rpc_status(span, code)
+            span.end()
     raise unavailable("no engine is available" + (f" ({'; '.join(reasons)})" if reasons else ""))
 
 

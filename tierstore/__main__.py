@@ -13,6 +13,7 @@ from pathlib import Path
 
 from common.logs import configure_logging
 from common.settings import Settings, parse_service_args
+from common.tracing import setup_tracing, shutdown_tracing
 from tierstore.metrics import serve_metrics
 from tierstore.server import TierStoreService, create_server, set_serving
 from tierstore.store import StoreConfig, TierStore
@@ -42,7 +43,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     return parse_service_args(parser, _SETTING_FLAGS, argv)
 
 
-async def serve(args: argparse.Namespace, settings: Settings) -> int:
+async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = False) -> int:
     config = StoreConfig(arena_bytes=settings.reuse.kv_host_pool_bytes, disk_path=settings.kv_disk.path,
                          disk_bytes=settings.kv_disk.bytes,
                          interactive_ttl=settings.reuse.retained_interactive_ttl,
@@ -58,7 +59,7 @@ async def serve(args: argparse.Namespace, settings: Settings) -> int:
              stats.disk_bytes_used, stats.disk_bytes_total)
     metrics = serve_metrics(args.host, args.metrics_port, store.stats) if args.metrics_port else None
 
-    server, port, health = create_server(TierStoreService(store), f"{args.host}:{args.port}")
+    server, port, health = create_server(TierStoreService(store), f"{args.host}:{args.port}", tracing)
     await server.start()
     await set_serving(health, True)
     log.info("tierstore serving on %s:%d", args.host, port)
@@ -96,7 +97,12 @@ async def serve(args: argparse.Namespace, settings: Settings) -> int:
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
     args, settings = parse_args(argv)
-    sys.exit(asyncio.run(serve(args, settings)))
+    tracing = setup_tracing("ignis-tierstore")
+    try:
+        code = asyncio.run(serve(args, settings, tracing))
+    finally:
+        shutdown_tracing()  # export the spans still queued
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from grpc_health.v1 import health
 
 from common.grpc_server import build_server
 from common.grpc_server import set_serving as set_health
+from common.tracing import ServerTracingInterceptor
 from ignis.v1 import tierstore_pb2, tierstore_pb2_grpc
 from tierstore.arena import Extent
 from tierstore.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, TierStoreError
@@ -188,10 +189,15 @@ async def _fail(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
     raise AssertionError("unreachable")
 
 
-def create_server(service: TierStoreService, address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Build (not start) the server on `address` (port 0 picks a free one); returns (server, port, health)."""
+def create_server(service: TierStoreService, address: str, tracing: bool = False
+                  ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Build (not start) the server on `address` (port 0 picks a free one); returns (server, port, health).
+
+    With `tracing`, each call is a SERVER span continuing the engine's trace (from the gRPC metadata).
+    """
     return build_server(lambda server: tierstore_pb2_grpc.add_TierStoreServicer_to_server(service, server),
-                        tierstore_pb2.DESCRIPTOR.services_by_name["TierStore"].full_name, address, "tierstore")
+                        tierstore_pb2.DESCRIPTOR.services_by_name["TierStore"].full_name, address, "tierstore",
+                        [ServerTracingInterceptor()] if tracing else [])
 
 
 async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:

@@ -53,7 +53,13 @@ class TierClient:
     # --- availability ----------------------------------------------------------------
     @property
     def available(self) -> bool:
+        """Worth a call now: up, or down but due for a retry."""
         return not self._down or self._clock() >= self._retry_at
+
+    @property
+    def up(self) -> bool:
+        """The last call reached the store (False from a failure until a call succeeds again)."""
+        return not self._down
 
     def _connect(self) -> tierstore_pb2_grpc.TierStoreStub | None:
         if self._down and self._clock() < self._retry_at:

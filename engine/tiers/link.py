@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 import xxhash
+from opentelemetry import trace
 
 from common.logs import log_event
 from engine.cache.chain_hash import BlockHash, state_name
@@ -67,7 +68,18 @@ class TierLink:
     # --- down ----------------------------------------------------------------------------
     def spill(self, s: Spillable) -> bool:
         """Write a state leaving the device into KV-RAM; True if the store now holds it."""
-        if not self.client.available or not self.client.ensure(s.seed):
+        if not self.client.available:
+            return False
+        # One trace per spill (it belongs to no request): Register, Reserve and Commit are its children.
+        with trace.get_tracer("ignis.engine").start_as_current_span(
+                "engine.spill", attributes={"ignis.hash": s.name.hex(), "ignis.tokens": s.tokens,
+                                            "ignis.kind": s.kind}) as span:
+            spilled = self._spill(s)
+            span.set_attribute("ignis.spilled", spilled)
+            return spilled
+
+    def _spill(self, s: Spillable) -> bool:
+        if not self.client.ensure(s.seed):
             return False
         started = time.perf_counter()
         nbytes = self.codec.nbytes(s.tokens, s.logits is not None)

@@ -1,0 +1,185 @@
+"""Prometheus metrics of the engine, on a registry of its own (served on ``--metrics-port``).
+
+Two sources, one bookkeeping each:
+- totals and gauges (reuse hits and reused tokens, tokens, queues, page pool, slots,
+  the tierstore link) are read from the engine's own counters at scrape time
+  (`EngineCollector`, through `EngineCore.stats`), never counted twice;
+- latencies are observed on the engine thread as they happen (`EngineMetrics`):
+  time to first token and inter-token latency as tokens are sampled, and per
+  finished request its duration, finish reason and cached tokens.
+
+Every name is listed in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from http.server import HTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.outputs import EngineStats
+from engine.request import RequestClass, Sequence
+from engine.tiers.link import TierLink
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
+_DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+def class_name(request_class: RequestClass) -> str:
+    return request_class.name.lower()
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequest:
+    """One finished request: the fields of the ``ignis.request.done`` event."""
+
+    request_id: str
+    request_class: str  # interactive | agent
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose state was reused (== the reused token count)
+    tier: str  # device | ram | disk | none
+    kind: str  # checkpoint | prefix | pages | none
+    ttft_ms: float  # 0 when no token was produced
+    tokens_out: int  # generated tokens, all choices
+    finish_reason: str  # stop | length | abort | error
+    duration_ms: float  # arrival to the last update
+
+    def event_fields(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "class": self.request_class, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "tier": self.tier, "kind": self.kind,
+                "ttft_ms": round(self.ttft_ms, 3), "tokens_out": self.tokens_out,
+                "finish_reason": self.finish_reason, "duration_ms": round(self.duration_ms, 3)}
+
+
+class EngineMetrics:
+    """The engine's registry: observed latencies plus an `EngineCollector` over its counters."""
+
+    def __init__(self, stats: Callable[[], EngineStats], tiers: Callable[[], TierLink | None]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        ttft = Histogram("ignis_time_to_first_token_seconds", "Arrival at the engine to the first generated token",
+                         ["class"], buckets=_TTFT_BUCKETS, registry=r)
+        itl = Histogram("ignis_inter_token_latency_seconds", "Time between two tokens of one choice",
+                        ["class"], buckets=_ITL_BUCKETS, registry=r)
+        duration = Histogram("ignis_request_duration_seconds", "Arrival at the engine to the request's end",
+                             ["class"], buckets=_DURATION_BUCKETS, registry=r)
+        self._requests = Counter("ignis_requests", "Finished requests (abort: cancelled; error: failed)",
+                                 ["class", "finish_reason"], registry=r)
+        self._cached = Counter("ignis_cached_tokens", "Prompt tokens of finished requests served from reused state",
+                               registry=r)
+        # Label children bound once: the per-token path is a dict lookup and an observe.
+        self._ttft = {c: ttft.labels(class_name(c)) for c in RequestClass}
+        self._itl = {c: itl.labels(class_name(c)) for c in RequestClass}
+        self._duration = {c.name.lower(): duration.labels(class_name(c)) for c in RequestClass}
+        self._last_token: dict[int, float] = {}  # seq_id -> time of its latest token (engine thread only)
+        r.register(EngineCollector(stats, tiers))
+
+    def on_tokens(self, seqs: Iterable[Sequence]) -> None:
+        """After a sampling round (engine thread): each sequence got one token just now."""
+        now = time.monotonic()
+        for seq in seqs:
+            cls = seq.request.request_class
+            last = self._last_token.get(seq.seq_id)
+            if last is not None:
+                self._itl[cls].observe(now - last)
+            elif seq.choice == 0 and seq.first_token_time is not None:  # the request's first token
+                self._ttft[cls].observe(seq.first_token_time - seq.request.arrival)
+            self._last_token[seq.seq_id] = now
+
+    def on_done(self, done: FinishedRequest, seq_ids: Iterable[int]) -> None:
+        """Once per request, when it is over (engine thread)."""
+        for seq_id in seq_ids:
+            self._last_token.pop(seq_id, None)
+        self._requests.labels(done.request_class, done.finish_reason).inc()
+        self._cached.inc(done.cached_tokens)
+        child = self._duration.get(done.request_class)
+        if child is not None:
+            child.observe(done.duration_ms / 1000)
+
+
+class EngineCollector(Collector):
+    """Gauges and totals read from EngineStats and the tier link at scrape time (HTTP thread)."""
+
+    def __init__(self, stats: Callable[[], EngineStats], tiers: Callable[[], TierLink | None]) -> None:
+        self._stats = stats
+        self._tiers = tiers
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        for name, doc, value in (
+            ("ignis_retained_state_hits", "Admissions that started from reused state (any tier)", s.retained_hits),
+            ("ignis_retained_state_misses", "Admissions that found no reusable state", s.retained_misses),
+            ("ignis_prefix_reused_tokens", "Reused tokens that came from a retained prefix", s.prefix_reused_tokens),
+            ("ignis_retained_slot_skips", "Captures skipped for want of a free retained-state slot",
+             s.retained_slot_skips),
+            ("ignis_prompt_tokens", "Prompt tokens of admitted requests", s.prompt_tokens),
+            ("ignis_generated_tokens", "Tokens generated (all choices)", s.generated_tokens),
+            ("ignis_preemptions", "Sequences preempted to make room (recomputed later)", s.requests_preempted),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        reused = CounterMetricFamily("ignis_retained_reused_tokens", "Prompt tokens whose state was reused, by tier",
+                                     labels=["tier"])
+        reused.add_metric(["device"], s.reused_tokens_device)
+        reused.add_metric(["ram"], s.reused_tokens_ram)
+        reused.add_metric(["disk"], s.reused_tokens_disk)
+        yield reused
+        for name, doc, interactive, agent in (
+            ("ignis_requests_waiting", "Sequences waiting for admission", s.waiting_interactive, s.waiting_agent),
+            ("ignis_requests_running", "Sequences admitted and computing", s.running_interactive, s.running_agent),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["class"])
+            g.add_metric(["interactive"], interactive)
+            g.add_metric(["agent"], agent)
+            yield g
+        pages = GaugeMetricFamily("ignis_kv_pages", "Device KV page pool: total, used by live sequences, "
+                                  "held only for reuse (cached)", labels=["kind"])
+        pages.add_metric(["total"], s.total_pages)
+        pages.add_metric(["used"], s.used_pages)
+        pages.add_metric(["cached"], s.cached_pages)
+        yield pages
+        yield GaugeMetricFamily("ignis_kv_page_size_tokens", "Tokens per KV page", value=s.page_size)
+        for name, doc, total, used in (
+            ("ignis_state_slots", "Recurrent-state slots of live sequences (hybrid models)", s.total_slots,
+             s.used_slots),
+            ("ignis_retained_slots", "Retained-state slots reserved at load (reuse.retained_device)",
+             s.retained_slots_total, s.retained_slots_used),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["kind"])
+            g.add_metric(["total"], total)
+            g.add_metric(["used"], used)
+            yield g
+        link = self._tiers()
+        if link is not None:
+            yield from _tier_metrics(link)
+
+
+def _tier_metrics(link: TierLink) -> Iterator[Metric]:
+    """The engine's side of the tierstore (only when one is configured)."""
+    yield GaugeMetricFamily("ignis_tierstore_up", "1 when the engine's last call reached the tierstore, "
+                            "0 from a failure until a call succeeds again", value=int(link.client.up))
+    for name, doc, value in (
+        ("ignis_tier_spills", "States the engine wrote to KV-RAM as they left the device", link.spills),
+        ("ignis_tier_spill_failures", "Spills that failed (no room, store down): the state was lost",
+         link.spill_failures),
+        ("ignis_tier_restores", "States restored from KV-RAM or KV-disk into the device", link.restores),
+        ("ignis_tier_restore_failures", "Restores that failed (gone, corrupt, store down): served cold",
+         link.restore_failures),
+        ("ignis_tierstore_outages", "Times the tierstore went from usable to unavailable",
+         link.client.unavailable_events),
+        ("ignis_tierstore_errors", "Tierstore calls answered with nothing (down, slow, refused)",
+         link.client.errors),
+    ):
+        yield CounterMetricFamily(name, doc, value=value)
+
+
+def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> HTTPServer:
+    """Starts ``/metrics`` on a daemon thread; ``shutdown()`` the result to stop it."""
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server
