@@ -1,13 +1,16 @@
-"""`make bench`: every benchmark in one run; each prints its table and writes bench/results/.
+"""`make bench`: every benchmark in one run; each prints its table and writes bench/results/,
+then bench/results/REPORT.md gathers them all (bench/report.py).
 
 Extra arguments (`make bench ARGS="--hidden 512 --layers 8"`) go to the model benchmarks
-(throughput and reuse), which share the checkpoint geometry flags.
+(throughput, reuse and swarm), which share the checkpoint geometry flags.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+
+from bench import report
 
 # (module and its own arguments, whether it takes the geometry arguments)
 SUITES: list[tuple[list[str], bool]] = [
@@ -16,6 +19,7 @@ SUITES: list[tuple[list[str], bool]] = [
     (["bench.reuse"], True),
     (["bench.tiers"], False),
     (["bench.gateway"], False),
+    (["bench.swarm", "--peer", "llama.cpp"], True),  # ignis alone, and says so, where llama.cpp cannot be built
 ]
 
 
@@ -26,6 +30,7 @@ def main() -> int:
         cmd = [*suite, *(extra if takes_geometry else [])]
         print(f"\n=== python -m {' '.join(cmd)}", flush=True)
         failed |= subprocess.call([sys.executable, "-m", *cmd])
+    print(f"\nwrote {report.write()}", flush=True)  # also after a failed suite: the others' results stand
     return 1 if failed else 0
 
 

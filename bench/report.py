@@ -1,0 +1,91 @@
+"""`python -m bench.report`: every benchmark's results in one page, bench/results/REPORT.md.
+
+Each benchmark writes `<name>.json` (figures and the machine it ran on) and
+`<name>.md` (its table). This gathers them in a fixed reading order, the
+headline (the swarm against llama.cpp) first, says when and where each ran,
+and links the plots. Results it does not know go last, so none is dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.launch import ROOT
+from bench.table import RESULTS
+
+# (section title, result names, what it answers), in reading order.
+SECTIONS: list[tuple[str, list[str], str]] = [
+    ("Agent swarm: ignis vs llama.cpp's llama-server", ["swarm-dense", "swarm-hybrid"],
+     "The same seeded agent trace (bench/workload.py) on both servers, same checkpoint, threads and slots: "
+     "does a repeated prompt cost a copy instead of a prefill? `python -m bench.swarm`"),
+    ("Reuse vs cold", ["reuse"],
+     "TTFT of a retried or extended prompt against its cold prefill, state clone vs raw copy, "
+     "the reuse tax, the hash chain. `python -m bench.reuse`"),
+    ("Throughput vs transformers", ["throughput-dense", "throughput-hybrid"],
+     "Prefill and decode tokens/s at batch 1, 8, 32 against `transformers.generate`. `python -m bench.throughput`"),
+    ("Tiers vs raw memcpy and file I/O", ["tiers"],
+     "One large state through KV-RAM and KV-disk. `python -m bench.tiers`"),
+    ("Gateway overhead", ["gateway"],
+     "What the gateway adds on top of the engine's gRPC. `python -m bench.gateway`"),
+]
+
+
+def _provenance(result: dict[str, Any]) -> str:
+    m = result.get("machine") or {}
+    parts = [f"run {m['when']}" if m.get("when") else None, m.get("platform"),
+             f"torch {m['torch']}" if m.get("torch") else None,
+             f"{m['threads']} threads" if m.get("threads") else None, m.get("cuda")]
+    return "_" + ", ".join(p for p in parts if p) + "_" if any(parts) else ""
+
+
+def _entry(results: Path, name: str) -> str:
+    """One result: where and when it ran, its table, and its plot if it has one."""
+    json_path, md_path, png_path = (results / f"{name}{ext}" for ext in (".json", ".md", ".png"))
+    try:
+        result = json.loads(json_path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        return f"`{name}`: no readable result ({err.__class__.__name__}); run its benchmark."
+    parts = [f"`{name}.json` — {_provenance(result)}"]
+    parts.append(md_path.read_text().strip() if md_path.is_file() else f"(no `{name}.md` table)")
+    if png_path.is_file():
+        parts.append(f"![{name}]({png_path.name})")
+    return "\n\n".join(parts)
+
+
+def build(results: Path) -> str:
+    known = {n for _, names, _ in SECTIONS for n in names}
+    others = sorted(p.stem for p in results.glob("*.json") if p.stem not in known)
+    sections = SECTIONS + ([("Other results", others, "Results without a section of their own.")] if others else [])
+    where = results.resolve()
+    shown = where.relative_to(ROOT) if where.is_relative_to(ROOT) else where
+    out = ["# ignis benchmark report",
+           f"Gathered {time.strftime('%Y-%m-%d %H:%M:%S')} by `python -m bench.report` from `{shown}/*.json` "
+           "and their tables; each benchmark measures its baseline in the same run. `make bench` runs them all."]
+    for title, names, what in sections:
+        present = [n for n in names if (results / f"{n}.json").is_file()]
+        out.append(f"## {title}\n\n{what}")
+        if not present:
+            out.append("_Not run yet._")
+        out += [_entry(results, n) for n in present]
+    return "\n\n".join(out) + "\n"
+
+
+def write(results: Path = RESULTS) -> Path:
+    path = results / "REPORT.md"
+    path.write_text(build(results))
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder of the benchmarks' results")
+    args = parser.parse_args()
+    print(f"wrote {write(args.results)}")
+
+
+if __name__ == "__main__":
+    main()
