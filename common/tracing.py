@@ -12,11 +12,12 @@ context goes out in the metadata (``traceparent``).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import inspect
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -66,6 +67,15 @@ def shutdown_tracing() -> None:
     shutdown = getattr(trace.get_tracer_provider(), "shutdown", None)
     if shutdown is not None:
         shutdown()
+
+
+def run_traced(service_name: str, serve: Callable[[bool], Coroutine[Any, Any, int]]) -> int:
+    """`asyncio.run(serve(tracing_on))` with tracing set up first and flushed after, whatever happens."""
+    tracing = setup_tracing(service_name)
+    try:
+        return asyncio.run(serve(tracing))
+    finally:
+        shutdown_tracing()  # export the spans still queued
 
 
 # --- spans and metadata ----------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 
 from common.logs import configure_logging
 from common.settings import Settings, parse_service_args
-from common.tracing import setup_tracing, shutdown_tracing
+from common.tracing import run_traced
 from engine.core import EngineConfig, EngineCore
 from engine.metrics import serve_metrics
 from engine.model.errors import CheckpointError
@@ -129,12 +129,7 @@ async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = Fa
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
     args, settings = parse_args(argv)
-    tracing = setup_tracing("ignis-engine")
-    try:
-        code = asyncio.run(serve(args, settings, tracing))
-    finally:
-        shutdown_tracing()  # export the spans still queued
-    sys.exit(code)
+    sys.exit(run_traced("ignis-engine", lambda tracing: serve(args, settings, tracing)))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from common.logs import configure_logging
 from common.settings import Settings, parse_service_args
-from common.tracing import setup_tracing, shutdown_tracing
+from common.tracing import run_traced
 from tierstore.metrics import serve_metrics
 from tierstore.server import TierStoreService, create_server, set_serving
 from tierstore.store import StoreConfig, TierStore
@@ -97,12 +97,7 @@ async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = Fa
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
     args, settings = parse_args(argv)
-    tracing = setup_tracing("ignis-tierstore")
-    try:
-        code = asyncio.run(serve(args, settings, tracing))
-    finally:
-        shutdown_tracing()  # export the spans still queued
-    sys.exit(code)
+    sys.exit(run_traced("ignis-tierstore", lambda tracing: serve(args, settings, tracing)))
 
 
 if __name__ == "__main__":

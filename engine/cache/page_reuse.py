@@ -18,13 +18,13 @@ import torch
 from engine.cache.chain_hash import extend_page_hashes
 from engine.cache.page_chains import PageChain, PageChains
 from engine.cache.page_pool import PagePool
-from engine.cache.reuse import Claim, PromptReuse
-from engine.cache.tier_claims import LowerTierClaims
+from engine.cache.reuse import Claim
+from engine.cache.tier_claims import LowerTierClaims, TieredReuse
 from engine.request import CommitPolicy, Sequence
 from engine.tiers.link import TierHit, TierLink
 
 
-class PageReuse(PromptReuse):
+class PageReuse(TieredReuse):
     def __init__(self, pages: PagePool, page_size: int, tiers: TierLink | None = None,
                  restore_floor: int = 32) -> None:
         super().__init__()
@@ -77,26 +77,10 @@ class PageReuse(PromptReuse):
             self.pages.register(seq.page_table[i], seq.page_hashes[i])
         seq.num_registered = max(seq.num_registered, min(full, len(seq.page_table)))
 
-    def record(self, seq: Sequence, claim: Claim | None) -> None:
-        if claim is not None and isinstance(claim.handle, TierHit):
-            assert self.lower is not None
-            self.lower.record(seq, claim, self.counters)
-        else:
-            super().record(seq, claim)
-
     def on_finish(self, seq: Sequence) -> None:
         if self.chains is not None and seq.request.publishes and seq.num_registered:
-            self.chains.add(PageChain(seq.seed, tuple(seq.page_hashes[:seq.num_registered]),  # type: ignore[arg-type]
+            self.chains.add(PageChain(seq.seed, tuple(seq.page_hashes[:seq.num_registered]),
                                       seq.request.request_class))
-
-    @property
-    def restore_floor(self) -> int:
-        return self.lower.restore_floor if self.lower is not None else 0
-
-    @restore_floor.setter
-    def restore_floor(self, tokens: int) -> None:
-        if self.lower is not None:
-            self.lower.restore_floor = tokens
 
     def check_integrity(self) -> None:
         if self.chains is not None:

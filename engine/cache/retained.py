@@ -25,8 +25,8 @@ from engine.cache.chain_hash import BlockHash, extend_page_hashes, state_name
 from engine.cache.device_cache import DeviceCache
 from engine.cache.eviction import eviction_key
 from engine.cache.page_pool import PagePool
-from engine.cache.reuse import Claim, PromptReuse
-from engine.cache.tier_claims import LowerTierClaims
+from engine.cache.reuse import Claim
+from engine.cache.tier_claims import LowerTierClaims, TieredReuse
 from engine.request import CommitPolicy, RequestClass, Sequence
 from engine.tiers.link import Spillable, TierHit, TierLink
 from ignis.v1 import common_pb2
@@ -52,7 +52,7 @@ class RetainedState:
     page_hashes: tuple[bytes, ...] = ()  # hashes of its full pages (for the tierstore)
 
 
-class RetainedStateReuse(PromptReuse):
+class RetainedStateReuse(TieredReuse):
     def __init__(self, cache: DeviceCache, pages: PagePool, first_slot: int, num_slots: int,
                  interactive_ttl: float, max_per_lineage: int = 2, tiers: TierLink | None = None,
                  restore_floor: int = 32) -> None:
@@ -78,15 +78,6 @@ class RetainedStateReuse(PromptReuse):
         device = self._match_device(seq)
         lower = self.lower.claim(seq, device.num_tokens if device else 0) if self.lower is not None else None
         return lower or device
-
-    @property
-    def restore_floor(self) -> int:
-        return self.lower.restore_floor if self.lower is not None else 0
-
-    @restore_floor.setter
-    def restore_floor(self, tokens: int) -> None:
-        if self.lower is not None:
-            self.lower.restore_floor = tokens
 
     def _match_device(self, seq: Sequence) -> Claim | None:
         if not self._by_name:
@@ -132,13 +123,6 @@ class RetainedStateReuse(PromptReuse):
         if state.kind == "checkpoint":
             seq.lineage = state.lineage
         state.last_used = time.monotonic()
-
-    def record(self, seq: Sequence, claim: Claim | None) -> None:
-        if claim is not None and isinstance(claim.handle, TierHit):
-            assert self.lower is not None
-            self.lower.record(seq, claim, self.counters)
-        else:
-            super().record(seq, claim)
 
     # --- capture ------------------------------------------------------------
     def cut_point(self, seq: Sequence) -> int | None:

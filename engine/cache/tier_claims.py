@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from engine.cache.page_pool import PagePool
-from engine.cache.reuse import Claim, ReuseCounters
+from engine.cache.reuse import Claim, PromptReuse, ReuseCounters
 from engine.outputs import ReuseReport
 from engine.request import Sequence
 from engine.tiers.link import TierHit, TierLink
@@ -86,3 +86,25 @@ class LowerTierClaims:
             counters.prefix_reused_tokens += claim.num_tokens
         seq.num_cached = claim.num_tokens
         seq.reuse = ReuseReport(tier, claim.kind, claim.num_tokens)
+
+
+class TieredReuse(PromptReuse):
+    """A reuse strategy with an optional tierstore below the device (`lower`)."""
+
+    lower: LowerTierClaims | None = None
+
+    def record(self, seq: Sequence, claim: Claim | None) -> None:
+        if claim is not None and isinstance(claim.handle, TierHit):
+            assert self.lower is not None
+            self.lower.record(seq, claim, self.counters)
+        else:
+            super().record(seq, claim)
+
+    @property
+    def restore_floor(self) -> int:
+        return self.lower.restore_floor if self.lower is not None else 0
+
+    @restore_floor.setter
+    def restore_floor(self, tokens: int) -> None:
+        if self.lower is not None:
+            self.lower.restore_floor = tokens
