@@ -97,6 +97,14 @@ def launch_engine(workdir: Path, model: str = "ignis-tiny", args: list[str] | No
     return launch("engine", "engine", ["--model", model, *(args or [])], workdir, grpc_serving)
 
 
+def launch_tierstore(workdir: Path, arena_bytes: int, disk_bytes: int, env: dict[str, str] | None = None
+                     ) -> Service:
+    """A tierstore with an arena of `arena_bytes` and a disk tier of `disk_bytes` under `workdir`/kv-disk."""
+    return launch("tierstore", "tierstore", ["--kv-host-pool-bytes", str(arena_bytes), "--kv-disk-path",
+                                             str(workdir / "kv-disk"), "--kv-disk-bytes", str(disk_bytes)],
+                  workdir, grpc_serving, env=env)
+
+
 def launch_gateway(workdir: Path, engines: list[str], args: list[str] | None = None) -> Service:
     flags = ["--host", "127.0.0.1"] + [f for e in engines for f in ("--engine", e)] + (args or [])
     return launch("gateway", "gateway", flags, workdir, http_healthy, timeout=120)

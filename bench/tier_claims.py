@@ -15,7 +15,6 @@ Each figure is the request's time to first token with max_tokens=1, as the engin
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 
 from bench.drive import random_prompt, run
 from bench.geometry import ensure_geometry, geometry_config
-from bench.launch import Service, grpc_serving, launch
+from bench.launch import Service, launch_tierstore
 from engine.cache.device_cache import kv_bytes_per_page
 from engine.core import EngineConfig, EngineCore
 from engine.model.config import parse_config
@@ -36,16 +35,6 @@ MiB = 1 << 20
 P = 16
 
 
-def drop_page_cache(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def measure(mib: int, folder: Path, hidden: int = 1024, layers: int = 16) -> dict[str, Any]:
     path = ensure_geometry("dense", hidden, layers)
     config = parse_config(geometry_config("dense", hidden, layers))
@@ -55,10 +44,9 @@ def measure(mib: int, folder: Path, hidden: int = 1024, layers: int = 16) -> dic
     state_bytes = pages * page_bytes
     loaded = load_model(path)
     tokenizer = Tokenizer.from_dir(path)
-    store = launch("tierstore", "tierstore", [
-        "--kv-host-pool-bytes", str(state_bytes * 3 // 2 + 4 * MiB), "--kv-disk-path", str(folder / "kv-disk"),
-        "--kv-disk-bytes", str(8 * state_bytes + 64 * MiB)], folder / "claims", grpc_serving,
-        env={"IGNIS_LOG_LEVEL": "WARNING"})
+    workdir = folder / "claims"
+    store = launch_tierstore(workdir, state_bytes * 3 // 2 + MiB, 8 * state_bytes + 64 * MiB,
+                             env={"IGNIS_LOG_LEVEL": "WARNING"})
     prompts = {name: random_prompt(tokens, seed) for seed, name in enumerate("ABC", start=11)}
     ms: dict[str, float] = {}
     cached: dict[str, int] = {}
@@ -79,7 +67,11 @@ def measure(mib: int, folder: Path, hidden: int = 1024, layers: int = 16) -> dic
             once(first, "push_c", "C")  # B follows it, pushing A on to KV-disk
         finally:
             first.stop()
-        drop_page_cache(folder / "kv-disk")
+        from bench.tiers import drop_cache  # (bench.tiers imports this module)
+
+        for blob in (workdir / "kv-disk").rglob("*"):
+            if blob.is_file():
+                drop_cache(blob)
         for key in ("claim_disk", "claim_ram"):  # the disk restore leaves A in RAM for the next
             core = engine(loaded, tokenizer, store, pages + 8)
             try:

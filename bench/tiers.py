@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,29 +30,13 @@ from typing import Any
 import numpy as np
 
 from bench import tier_claims
+from bench.launch import launch_tierstore
 from bench.table import markdown, save
 from ignis.v1 import common_pb2, tierstore_pb2
 from tierstore.client import TierStoreClient
 
 MiB = 1 << 20
 NS = b"bench-namespace!"
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def start_tierstore(workdir: Path, arena_bytes: int, disk_bytes: int) -> tuple[subprocess.Popen[bytes], str]:
-    port_file = workdir / "port"
-    cmd = [sys.executable, "-m", "tierstore", "--port", "0", "--port-file", str(port_file),
-           "--kv-host-pool-bytes", str(arena_bytes), "--kv-disk-path", str(workdir / "kv-disk"),
-           "--kv-disk-bytes", str(disk_bytes)]
-    log = (workdir / "tierstore.log").open("wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "IGNIS_LOG_LEVEL": "WARNING"})
-    deadline = time.monotonic() + 60
-    while not (port_file.exists() and port_file.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError((workdir / "tierstore.log").read_text())
-        time.sleep(0.05)
-    return proc, f"127.0.0.1:{port_file.read_text().strip()}"
 
 
 def best(fn: Callable[[], float], repeats: int) -> float:
@@ -128,10 +110,11 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
     assert np.array_equal(dst, src)
 
     # ---------------------------------------------------------------- through a tierstore
-    proc, address = start_tierstore(folder, arena_bytes=n + n // 2 + MiB, disk_bytes=4 * n + 64 * MiB)
+    store = launch_tierstore(folder, arena_bytes=n + n // 2 + MiB, disk_bytes=4 * n + 64 * MiB,
+                             env={"IGNIS_LOG_LEVEL": "WARNING"})
     name = Names()
     try:
-        with TierStoreClient(address, timeout=120) as c:
+        with TierStoreClient(store.address, timeout=120) as c:
             c.register(NS, model="bench", page_size=16, layout="bytes")
             blobs = folder / "kv-disk" / "blobs"
 
@@ -218,8 +201,7 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
         results["raw_write_fsync"] = min(results["raw_write_fsync"], best(raw_write, repeats))
         results["raw_read_cold"] = min(results["raw_read_cold"], best(raw_read, repeats))
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        store.stop()
     return {"bytes": n, "repeats": repeats, "seconds": results,
             "stats": {"spills": stats.spills, "restores": stats.restores, "checksum_failures": stats.checksum_failures}}
 

@@ -16,7 +16,7 @@ from common.logs import configure_logging
 from common.settings import Settings, parse_service_args
 from common.tracing import run_traced
 from engine.core import EngineConfig, EngineCore
-from engine.metrics import serve_metrics
+from common.metrics import serve_metrics
 from engine.model.errors import CheckpointError
 from engine.model.loader import load_model
 from engine.model.tiny import TINY_NAME, resolve_model_path

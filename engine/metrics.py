@@ -16,13 +16,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from http.server import HTTPServer
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from common.metrics import labelled_gauge
 from engine.outputs import EngineStats
 from engine.request import RequestClass, Sequence
 from engine.tiers.link import TierLink
@@ -134,16 +134,10 @@ class EngineCollector(Collector):
             ("ignis_requests_waiting", "Sequences waiting for admission", s.waiting_interactive, s.waiting_agent),
             ("ignis_requests_running", "Sequences admitted and computing", s.running_interactive, s.running_agent),
         ):
-            g = GaugeMetricFamily(name, doc, labels=["class"])
-            g.add_metric(["interactive"], interactive)
-            g.add_metric(["agent"], agent)
-            yield g
-        pages = GaugeMetricFamily("ignis_kv_pages", "Device KV page pool: total, used by live sequences, "
-                                  "held only for reuse (cached)", labels=["kind"])
-        pages.add_metric(["total"], s.total_pages)
-        pages.add_metric(["used"], s.used_pages)
-        pages.add_metric(["cached"], s.cached_pages)
-        yield pages
+            yield labelled_gauge(name, doc, "class", {"interactive": interactive, "agent": agent})
+        yield labelled_gauge("ignis_kv_pages", "Device KV page pool: total, used by live sequences, "
+                             "held only for reuse (cached)", "kind",
+                             {"total": s.total_pages, "used": s.used_pages, "cached": s.cached_pages})
         yield GaugeMetricFamily("ignis_kv_page_size_tokens", "Tokens per KV page", value=s.page_size)
         for name, doc, total, used in (
             ("ignis_state_slots", "Recurrent-state slots of live sequences (hybrid models)", s.total_slots,
@@ -151,10 +145,7 @@ class EngineCollector(Collector):
             ("ignis_retained_slots", "Retained-state slots reserved at load (reuse.retained_device)",
              s.retained_slots_total, s.retained_slots_used),
         ):
-            g = GaugeMetricFamily(name, doc, labels=["kind"])
-            g.add_metric(["total"], total)
-            g.add_metric(["used"], used)
-            yield g
+            yield labelled_gauge(name, doc, "kind", {"total": total, "used": used})
         link = self._tiers()
         if link is not None:
             yield from _tier_metrics(link)
@@ -177,9 +168,3 @@ def _tier_metrics(link: TierLink) -> Iterator[Metric]:
          link.client.errors),
     ):
         yield CounterMetricFamily(name, doc, value=value)
-
-
-def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> HTTPServer:
-    """Starts ``/metrics`` on a daemon thread; ``shutdown()`` the result to stop it."""
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server

@@ -16,7 +16,7 @@ from typing import Iterator
 import uvicorn
 
 from common.logs import configure_logging
-from common.tracing import setup_tracing, shutdown_tracing
+from common.tracing import run_traced
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 
@@ -97,12 +97,12 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
     args, config = parse_args(argv)
-    config.tracing = setup_tracing("ignis-gateway")
-    try:
-        code = asyncio.run(serve(args, config))
-    finally:
-        shutdown_tracing()  # export the spans still queued
-    sys.exit(code)
+
+    async def serve_traced(tracing: bool) -> int:
+        config.tracing = tracing
+        return await serve(args, config)
+
+    sys.exit(run_traced("ignis-gateway", serve_traced))
 
 
 if __name__ == "__main__":

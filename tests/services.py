@@ -6,13 +6,12 @@ way); readiness is polled (port file, then gRPC health or HTTP), never slept for
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import httpx
 
 from bench.launch import Service as RunningService
-from bench.launch import grpc_serving, launch
+from bench.launch import free_port, grpc_serving, launch
 
 __all__ = ["RunningService", "start_engine", "start_gateway", "start_tierstore"]
 
@@ -37,12 +36,6 @@ def start_gateway(workdir: Path, engines: list[str], args: list[str] | None = No
     return launch("gateway", "gateway", flags, workdir, _gateway_answers, timeout, env)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_tierstore(workdir: Path, args: list[str] | None = None, env: dict[str, str] | None = None,
                     metrics: bool = False, timeout: float = 60.0) -> RunningService:
     """`python -m tierstore` on a free port; ready once gRPC health says SERVING.
@@ -54,7 +47,7 @@ def start_tierstore(workdir: Path, args: list[str] | None = None, env: dict[str,
     extra: dict[str, int] = {}
     flags = ["--host", "127.0.0.1"]
     if metrics:
-        extra["metrics"] = _free_port()
+        extra["metrics"] = free_port()
         flags += ["--metrics-port", str(extra["metrics"])]
     return launch("tierstore", "tierstore", [*flags, *(args or [])], workdir, grpc_serving, timeout, env,
                   append_log=True, extra=extra)

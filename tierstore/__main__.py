@@ -14,7 +14,8 @@ from pathlib import Path
 from common.logs import configure_logging
 from common.settings import Settings, parse_service_args
 from common.tracing import run_traced
-from tierstore.metrics import serve_metrics
+from common.metrics import serve_metrics
+from tierstore.metrics import store_registry
 from tierstore.server import TierStoreService, create_server, set_serving
 from tierstore.store import StoreConfig, TierStore
 
@@ -57,7 +58,7 @@ async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = Fa
     log.info("arena %s (%d bytes); kv-disk %s: %d states, %d of %d bytes", store.arena.path,
              stats.arena_bytes_total, config.disk_path if config.disk_bytes else "off", stats.states_disk,
              stats.disk_bytes_used, stats.disk_bytes_total)
-    metrics = serve_metrics(args.host, args.metrics_port, store.stats) if args.metrics_port else None
+    metrics = serve_metrics(args.host, args.metrics_port, store_registry(store.stats)) if args.metrics_port else None
 
     server, port, health = create_server(TierStoreService(store), f"{args.host}:{args.port}", tracing)
     await server.start()

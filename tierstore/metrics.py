@@ -9,12 +9,12 @@ counters ``ignis_kv_spills_total``, ``ignis_kv_restores_total``, ``ignis_kv_evic
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from http.server import HTTPServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from common.metrics import labelled_gauge
 from tierstore.store import StoreStats
 
 
@@ -30,14 +30,9 @@ class StoreCollector(Collector):
             ("ignis_kv_disk_bytes", "KV-disk bytes (used; and the kv_disk.bytes budget)",
              s.disk_bytes_used, s.disk_bytes_total),
         ):
-            g = GaugeMetricFamily(name, doc, labels=["kind"])
-            g.add_metric(["used"], used)
-            g.add_metric(["total"], total)
-            yield g
-        states = GaugeMetricFamily("ignis_kv_states", "Stored states by tier (ram: in the arena)", labels=["tier"])
-        states.add_metric(["ram"], s.states_ram)
-        states.add_metric(["disk"], s.states_disk)
-        yield states
+            yield labelled_gauge(name, doc, "kind", {"used": used, "total": total})
+        yield labelled_gauge("ignis_kv_states", "Stored states by tier (ram: in the arena)", "tier",
+                             {"ram": s.states_ram, "disk": s.states_disk})
         yield GaugeMetricFamily("ignis_kv_leases_active", "Acquire leases held", value=s.leases_active)
         yield GaugeMetricFamily("ignis_kv_reservations_pending", "Reservations not yet committed",
                                 value=s.reservations_pending)
@@ -51,9 +46,8 @@ class StoreCollector(Collector):
             yield CounterMetricFamily(name, doc, value=value)
 
 
-def serve_metrics(host: str, port: int, stats: Callable[[], StoreStats]) -> HTTPServer:
-    """Starts ``/metrics`` on a daemon thread; ``shutdown()`` the result to stop it."""
+def store_registry(stats: Callable[[], StoreStats]) -> CollectorRegistry:
+    """The tierstore's registry (serve it with common.metrics.serve_metrics)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(stats))
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server
+    return registry
