@@ -252,6 +252,7 @@ class EngineCore:
             reused_tokens_disk=rc.reused_tokens["disk"],
             prefix_reused_tokens=rc.prefix_reused_tokens,
             retained_slot_skips=rc.slot_skips,
+            inflight_holds=rc.inflight_holds,
         )
 
     @property

@@ -119,6 +119,8 @@ class EngineCollector(Collector):
             ("ignis_prefix_reused_tokens", "Reused tokens that came from a retained prefix", s.prefix_reused_tokens),
             ("ignis_retained_slot_skips", "Captures skipped for want of a free retained-state slot",
              s.retained_slot_skips),
+            ("ignis_reuse_inflight_holds", "Admissions held while a running request computed the state they reuse",
+             s.inflight_holds),
             ("ignis_prompt_tokens", "Prompt tokens of admitted requests", s.prompt_tokens),
             ("ignis_generated_tokens", "Tokens generated (all choices)", s.generated_tokens),
             ("ignis_preemptions", "Sequences preempted to make room (recomputed later)", s.requests_preempted),

@@ -67,10 +67,11 @@ def greedy_generate(
     return OfflineResult(token_ids=out, logits=seen)
 
 
-def run_to_completion(core: "EngineCore", *requests: EngineRequest, timeout: float = 3600.0
-                      ) -> list[list[RequestUpdate]]:
+def run_to_completion(core: "EngineCore", *requests: EngineRequest, timeout: float = 3600.0,
+                      start: bool = False) -> list[list[RequestUpdate]]:
     """Submit `requests` together to a started EngineCore (so they may batch) and block until
-    each is done; returns every request's updates, in submission order."""
+    each is done; returns every request's updates, in submission order. `start`: the core is
+    not started yet; start it once all are queued, so its first step sees them all."""
     done = threading.Semaphore(0)
     updates: dict[str, list[RequestUpdate]] = {r.request_id: [] for r in requests}
 
@@ -81,6 +82,8 @@ def run_to_completion(core: "EngineCore", *requests: EngineRequest, timeout: flo
 
     for request in requests:
         core.submit(request, sink)
+    if start:
+        core.start()
     for _ in requests:
         if not done.acquire(timeout=timeout):
             raise TimeoutError(f"requests did not finish within {timeout:.0f}s")

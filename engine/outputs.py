@@ -72,3 +72,4 @@ class EngineStats:  # noqa: D101 - a snapshot for GetStats and /metrics
     reused_tokens_disk: int = 0
     prefix_reused_tokens: int = 0
     retained_slot_skips: int = 0
+    inflight_holds: int = 0

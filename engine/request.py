@@ -126,6 +126,7 @@ class Sequence:
         self.num_registered = 0  # leading pages of page_table already published by hash
         self.lineage: int | None = None  # checkpoints of one conversation share a lineage
         self.pending_logits: torch.Tensor | None = None  # claimed with the state's next-token logits
+        self.held_for_inflight = False  # was held at admission while another computed its reusable state
 
     @property
     def num_output(self) -> int:

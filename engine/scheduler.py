@@ -149,12 +149,19 @@ class Scheduler:
         return plan
 
     def _admit(self, plan: StepPlan) -> None:
-        """Admit waiting sequences whose whole prompt fits: interactive first, FIFO within a class."""
+        """Admit waiting sequences whose whole prompt fits: interactive first, FIFO within a class.
+
+        A sequence whose reusable state another is computing right now is held back (and
+        does not block the queue): it is admitted once that state is published."""
         for cls in RequestClass:
             queue = self.waiting[cls]
-            while queue:
-                seq = queue[0]
+            for seq in list(queue):
                 claim = self._match(seq)
+                if self.reuse.in_flight(seq, claim, self.running) is not None:
+                    if not seq.held_for_inflight:
+                        seq.held_for_inflight = True
+                        self.reuse.counters.inflight_holds += 1
+                    continue  # what it would claim is being computed now: wait for it; the rest may pass
                 if not self._fits(seq, claim):
                     # Reclaiming or preempting may drop what the claim matched: match again after each.
                     self.reuse.reclaim(self._pages_for(seq, claim))
@@ -165,7 +172,7 @@ class Scheduler:
                         claim = self._match(seq)
                         if not self._fits(seq, claim):
                             return
-                queue.popleft()
+                queue.remove(seq)
                 seq.times.mark_admitted()
                 seq.slot = self.slots.allocate() if self.slots is not None else None
                 if claim is not None:

@@ -170,7 +170,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 requests_preempted=s.requests_preempted, prompt_tokens=s.prompt_tokens,
                 generated_tokens=s.generated_tokens, retained_state_hits=s.retained_hits,
                 retained_state_misses=s.retained_misses, reused_tokens=s.reused_tokens_device + s.reused_tokens_ram + s.reused_tokens_disk,
-                retained_slot_skips=s.retained_slot_skips,
+                retained_slot_skips=s.retained_slot_skips, inflight_holds=s.inflight_holds,
             ),
         )
 

@@ -48,3 +48,16 @@ def test_token_encoding_is_uint32_little_endian() -> None:
     seed = Namespace(b"\x05" * 16, "", "float32", 1).seed()
     big = 70000  # does not fit 16 bits: the encoding must not truncate
     assert page_hashes(seed, [big], 1) == [xxhash.xxh3_128_digest(seed + struct.pack("<I", big))]
+
+
+def test_common_pages_bisects_the_chain() -> None:
+    from engine.cache.chain_hash import common_pages
+
+    seed = b"n" * 16
+    a = page_hashes(seed, list(range(40)), 4)  # type: ignore[arg-type]
+    for diverge in (0, 1, 5, 9, 10):
+        b = page_hashes(seed, list(range(diverge * 4)) + [999] * (40 - diverge * 4), 4)  # type: ignore[arg-type]
+        assert common_pages(a, b, 10) == diverge
+        assert common_pages(a, b, 3) == min(diverge, 3)
+    assert common_pages(a, a[:4], 10) == 4
+    assert common_pages(a, [], 10) == 0

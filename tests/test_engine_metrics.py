@@ -96,6 +96,7 @@ def test_metrics_and_done_events_after_a_miss_a_device_hit_and_an_agent_request(
     assert value(m, "ignis_retained_reused_tokens_total", tier="disk") == 0
     assert value(m, "ignis_prefix_reused_tokens_total") == 0  # no system block: nothing published as a prefix
     assert value(m, "ignis_retained_slot_skips_total") == 0
+    assert value(m, "ignis_reuse_inflight_holds_total") == 0  # one request at a time: nothing to hold
     assert value(m, "ignis_cached_tokens_total") == retry.cached_tokens
     assert value(m, "ignis_prompt_tokens_total") == first.prompt_tokens + retry.prompt_tokens + agent.prompt_tokens
     assert value(m, "ignis_generated_tokens_total") == 12

@@ -41,11 +41,14 @@ class Result:
 class Harness:
     """One EngineCore driven synchronously from the test thread."""
 
-    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, reuse: bool, retained_device: int = 8) -> None:
+    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, reuse: bool, retained_device: int = 8,
+                 start: bool = True) -> None:
         self.tokenizer = tokenizer
         self.core = EngineCore(loaded, tokenizer, EngineConfig(page_size=P, kv_cache_bytes=64 << 20, max_num_seqs=8,
                                                                reuse_prompt=reuse, retained_device=retained_device))
-        self.core.start()
+        self.started = start
+        if start:
+            self.core.start()
         self.n = 0
 
     def close(self) -> None:
@@ -69,8 +72,10 @@ class Harness:
         )
 
     def run(self, *requests: EngineRequest) -> list[Result]:
-        """Submit together (so they may batch) and wait for all."""
-        all_updates = run_to_completion(self.core, *requests, timeout=120)
+        """Submit together (so they may batch) and wait for all. On a harness made with
+        start=False, the first run's requests all arrive before the engine's first step."""
+        all_updates = run_to_completion(self.core, *requests, timeout=120, start=not self.started)
+        self.started = True
         out = []
         for updates in all_updates:
             deltas = [d for u in updates for d in u.deltas if d.choice == 0]
@@ -177,6 +182,48 @@ def test_subagent_burst_shares_the_system_and_tools_head(pair) -> None:  # type:
             best = max(common_prefix(requests[k].prompt_ids, requests[j].prompt_ids) for j in range(k))
             assert results[k].cached == min(best, len(requests[k].prompt_ids) - 1) // P * P >= head
     assert warm.core.reuse.counters.prefix_reused_tokens == (4 * head if name == "hybrid" else 0)
+
+
+def test_identical_heads_arriving_together_are_prefilled_once(model: tuple[str, LoadedModel, Tokenizer]) -> None:
+    """A swarm's agents start together with one system+tools head: the first computes it, the
+    others are held at admission until it is published, then claim it (no timing: all four are
+    queued before the engine's first step). An unrelated request is not held behind them."""
+    name, loaded, tokenizer = model
+    held, cold = Harness(loaded, tokenizer, reuse=True, start=False), Harness(loaded, tokenizer, reuse=False)
+    try:
+        tasks = ["Find the flaky test.", "Read the changelog.", "Profile the decoder.", "Draft the release notes."]
+        requests = [held.request(conversation(t), tools=TOOLS, cls=RequestClass.AGENT) for t in tasks]
+        other = held.request([{"role": "user", "content": "Unrelated: name three prime numbers."}],
+                             cls=RequestClass.AGENT)
+        results = held.run(*requests, other)
+        head = requests[0].publish_point
+        assert results[0].cached == 0 and results[-1].cached == 0
+        for result in results[1:-1]:
+            assert result.cached >= head
+            if name == "hybrid":
+                assert result.kind == "prefix"
+        assert held.core.reuse.counters.inflight_holds == len(tasks) - 1
+        assert held.core.stats().inflight_holds == len(tasks) - 1
+        for task, result in zip(tasks, results):
+            same(result, cold.run(cold.request(conversation(task), tools=TOOLS))[0])
+        held.check()
+    finally:
+        held.close()
+        cold.close()
+
+
+def test_bypass_requests_are_never_held(model: tuple[str, LoadedModel, Tokenizer]) -> None:
+    """Held admission waits only for state the request may claim and the running one will publish."""
+    _, loaded, tokenizer = model
+    held = Harness(loaded, tokenizer, reuse=True, start=False)
+    try:
+        msgs = conversation("Find the flaky test.")
+        results = held.run(held.request(msgs, tools=TOOLS, lookup=False), held.request(msgs, tools=TOOLS),
+                           held.request(msgs, tools=TOOLS, lookup=False))
+        assert [r.cached for r in results] == [0, 0, 0]
+        assert held.core.reuse.counters.inflight_holds == 0
+    finally:
+        held.close()
 
 
 def test_seeded_regenerate_hits_and_matches(pair) -> None:  # type: ignore[no-untyped-def]

@@ -92,3 +92,40 @@ def test_no_state_slot_no_admission() -> None:
     s.add(b)
     assert run_plan(s) == [(1, 4)]
     assert a.slot == 0 and b.slot is None and s.num_waiting == 1
+
+
+def test_held_admission_waits_for_the_running_head_and_lets_others_pass() -> None:
+    """b shares a's first 8 pages: it is held while a computes them, c (unrelated) is admitted
+    at once; when a has published those pages, b claims them and prefills only its tail."""
+    from engine.cache.chain_hash import page_hashes
+    from engine.cache.page_reuse import PageReuse
+
+    pool = PagePool(64)
+    s = Scheduler(SchedulerLimits(page_size=4, max_num_seqs=8, step_token_budget=16), pool, None,
+                  reuse=PageReuse(pool, 4))
+    head = list(range(100, 132))  # 8 pages
+    a, b, c = make_seq(1, 4), make_seq(2, 4), make_seq(3, 4)
+    for seq, tokens in ((a, head + [1, 2]), (b, head + [3, 4, 5, 6, 7]), (c, list(range(200, 260)))):
+        seq.token_ids = list(tokens)
+        seq.num_prompt = len(tokens)
+        seq.seed = b"s" * 16
+        seq.page_hashes = page_hashes(seq.seed, tokens, 4)  # type: ignore[arg-type]
+        s.add(seq)
+
+    def step() -> list[tuple[int, int]]:
+        plan = s.schedule()
+        for chunk in plan.chunks:
+            chunk.seq.mark_computed(chunk.num_tokens)
+            s.reuse.after_compute(chunk.seq, None)
+            if chunk.seq.num_computed == len(chunk.seq.token_ids):
+                chunk.seq.append_token(7)
+        return [(chunk.seq.seq_id, chunk.num_tokens) for chunk in plan.chunks]
+
+    assert step() == [(1, 16)]  # a and c admitted, b held; shortest first leaves c no budget
+    assert c in s.running and b not in s.running and s.reuse.counters.inflight_holds == 1
+    assert step() == [(1, 16)]  # a reaches 32 tokens: its 8 head pages are published
+    assert b not in s.running
+    assert step() == [(1, 2), (2, 5), (3, 9)]  # b is admitted only now and prefills its tail
+    assert b.num_cached == 32 and b.num_computed == b.num_prompt
+    assert s.reuse.counters.inflight_holds == 1  # counted once per held sequence
+    s.check_integrity()

@@ -72,6 +72,19 @@ def extend_page_hashes(seed: BlockHash, hashes: list[BlockHash], tokens: Sequenc
                                   parent=hashes[-1] if have else None))
 
 
+def common_pages(a: Sequence[BlockHash], b: Sequence[BlockHash], limit: int) -> int:
+    """How many leading pages two chains share (at most `limit`). A page's hash covers every
+    page before it, so equality is monotone: bisect for the last equal one."""
+    lo, hi = 0, min(limit, len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def state_name(seed: BlockHash, hashes: Sequence[BlockHash], tokens: Sequence[int], n: int,
                page_size: int) -> BlockHash:
     """The name of the state after the first n tokens, given the page hashes of `tokens`."""

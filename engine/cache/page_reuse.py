@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache.chain_hash import extend_page_hashes
+from engine.cache.chain_hash import common_pages, extend_page_hashes
 from engine.cache.page_chains import PageChain, PageChains
 from engine.cache.page_pool import PagePool
 from engine.cache.reuse import Claim
@@ -51,6 +51,20 @@ class PageReuse(TieredReuse):
             return None
         from_free = sum(1 for p in matched if self.pages.is_free(p))
         return Claim(len(matched) * self.page_size, "pages", from_free, tuple(matched))
+
+    def in_flight(self, seq: Sequence, claim: Claim | None, running: list[Sequence]) -> Sequence | None:
+        if not seq.request.claims_state:
+            return None
+        claimed = (claim.num_tokens if claim else 0) // self.page_size
+        limit = (len(seq.token_ids) - 1) // self.page_size
+        for other in running:
+            if not other.request.publishes or other.num_computed // self.page_size >= limit:
+                continue
+            common = common_pages(seq.page_hashes, other.page_hashes, limit)
+            # Its pages are registered as it computes them: wait while some shared page is still to come.
+            if common > claimed and other.num_computed < common * self.page_size:
+                return other
+        return None
 
     def apply(self, seq: Sequence, claim: Claim) -> None:
         if isinstance(claim.handle, TierHit):

@@ -124,6 +124,40 @@ class RetainedStateReuse(TieredReuse):
             seq.lineage = state.lineage
         state.last_used = time.monotonic()
 
+    def in_flight(self, seq: Sequence, claim: Claim | None, running: list[Sequence]) -> Sequence | None:
+        if not seq.request.claims_state:
+            return None
+        claimed = claim.num_tokens if claim else 0
+        n = len(seq.token_ids)
+        for other in running:
+            if not other.request.publishes:
+                continue
+            for point in self._pending_captures(other):
+                # A prefix is usable inside a longer prompt; a whole-prompt checkpoint also as
+                # the whole prompt (it keeps its next-token logits).
+                usable = point < n or (point == n == other.num_prompt)
+                if usable and point - claimed >= self.page_size and self._shares(seq, other, point):
+                    return other
+        return None
+
+    @staticmethod
+    def _pending_captures(seq: Sequence) -> list[int]:
+        """Positions at which `seq` will still capture a retained state (see after_compute)."""
+        points = []
+        publish = seq.request.publish_point
+        if seq.num_computed < publish < seq.num_prompt:
+            points.append(publish)
+        if seq.num_computed < seq.num_prompt and seq.num_output == 0:
+            points.append(seq.num_prompt)
+        return points
+
+    def _shares(self, seq: Sequence, other: Sequence, point: int) -> bool:
+        """Whether the first `point` tokens of both are the same (same namespace, same tokens)."""
+        full = point // self.page_size
+        if seq.seed != other.seed or (full and seq.page_hashes[full - 1] != other.page_hashes[full - 1]):
+            return False
+        return seq.token_ids[full * self.page_size:point] == other.token_ids[full * self.page_size:point]
+
     # --- capture ------------------------------------------------------------
     def cut_point(self, seq: Sequence) -> int | None:
         if not seq.request.publishes:

@@ -34,6 +34,7 @@ class ReuseCounters:
     reused_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "ram": 0, "disk": 0})
     prefix_reused_tokens: int = 0
     slot_skips: int = 0
+    inflight_holds: int = 0  # admissions held back while a running sequence computed what they would claim
     captures: int = 0
     evictions: int = 0
 
@@ -49,6 +50,15 @@ class PromptReuse(ABC):
     @abstractmethod
     def apply(self, seq: Sequence, claim: Claim) -> None:
         """Copy the claimed state into `seq` (its slot is allocated); sets pages and num_computed."""
+
+    def in_flight(self, seq: Sequence, claim: Claim | None, running: list[Sequence]) -> Sequence | None:
+        """A running sequence now computing state that `seq` would claim beyond `claim`, if any.
+
+        Admitting `seq` before that state is published would compute it twice: a swarm's
+        agents starting together all send the same system+tools head. The scheduler holds
+        `seq` back until the state is there (the running one finishes it or leaves).
+        """
+        return None
 
     def cut_point(self, seq: Sequence) -> int | None:
         """A position the next prefill chunk must end at (to capture state there), if any."""
