@@ -34,6 +34,16 @@ def paged_attention(
     tq, heads, _ = q.shape
     k = gather_pages(k_cache, page_table, context_len)  # [Tk, Hkv, D]
     v = gather_pages(v_cache, page_table, context_len)
+    if sliding_window is None and tq == 1:  # a decode: no mask at all
+        return single_query_attention(q[0], k, v, scale).unsqueeze(0)
+    if sliding_window is None and tq == context_len:
+        # A fresh prefill: plain causal, which SDPA's flash path computes without a mask
+        # and skipping the upper triangle (2x at 2k tokens on the CPU).
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+            is_causal=True, scale=scale, enable_gqa=heads != k.shape[1],
+        )
+        return out[0].transpose(0, 1)
     q_pos = torch.arange(context_len - tq, context_len, device=q.device)
     k_pos = torch.arange(context_len, device=q.device)
     allowed = k_pos[None, :] <= q_pos[:, None]  # [Tq, Tk]
@@ -48,6 +58,20 @@ def paged_attention(
         enable_gqa=heads != k.shape[1],
     )
     return out[0].transpose(0, 1)
+
+
+def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query position over a whole context, no mask: q [H, D], k/v [Tk, Hkv, D] -> [H, D].
+
+    The query heads sharing a KV head are laid out as that head's query rows (head h
+    reads KV head h // (H / Hkv), as in grouped-query attention), so no K/V is repeated.
+    """
+    heads, dim = q.shape
+    kv_heads = k.shape[1]
+    out = F.scaled_dot_product_attention(
+        q.reshape(kv_heads, heads // kv_heads, dim), k.transpose(0, 1), v.transpose(0, 1), scale=scale
+    )
+    return out.reshape(heads, dim)
 
 
 def paged_decode_attention(

@@ -61,9 +61,10 @@ def make_paged(ctx: int, page: int = 4, hkv: int = 2, d: int = 8, pages: int = 3
     return k_cache, v_cache, table, k, v
 
 
+@pytest.mark.parametrize("tq", [7, 1, 19], ids=["chunk-after-context", "decode", "fresh-prefill"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_equals_dense_causal_attention(window: int | None) -> None:
-    ctx, tq, heads = 19, 7, 4
+def test_paged_attention_equals_dense_causal_attention(window: int | None, tq: int) -> None:
+    ctx, heads = 19, 4
     k_cache, v_cache, table, k, v = make_paged(ctx)
     q = torch.randn(tq, heads, 8)
     out = paged_attention(q, k_cache, v_cache, table, ctx, 8**-0.5, window)

@@ -10,7 +10,7 @@ import torch
 
 from checkpoints import ARCHITECTURES
 from engine.cache.device_cache import CacheGeometry, DeviceCache
-from engine.model.batch import ForwardBatch, LogitsWanted, SequenceChunk
+from engine.model.batch import CPU_PADDED_DECODE_MAX_CONTEXT, ForwardBatch, LogitsWanted, SequenceChunk
 from engine.model.loader import LoadedModel, load_model
 from engine.offline import greedy_generate
 
@@ -107,20 +107,27 @@ def test_batch_equals_each_sequence_alone(arch: str, checkpoint_dir: Callable[[s
         assert (torch.cat(got) - expected).abs().max().item() < 1e-5
 
 
-def test_decode_batch_of_many_sequences(checkpoint_dir: Callable[[str], Path]) -> None:
-    """One decode step for several sequences at once (the batched recurrent path) equals one at a time."""
-    loaded = load_model(checkpoint_dir("Qwen3_5ForCausalLM"))
-    prompts = [make_prompt(n, seed=n) for n in (9, 21, 33)]
-    tables = [[0, 1], [2, 3], [4, 5, 6]]
-    cache = make_cache(loaded)
+@pytest.mark.parametrize("lengths", [(9, 21, 33), (530, 600, 17)], ids=["short-padded", "long-per-sequence"])
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3_5ForCausalLM", "MistralForCausalLM"])
+def test_decode_batch_of_many_sequences(arch: str, lengths: tuple[int, ...], checkpoint_dir: Callable[[str], Path]
+                                        ) -> None:
+    """One decode step for several sequences at once equals one at a time: the batched recurrent
+    path, and attention both as one padded call (short contexts) and one call per sequence."""
+    loaded = load_model(checkpoint_dir(arch))
+    prompts = [make_prompt(n, seed=n) for n in lengths]
+    tables, first = [], 0
+    for n in lengths:
+        tables.append(list(range(first, first + -(-n // PAGE)))[::-1])  # reversed: scattered pages
+        first += len(tables[-1])
+    cache = make_cache(loaded, pages=first)
     for i, (ids, t) in enumerate(zip(prompts, tables)):
         loaded.model(ForwardBatch.build([SequenceChunk(ids[:-1], 0, t, i)], PAGE, CPU), cache)
-    together = loaded.model(
-        ForwardBatch.build([SequenceChunk(ids[-1:], len(ids) - 1, t, i) for i, (ids, t) in enumerate(zip(prompts, tables))], PAGE, CPU),
-        cache,
-    )
+    batch = ForwardBatch.build([SequenceChunk(ids[-1:], len(ids) - 1, t, i)
+                                for i, (ids, t) in enumerate(zip(prompts, tables))], PAGE, CPU)
+    assert (batch.decode is None) == (max(lengths) >= CPU_PADDED_DECODE_MAX_CONTEXT)
+    together = loaded.model(batch, cache)
     for i, (ids, t) in enumerate(zip(prompts, tables)):
-        alone = run_chunks(loaded, make_cache(loaded), ids, [len(ids)], t, slot=0)[-1]
+        alone = run_chunks(loaded, make_cache(loaded, pages=first), ids, [len(ids)], t, slot=0)[-1]
         assert (together[i] - alone).abs().max().item() < 1e-5
 
 
