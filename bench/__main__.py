@@ -19,7 +19,8 @@ SUITES: list[tuple[list[str], bool]] = [
     (["bench.reuse"], True),
     (["bench.tiers"], False),
     (["bench.gateway"], False),
-    (["bench.swarm", "--peer", "llama.cpp"], True),  # ignis alone, and says so, where llama.cpp cannot be built
+    (["bench.swarm", "--peer", "llama.cpp"], True),
+    (["bench.profile", "--peer", "llama.cpp"], True),  # where the step's time goes, per-token rates vs llama.cpp  # ignis alone, and says so, where llama.cpp cannot be built
 ]
 
 

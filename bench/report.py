@@ -22,6 +22,9 @@ SECTIONS: list[tuple[str, list[str], str]] = [
     ("Agent swarm: ignis vs llama.cpp's llama-server", ["swarm-dense", "swarm-hybrid"],
      "The same seeded agent trace (bench/workload.py) on both servers, same checkpoint, threads and slots: "
      "does a repeated prompt cost a copy instead of a prefill? `python -m bench.swarm`"),
+    ("Per-token rates vs llama.cpp, and where ignis' step time goes", ["profile-dense", "profile-hybrid"],
+     "Prefill and decode rates of both servers on the swarm's checkpoint and threads, and a torch.profiler "
+     "breakdown of ignis' engine step (the slow side of the swarm). `python -m bench.profile`"),
     ("Reuse vs cold", ["reuse"],
      "TTFT of a retried or extended prompt against its cold prefill, state clone vs raw copy, "
      "the reuse tax, the hash chain. `python -m bench.reuse`"),

@@ -25,17 +25,18 @@ def test_unit_lower_inverse_matches_triangular_solve() -> None:
     assert torch.allclose(unit_lower_inverse(a) @ rhs, expected, atol=1e-9)
 
 
+@pytest.mark.parametrize("acc", [torch.float32, torch.float64])
 @pytest.mark.parametrize("t", [1, 37, 64, 130])
-def test_chunked_equals_recurrent_and_continues_from_state(t: int) -> None:
+def test_chunked_equals_recurrent_and_continues_from_state(t: int, acc: torch.dtype) -> None:
     q, k, v, g, beta = make_gdn_inputs(2, t)
     rec, rec_state = recurrent_gated_delta_rule(q, k, v, g, beta, None)
-    out, state = chunk_gated_delta_rule(q, k, v, g, beta, None)
+    out, state = chunk_gated_delta_rule(q, k, v, g, beta, None, acc=acc)
     assert (out - rec).abs().max() < 1e-5 and (state - rec_state).abs().max() < 1e-5
     # Split anywhere and carry the state: same result.
     cut = t // 3
     if cut:
-        a, s1 = chunk_gated_delta_rule(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], None)
-        b, s2 = chunk_gated_delta_rule(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], s1)
+        a, s1 = chunk_gated_delta_rule(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], None, acc=acc)
+        b, s2 = chunk_gated_delta_rule(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], s1, acc=acc)
         assert (torch.cat([a, b], 1) - out).abs().max() < 1e-5 and (s2 - state).abs().max() < 1e-5
 
 

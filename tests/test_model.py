@@ -48,6 +48,7 @@ def hf_logits(path: Path, ids: list[int]) -> torch.Tensor:
 
 
 MAX_DIFF: dict[str, float] = {}
+GDN_CUT_TOLERANCE = 1e-4  # logits of a hybrid prefill cut elsewhere (fp32 chunked delta rule)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -74,7 +75,9 @@ def test_chunked_prefill_and_decode_agree(arch: str, checkpoint_dir: Callable[[s
     stepwise = run_chunks(loaded, make_cache(loaded), ids, [60] + [1] * 40, pages)
     # The routed-expert sum runs over a different number of rows per step (gemm vs gemv
     # order), which lifts fp32 noise from ~2e-6 to ~1e-5 at one position of this prompt.
-    tolerance = 2e-5 if arch.endswith("-moe") else 1e-5
+    # The chunked gated delta rule's chunk grid follows where each prefill starts, and it
+    # accumulates in fp32: 3.7e-5 measured for Qwen3.5 (kernels/gated_delta.py says why not fp64).
+    tolerance = 2e-5 if arch.endswith("-moe") else GDN_CUT_TOLERANCE if arch == "Qwen3_5ForCausalLM" else 1e-5
     assert (whole - chunked).abs().max().item() < tolerance
     assert (whole - stepwise).abs().max().item() < tolerance
 

@@ -1,0 +1,432 @@
+"""Where ignis' time goes on the slow side, against llama.cpp (issue 8): per-token rates of both servers
+on one checkpoint and thread count, and a torch.profiler breakdown of ignis' engine step.
+
+    python -m bench.profile [--kind dense,hybrid] [--hidden 1024 --layers 16] [--threads 2]
+        [--prompt 2048] [--decode 32] [--batch 8] [--peer llama.cpp|none] [--out DIR]
+
+ignis runs in this process, stepped synchronously on the main thread (no engine thread), so the
+profiler sees every op. Three measurements per server: (a) prefill of one prompt, (b) decode at
+batch 1, (c) decode at batch B with every sequence decoding. (a) and (c) run a second time under
+torch.profiler, with the model's parts wrapped in `ignis.*` scopes for the breakdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from bench import table
+from bench.drive import random_prompt
+from bench.geometry import ensure_geometry
+from bench.step_scopes import breakdown, scope_times, scopes, top_ops
+from engine.cache.device_cache import kv_bytes_per_page
+from engine.core import EngineConfig, EngineCore
+from engine.model.loader import load_model
+from engine.outputs import RequestUpdate
+from engine.request import EngineRequest
+from engine.sampling.params import SamplingParams
+from engine.text.tokenizer import Tokenizer
+
+PAGE = 16
+PEER = "llama.cpp"
+Around = Callable[[], AbstractContextManager[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    kind: str
+    hidden: int
+    layers: int
+    threads: int
+    prompt: int
+    decode: int
+    batch: int
+
+    def __post_init__(self) -> None:
+        if self.prompt < 1 or self.decode < 2 or self.batch < 1 or self.threads < 1:
+            raise ValueError(f"need prompt >= 1, decode >= 2, batch >= 1, threads >= 1: {self}")
+
+    @property
+    def slack(self) -> int:
+        """Extra tokens a batch-B request may generate while the others still prefill: each step
+        finishes about one prompt, so the first sequence is ~B tokens ahead when the last starts."""
+        return 2 * self.batch + 4
+
+    def prompts(self) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+        """The one prompt of (a) and (b), and the B prompts of (c): same ids on both servers."""
+        return random_prompt(self.prompt, 1), [random_prompt(self.prompt, 100 + i) for i in range(self.batch)]
+
+
+@dataclass(frozen=True, slots=True)
+class Timed:
+    wall_s: float
+    tokens: int  # prompt tokens for a prefill, generated tokens for a decode
+    steps: int
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def ms_step(self) -> float:
+        return self.wall_s * 1000 / self.steps if self.steps else 0.0
+
+
+# --- ignis, driven synchronously -------------------------------------------------------------
+
+class Driver:
+    """An EngineCore that is never started: this thread drains its inbox and runs its steps."""
+
+    def __init__(self, checkpoint: Path, setup: Setup) -> None:
+        self.setup = setup
+        loaded = load_model(checkpoint)
+        page_bytes = kv_bytes_per_page(loaded.config, PAGE, loaded.model.dtype)
+        if not page_bytes:
+            raise ValueError("the model has no full-attention layer (a hybrid needs --layers >= 4)")
+        pages = setup.batch * -(-(setup.prompt + setup.decode + setup.slack) // PAGE) + 4
+        config = EngineConfig(page_size=PAGE, kv_cache_bytes=pages * page_bytes, max_num_seqs=setup.batch,
+                              step_token_budget=setup.prompt, reuse_prompt=False)
+        self.core = EngineCore(loaded, Tokenizer.from_dir(checkpoint), config)
+        self.updates: dict[str, list[RequestUpdate]] = {}
+        self._next = 0
+
+    def submit(self, prompts: list[tuple[int, ...]], max_tokens: int) -> list[str]:
+        rids = []
+        for prompt in prompts:
+            self._next += 1
+            rid = f"profile-{self._next}"
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            self.updates[rid] = []
+            self.core.submit(EngineRequest(rid, prompt, params, lookup=False), self.updates[rid].append)
+            rids.append(rid)
+        return rids
+
+    def generated(self, rid: str) -> int:
+        return sum(len(d.token_ids) for u in self.updates[rid] for d in u.deltas)
+
+    def done(self, rid: str) -> bool:
+        for u in self.updates[rid]:
+            if u.error:
+                raise RuntimeError(f"request {rid} failed: {u.error}")
+        return any(u.done for u in self.updates[rid])
+
+    def run_until(self, cond: Callable[[], bool]) -> int:
+        """Steps until `cond()`; returns how many ran."""
+        steps = 0
+        while not cond():
+            self.core._drain_inbox()
+            if not self.core.scheduler.has_work():
+                raise RuntimeError("requests are unfinished but the engine has no work: this is a bug")
+            self.core.step()
+            steps += 1
+        return steps
+
+    def warm_up(self) -> None:
+        """Short requests through prefill and batched decode, so first-call costs stay out of the figures."""
+        rids = self.submit([random_prompt(32, i) for i in range(min(self.setup.batch, 2))], 4)
+        self.run_until(lambda: all(self.done(r) for r in rids))
+
+    def prefill(self, prompt: tuple[int, ...], around: Around = nullcontext) -> Timed:
+        """(a) one request of the whole prompt and max_tokens=1: submit to done."""
+        with around():
+            start = time.perf_counter()
+            [rid] = self.submit([prompt], 1)
+            steps = self.run_until(lambda: self.done(rid))
+            wall = time.perf_counter() - start
+        return Timed(wall, len(prompt), steps)
+
+    def decode_one(self, prompt: tuple[int, ...]) -> Timed:
+        """(b) one request; only the steps after its first token are timed."""
+        [rid] = self.submit([prompt], self.setup.decode)
+        self.run_until(lambda: self.generated(rid) >= 1)
+        before = self.generated(rid)
+        start = time.perf_counter()
+        steps = self.run_until(lambda: self.done(rid))
+        return Timed(time.perf_counter() - start, self.generated(rid) - before, steps)
+
+    def decode_batch(self, prompts: list[tuple[int, ...]], around: Around = nullcontext) -> Timed:
+        """(c) B requests; once all have their first token, decode-1 steps with all B decoding are timed.
+
+        Each asks for decode + slack tokens so none finishes inside the window; what is left is aborted.
+        """
+        rids = self.submit(prompts, self.setup.decode + self.setup.slack)
+        self.run_until(lambda: all(self.generated(r) >= 1 for r in rids))
+        counters = self.core.counters
+        before, steps = counters["generated_tokens"], self.setup.decode - 1
+        with around():
+            start = time.perf_counter()
+            for _ in range(steps):
+                self.core.step()
+            wall = time.perf_counter() - start
+        tokens = counters["generated_tokens"] - before
+        if tokens != len(rids) * steps or any(self.done(r) for r in rids):
+            raise RuntimeError(f"{tokens} tokens in {steps} steps of {len(rids)} sequences: not all decoded "
+                               "every step (a sequence finished early: raise the slack)")
+        for rid in rids:
+            self.core.abort(rid)
+        self.core._drain_inbox()
+        self.core.check_integrity()
+        return Timed(wall, tokens, steps)
+
+
+def profiled(driver: Driver, run: Callable[[Around], Timed], unprofiled: Timed) -> dict[str, Any]:
+    """Run again under the profiler with the scopes in place: breakdown, top ops, profiler overhead."""
+    prof = profile(activities=[ProfilerActivity.CPU])
+
+    @contextmanager
+    def window() -> Iterator[None]:
+        # The window's own scope: shares are taken on the profiler's clock, which runs ~0.5% apart
+        # from time.perf_counter's, so its scopes would not add up to a perf_counter wall.
+        with prof, record_function("ignis.window"):
+            yield
+
+    with scopes(driver.core.loaded.model):
+        timed = run(window)
+    wall_ms = scope_times(prof)[0]["ignis.window"]
+    return {"wall_ms": wall_ms, "wall_ms_perf_counter": timed.wall_s * 1000,
+            "unprofiled_wall_ms": unprofiled.wall_s * 1000,
+            "overhead_pct": 100 * (timed.wall_s / unprofiled.wall_s - 1) if unprofiled.wall_s else 0.0,
+            "breakdown": breakdown(prof, wall_ms), "top_ops": top_ops(prof, wall_ms)}
+
+
+def run_ignis(checkpoint: Path, setup: Setup) -> dict[str, Any]:
+    one, many = setup.prompts()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(setup.threads)
+    try:
+        with torch.set_grad_enabled(False):
+            driver = Driver(checkpoint, setup)
+            driver.warm_up()
+            print("  ignis: (a) prefill", flush=True)
+            prefill = driver.prefill(one)
+            print("  ignis: (b) decode batch 1", flush=True)
+            decode1 = driver.decode_one(one)
+            print(f"  ignis: (c) decode batch {setup.batch}", flush=True)
+            decode_b = driver.decode_batch(many)
+            print("  ignis: (a) and (c) under torch.profiler", flush=True)
+            prof_prefill = profiled(driver, lambda around: driver.prefill(one, around), prefill)
+            prof_decode = profiled(driver, lambda around: driver.decode_batch(many, around), decode_b)
+    finally:
+        torch.set_num_threads(threads)
+    return {"prefill": _timed(prefill), "decode_1": _timed(decode1), "decode_b": _timed(decode_b),
+            "profile_prefill": prof_prefill, "profile_decode_b": prof_decode}
+
+
+def _timed(t: Timed) -> dict[str, Any]:
+    return {**asdict(t), "tok_s": t.tok_s, "ms_step": t.ms_step}
+
+
+# --- llama.cpp ------------------------------------------------------------------------------
+
+def _body(prompt: tuple[int, ...], n_predict: int) -> dict[str, Any]:
+    # Greedy (top-k 1, no other sampler), no prompt cache, always n_predict tokens.
+    return {"prompt": list(prompt), "n_predict": n_predict, "cache_prompt": False, "temperature": 0,
+            "ignore_eos": True, "samplers": ["top_k"], "top_k": 1}
+
+
+def _complete(http: httpx.Client, prompt: tuple[int, ...], n_predict: int) -> dict[str, Any]:
+    reply = http.post("/completion", json=_body(prompt, n_predict))
+    reply.raise_for_status()
+    timings: dict[str, Any] = reply.json()["timings"]
+    return timings
+
+
+def _stream(http: httpx.Client, prompt: tuple[int, ...], n_predict: int
+            ) -> tuple[list[tuple[float, int]], dict[str, Any]]:
+    """(arrival time, tokens decoded so far) of each streamed chunk, and the final timings."""
+    series: list[tuple[float, int]] = []
+    timings: dict[str, Any] = {}
+    with http.stream("POST", "/completion", json={**_body(prompt, n_predict), "stream": True}) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            chunk = json.loads(line[len("data: "):])
+            series.append((time.perf_counter(), int(chunk.get("tokens_predicted", 0))))
+            if chunk.get("stop"):
+                timings = chunk.get("timings", {})
+    return series, timings
+
+
+def all_decoding_window(series: list[list[tuple[float, int]]]) -> tuple[float, int]:
+    """(seconds, tokens) from the last slot's first token to the first slot's last: all B decoding."""
+    start = max(next(t for t, n in s if n >= 1) for s in series)
+    end = min(s[-1][0] for s in series)
+
+    def decoded_at(s: list[tuple[float, int]], when: float) -> int:
+        return max((n for t, n in s if t <= when), default=0)
+
+    return end - start, sum(decoded_at(s, end) - decoded_at(s, start) for s in series)
+
+
+def run_peer(checkpoint: Path, setup: Setup) -> dict[str, Any]:
+    from bench.peers import llama_cpp  # imported here: --peer none needs none of it
+
+    if not llama_cpp.is_built():  # building takes ~20 minutes: not this benchmark's job
+        return {"unavailable": "peer not built (python -m bench.peers.llama_cpp build)"}
+    try:
+        llama_cpp.ensure_built()
+        gguf = llama_cpp.convert_to_gguf(checkpoint, "f32")
+    except llama_cpp.PeerUnavailable as e:
+        return {"unavailable": f"peer unavailable: {e}"}
+    one, many = setup.prompts()
+    n_predict_b = setup.decode + setup.slack
+    ctx_size = setup.batch * (setup.prompt + setup.decode + max(64, setup.slack))
+    workdir = llama_cpp.BUILD / f"profile-{setup.kind}"  # its log, beside the build (git-ignored)
+    server = llama_cpp.launch_llama_server(workdir, gguf, threads=setup.threads, parallel=setup.batch,
+                                           ctx_size=ctx_size, cache_ram_mib=0)
+    try:
+        with httpx.Client(base_url=f"http://{server.address}", timeout=3600) as http:
+            _complete(http, random_prompt(32, 0), 4)  # warm-up
+            print(f"  {PEER}: (a) prefill", flush=True)
+            prefill = _complete(http, one, 1)
+            print(f"  {PEER}: (b) decode batch 1", flush=True)
+            decode1 = _complete(http, one, setup.decode)
+            print(f"  {PEER}: (c) decode batch {setup.batch}", flush=True)
+            with ThreadPoolExecutor(setup.batch) as pool:
+                streamed = list(pool.map(lambda p: _stream(http, p, n_predict_b), many))
+    finally:
+        server.stop()
+    window_s, window_tokens = all_decoding_window([s for s, _ in streamed])
+    timings_b = [t for _, t in streamed]
+    # The brief's figure from the timings: it counts decode steps that overlap other slots' prefill.
+    n_b, ms_b = sum(t["predicted_n"] for t in timings_b), max(t["predicted_ms"] for t in timings_b)
+    steps_b = window_tokens / setup.batch
+    return {
+        "gguf": str(gguf), "threads": setup.threads, "parallel": setup.batch, "ctx_size": ctx_size,
+        "prefill": {"tok_s": prefill["prompt_per_second"], "timings": prefill},
+        "decode_1": {"tok_s": decode1["predicted_per_second"], "ms_step": decode1["predicted_per_token_ms"],
+                     "timings": decode1},
+        "decode_b": {"tok_s": window_tokens / window_s if window_s > 0 else 0.0,
+                     "ms_step": window_s * 1000 / steps_b if steps_b else 0.0,
+                     "window_s": window_s, "window_tokens": window_tokens, "n_predict": n_predict_b,
+                     "timings_tok_s": n_b / ms_b * 1000 if ms_b else 0.0, "timings": timings_b},
+    }
+
+
+# --- report -----------------------------------------------------------------------------------
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b else "—"
+
+
+def _num(v: float | None) -> str:
+    if v is None:
+        return "—"
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"  # no 9.28e+03 for a rate
+
+
+def render(setup: Setup, ignis: dict[str, Any], peer: dict[str, Any], loads: dict[str, list[float]]) -> str:
+    b = setup.batch
+    have_peer = "unavailable" not in peer
+    p = peer if have_peer else {"prefill": {}, "decode_1": {}, "decode_b": {}}
+
+    def cells(label: str, phase: str, key: str) -> list[Any]:
+        mine, theirs = ignis[phase][key], p[phase].get(key)
+        return [label, _num(mine), _num(theirs), _ratio(mine, theirs)]
+
+    load_line = ", ".join(f"{side} {v[0]:.2f} → {v[1]:.2f}" for side, v in loads.items())
+    out = [f"# Profile, {setup.kind}: hidden {setup.hidden}, {setup.layers} layers, {setup.threads} threads, "
+           f"prompt {setup.prompt}, decode {setup.decode}, batch {b}",
+           "", f"1-minute load average before → after each side: {load_line}", "", "## Rates", "",
+           table.markdown(["", "ignis", PEER, f"ignis/{PEER}"], [
+               cells(f"prefill tok/s (1 seq, {setup.prompt} tokens)", "prefill", "tok_s"),
+               cells("decode tok/s, batch 1", "decode_1", "tok_s"),
+               cells("decode ms/step, batch 1", "decode_1", "ms_step"),
+               cells(f"decode tok/s, batch {b} (aggregate)", "decode_b", "tok_s"),
+               cells(f"decode ms/step, batch {b}", "decode_b", "ms_step")]), ""]
+    if have_peer:
+        d = peer["decode_b"]
+        out.append(
+            f"tok/s: higher is better (ratio > 1: ignis faster); ms/step: lower is better (ratio > 1: ignis "
+            f"slower). Decode excludes the first token (it comes from the prefill) on both sides. ignis batch "
+            f"{b}: {setup.decode - 1} steps with all {b} sequences decoding. {PEER} prefill: its timings' "
+            f"prompt_per_second; batch 1: predicted_per_second ((predicted_n − 1) / predicted_ms in this "
+            f"version). {PEER} batch {b}: {b} concurrent streamed requests of n_predict {d['n_predict']}; "
+            f"tokens decoded from the last slot's first token to the first slot's last ({d['window_tokens']} "
+            f"tokens in {d['window_s'] * 1000:.0f} ms), ms/step = window / (tokens / {b}). Its timings give "
+            f"sum(predicted_n) / max(predicted_ms) = {d['timings_tok_s']:.3g} tok/s, which also counts steps "
+            f"that overlap other slots' prefill.")
+    else:
+        out.append(f"**{PEER}: {peer['unavailable']}**")
+    for name, key in ((f"prefill (1 × {setup.prompt} tokens)", "profile_prefill"),
+                      (f"decode batch {b} ({setup.decode - 1} steps)", "profile_decode_b")):
+        prof = ignis[key]
+        out += ["", f"## ignis breakdown: {name}", "",
+                f"Profiled wall {prof['wall_ms']:.1f} ms on the profiler's clock ({prof['wall_ms_perf_counter']:.1f} "
+                f"ms by perf_counter); unprofiled {prof['unprofiled_wall_ms']:.1f} ms (profiler overhead "
+                f"{prof['overhead_pct']:+.0f}%). Leaf rows (——, and the last) partition "
+                f"the profiled wall; each scope's time excludes the scopes nested in it.", "",
+                table.markdown(["category", "ms", "% of profiled wall"],
+                               [[r["category"], r["ms"], r["pct"]] for r in prof["breakdown"]])]
+    for name, key in (("prefill", "profile_prefill"), (f"decode batch {b}", "profile_decode_b")):
+        out += ["", f"## top aten ops by self CPU time: {name}", "",
+                table.markdown(["op", "calls", "self ms", "% of profiled wall"],
+                               [[o["op"], o["calls"], o["self_ms"], o["pct"]] for o in ignis[key]["top_ops"]])]
+    return "\n".join(out)
+
+
+def save(out: Path, name: str, payload: dict[str, Any], text: str) -> Path:
+    if out.resolve() == table.RESULTS.resolve():
+        return table.save(name, payload, text)
+    out.mkdir(parents=True, exist_ok=True)  # the same files bench.table.save writes, elsewhere
+    path = out / f"{name}.json"
+    path.write_text(json.dumps({"machine": table.machine(), **payload}, indent=2, default=str))
+    (out / f"{name}.md").write_text(text + "\n")
+    return path
+
+
+def profile_kind(setup: Setup, peer: str, out: Path, models: Path | None) -> Path:
+    checkpoint = ensure_geometry(setup.kind, setup.hidden, setup.layers, root=models)
+    print(f"\n== profile, {setup.kind}: {checkpoint}", flush=True)
+    loads: dict[str, list[float]] = {}
+    before = os.getloadavg()[0]
+    ignis = run_ignis(checkpoint, setup)
+    loads["ignis"] = [before, os.getloadavg()[0]]
+    peer_result: dict[str, Any] = {"unavailable": "not run (--peer none)"}
+    if peer == PEER:
+        before = os.getloadavg()[0]
+        peer_result = run_peer(checkpoint, setup)
+        if "unavailable" not in peer_result:
+            loads[PEER] = [before, os.getloadavg()[0]]
+    text = render(setup, ignis, peer_result, loads)
+    print(text, flush=True)
+    payload = {"setup": asdict(setup), "checkpoint": str(checkpoint), "ignis": ignis, "peer": peer_result,
+               "loadavg_1m": loads}
+    return save(out, f"profile-{setup.kind}", payload, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", default="dense,hybrid", help="comma-separated: dense, hybrid")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt", type=int, default=2048)
+    parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--peer", choices=[PEER, "none"], default=PEER)
+    parser.add_argument("--out", type=Path, default=table.RESULTS, help="where profile-<kind>.{json,md} go")
+    parser.add_argument("--models", type=Path, default=None, help="checkpoint cache (default: ignis' own)")
+    a = parser.parse_args(argv)
+    for kind in a.kind.split(","):
+        setup = Setup(kind.strip(), a.hidden, a.layers, a.threads, a.prompt, a.decode, a.batch)
+        print(f"wrote {profile_kind(setup, a.peer, a.out, a.models)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""`ignis.*` profiler scopes over the engine step and the model's parts, and the breakdown they give.
+
+The scopes are put in place by patching the classes' methods (and the functions the model
+modules imported by name) for the duration of a `with scopes(model):` block, and undone after:
+nothing in the product carries profiling code.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+from torch.profiler import profile, record_function
+
+import engine.core
+import engine.model.attention
+import engine.model.gated_deltanet
+from engine.core import EngineCore
+from engine.model.attention import Attention
+from engine.model.batch import ForwardBatch
+from engine.model.decoder import CausalLM
+from engine.model.gated_deltanet import GatedDeltaNet
+from engine.model.layers import MLP, GatedRMSNorm, RMSNorm
+from engine.scheduler import Scheduler
+
+
+def _wrap(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def scoped(*args: Any, **kwargs: Any) -> Any:
+        with record_function(label):
+            return fn(*args, **kwargs)
+    return scoped
+
+
+def _patch(owner: Any, name: str, label: str, undo: list[Callable[[], None]]) -> None:
+    if isinstance(owner, nn.Module):  # one instance: an attribute of its own shadows the class's forward
+        setattr(owner, name, _wrap(getattr(owner, name), label))
+        undo.append(functools.partial(delattr, owner, name))
+        return
+    original = vars(owner)[name]  # a class's own attribute or a module's global, as stored
+    if isinstance(original, classmethod):
+        setattr(owner, name, classmethod(_wrap(original.__func__, label)))
+    else:
+        setattr(owner, name, _wrap(original, label))
+    undo.append(functools.partial(setattr, owner, name, original))
+
+
+# (owner, attribute, scope). Functions the model modules imported by name are patched where they
+# are looked up (engine.core.sample, not engine.sampling.sampler.sample).
+CLASS_SCOPES: list[tuple[Any, str, str]] = [
+    (EngineCore, "step", "ignis.step"),
+    (Scheduler, "schedule", "ignis.scheduler"),
+    (ForwardBatch, "build", "ignis.batch_build"),
+    (engine.core, "sample", "ignis.sampling"),
+    (CausalLM, "forward", "ignis.forward"),
+    (Attention, "forward", "ignis.attention"),
+    (engine.model.attention, "paged_attention", "ignis.attention.kernel"),
+    (engine.model.attention, "paged_decode_attention", "ignis.attention.kernel"),
+    (GatedDeltaNet, "forward", "ignis.gdn"),
+    (GatedDeltaNet, "_project", "ignis.gdn.in_proj"),
+    (GatedDeltaNet, "_prefill", "ignis.gdn.state"),
+    (GatedDeltaNet, "_decode", "ignis.gdn.state"),
+    (engine.model.gated_deltanet, "causal_conv1d", "ignis.gdn.conv"),
+    (engine.model.gated_deltanet, "chunk_gated_delta_rule", "ignis.gdn.chunked"),
+    (engine.model.gated_deltanet, "recurrent_gated_delta_rule", "ignis.gdn.recurrent"),
+    (GatedRMSNorm, "forward", "ignis.gdn.norm"),
+    (MLP, "forward", "ignis.mlp"),
+    (RMSNorm, "forward", "ignis.norm"),
+]
+
+
+@contextmanager
+def scopes(model: CausalLM) -> Iterator[None]:
+    """Wrap the engine's and the model's parts in `ignis.*` profiler scopes; all undone on exit."""
+    undo: list[Callable[[], None]] = []
+    try:
+        for owner, name, label in CLASS_SCOPES:
+            _patch(owner, name, label, undo)
+        _patch(model.lm_head, "forward", "ignis.lm_head", undo)
+        for module in model.modules():
+            if isinstance(module, Attention):
+                for proj in (module.q_proj, module.k_proj, module.v_proj, module.o_proj):
+                    _patch(proj, "forward", "ignis.attention.proj", undo)
+            elif isinstance(module, GatedDeltaNet):
+                _patch(module.out_proj, "forward", "ignis.gdn.out_proj", undo)
+        yield
+    finally:
+        for restore in reversed(undo):
+            restore()
+
+
+def scope_times(prof: profile) -> tuple[dict[str, float], dict[str, float]]:
+    """ms of each ignis.* scope: inclusive, and exclusive of the ignis.* scopes nested in it."""
+    incl: dict[str, float] = defaultdict(float)
+    excl: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if not event.name.startswith("ignis."):
+            continue
+        ms = event.cpu_time_total / 1000
+        incl[event.name] += ms
+        excl[event.name] += ms
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("ignis."):
+            parent = parent.cpu_parent
+        if parent is not None:
+            excl[parent.name] -= ms
+    return incl, excl
+
+
+# (label, scope whose exclusive time it is); rows of scopes that never ran are left out.
+FORWARD_PARTS = [
+    ("attention: q/k/v/o projections", "ignis.attention.proj"),
+    ("attention: paged attention kernel", "ignis.attention.kernel"),
+    ("attention: rest (rope, KV-cache writes)", "ignis.attention"),
+    ("GDN: input projections (qkv, z, b, a)", "ignis.gdn.in_proj"),
+    ("GDN: causal conv", "ignis.gdn.conv"),
+    ("GDN: chunked delta rule (prefill kernel)", "ignis.gdn.chunked"),
+    ("GDN: recurrent delta rule (decode kernel)", "ignis.gdn.recurrent"),
+    ("GDN: state slots in/out, head split", "ignis.gdn.state"),
+    ("GDN: gated RMSNorm", "ignis.gdn.norm"),
+    ("GDN: output projection", "ignis.gdn.out_proj"),
+    ("GDN: rest (gates, decay, buffers)", "ignis.gdn"),
+    ("MLP", "ignis.mlp"),
+    ("RMSNorm (layers, final, q/k)", "ignis.norm"),
+    ("LM head (logits)", "ignis.lm_head"),
+    ("forward rest (embedding, rotary tables, residuals)", "ignis.forward"),
+]
+ENGINE_PARTS = [
+    ("scheduler (Scheduler.schedule)", "ignis.scheduler"),
+    ("batch building (ForwardBatch.build)", "ignis.batch_build"),
+    ("sampling (sample)", "ignis.sampling"),
+    ("rest of the step (runner, bookkeeping, detokenize, sinks)", "ignis.step"),
+]
+
+
+def breakdown(prof: profile, wall_ms: float) -> list[dict[str, Any]]:
+    """Rows (category, ms, % of the profiled wall, leaf); the leaves partition the wall."""
+    incl, excl = scope_times(prof)
+    step, forward = incl.get("ignis.step", 0.0), incl.get("ignis.forward", 0.0)
+
+    def row(name: str, ms: float, leaf: bool) -> dict[str, Any]:
+        return {"category": name, "ms": ms, "pct": 100 * ms / wall_ms if wall_ms else 0.0, "leaf": leaf}
+
+    rows = [row("engine step (EngineCore.step)", step, False),
+            row("— model forward (CausalLM.forward)", forward, False)]
+    rows += [row(f"—— {name}", excl[key], True) for name, key in FORWARD_PARTS if key in incl]
+    rows.append(row("— engine Python outside the model (step − forward)", step - forward, False))
+    rows += [row(f"—— {name}", excl[key], True) for name, key in ENGINE_PARTS if key in incl]
+    outside = excl.get("ignis.window", wall_ms - step)
+    rows.append(row("outside the step (driver loop, inbox, submit)", outside, True))
+    return rows
+
+
+def top_ops(prof: profile, wall_ms: float, n: int = 15) -> list[dict[str, Any]]:
+    ops = sorted((a for a in prof.key_averages() if a.key.startswith("aten::")),
+                 key=lambda a: a.self_cpu_time_total, reverse=True)[:n]
+    return [{"op": a.key, "calls": a.count, "self_ms": a.self_cpu_time_total / 1000,
+             "pct": 100 * a.self_cpu_time_total / 1000 / wall_ms if wall_ms else 0.0} for a in ops]
