@@ -26,7 +26,8 @@ def test_report_gathers_known_and_unknown_results(tmp_path: Path) -> None:
     text = write(tmp_path).read_text()
     assert text.startswith("# ignis benchmark report")
     sections = [line for line in text.splitlines() if line.startswith("## ")]
-    assert sections == ["## Agent swarm: ignis vs llama.cpp's llama-server", "## Reuse vs cold",
+    assert sections == ["## Agent swarm: ignis vs llama.cpp's llama-server",
+                        "## Per-token rates vs llama.cpp, and where ignis' step time goes", "## Reuse vs cold",
                         "## Throughput vs transformers", "## Tiers vs raw memcpy and file I/O", "## Gateway overhead",
                         "## Other results"]
     assert "| reuse ratio | 0.9 |" in text and "![swarm-dense](swarm-dense.png)" in text
