@@ -20,5 +20,8 @@ def causal_conv1d(
     if state is None:
         state = torch.zeros(b, c, kernel - 1, dtype=x.dtype, device=x.device)
     full = torch.cat([state.to(x.dtype), x], dim=-1)  # [B, C, K-1+T]
-    out = F.conv1d(full.to(weight.dtype), weight.unsqueeze(1), groups=c)  # [B, C, T]
+    if t == 1:  # a decode step: one dot product per channel, no convolution machinery
+        out = (full.to(weight.dtype) * weight).sum(-1, keepdim=True)
+    else:
+        out = F.conv1d(full.to(weight.dtype), weight.unsqueeze(1), groups=c)  # [B, C, T]
     return F.silu(out).to(x.dtype), full[:, :, -(kernel - 1):].clone()

@@ -127,8 +127,12 @@ def recurrent_gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
+    update_in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token gated delta rule; same contract as chunk_gated_delta_rule.
+
+    `update_in_place`: the caller hands over initial_state (a contiguous fp32 copy of its
+    own, e.g. gathered from the state slots) and gets it back updated instead of a clone.
 
     The decode path: it runs in fp32 (the state's own dtype) with in-place updates and
     batched matrix-vector products, so a step touches the state once instead of
@@ -138,11 +142,12 @@ def recurrent_gated_delta_rule(
     q, k, v, g, beta = _prepare(q, k, v, g, beta, torch.float32)
     b, h, t, dk = k.shape
     dv = v.shape[-1]
-    state = (
-        torch.zeros(b * h, dk, dv, dtype=torch.float32, device=q.device)
-        if initial_state is None
-        else initial_state.to(torch.float32).reshape(b * h, dk, dv).clone()
-    )
+    if initial_state is None:
+        state = torch.zeros(b * h, dk, dv, dtype=torch.float32, device=q.device)
+    elif update_in_place and initial_state.dtype == torch.float32 and initial_state.is_contiguous():
+        state = initial_state.view(b * h, dk, dv)
+    else:
+        state = initial_state.to(torch.float32).reshape(b * h, dk, dv).clone()
     out = torch.empty(b, h, t, dv, dtype=torch.float32, device=q.device)
     for i in range(t):
         k_t = k[:, :, i].reshape(b * h, 1, dk)  # row vector

@@ -100,3 +100,22 @@ def test_batched_decode_attention_equals_per_sequence(window: int | None) -> Non
     for i, n in enumerate(lengths):
         alone = paged_attention(q[i : i + 1], k_cache, v_cache, tables[i], n, 8**-0.5, window)
         assert torch.allclose(batched[i], alone[0], atol=1e-6)
+
+
+def test_recurrent_update_in_place_equals_the_copying_form() -> None:
+    q, k, v, g, beta = make_gdn_inputs(3, 1)
+    start = torch.randn(3, 4, 16, 16)
+    out, state = recurrent_gated_delta_rule(q, k, v, g, beta, start)
+    handed = start.clone()
+    out2, state2 = recurrent_gated_delta_rule(q, k, v, g, beta, handed, update_in_place=True)
+    assert torch.equal(out, out2) and torch.equal(state, state2)
+    assert torch.equal(handed, state) and not torch.equal(handed, start)  # updated where it lies
+
+
+def test_decode_conv_step_equals_the_convolution() -> None:
+    x = torch.randn(2, 6, 9)
+    w = torch.randn(6, 4)
+    whole, _ = causal_conv1d(x, w, None)
+    _, state = causal_conv1d(x[..., :8], w, None)
+    step, _ = causal_conv1d(x[..., 8:], w, state)
+    assert torch.allclose(step[..., 0], whole[..., 8], atol=1e-6)

@@ -111,8 +111,8 @@ class GatedDeltaNet(nn.Module):
         slots = torch.tensor([_slot(s) for s in seqs], dtype=torch.int64, device=mixed.device)
         conv_out, new_conv = causal_conv1d(mixed[rows].unsqueeze(-1), weight, cache.conv[slots, li])
         q, k, v = self._split_heads(conv_out.transpose(1, 2))  # [B, 1, ...]
-        out, new_state = recurrent_gated_delta_rule(
-            q, k, v, g[rows].unsqueeze(1), beta[rows].unsqueeze(1), cache.recurrent[slots, li]
+        out, new_state = recurrent_gated_delta_rule(  # the gathered states are a copy: update it in place
+            q, k, v, g[rows].unsqueeze(1), beta[rows].unsqueeze(1), cache.recurrent[slots, li], update_in_place=True
         )
         core[rows] = out[:, 0]
         cache.conv[slots, li] = new_conv
