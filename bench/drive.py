@@ -15,7 +15,8 @@ from engine.text.tokenizer import Tokenizer
 
 
 def make_core(path: Path, **config: object) -> EngineCore:
-    core = EngineCore(load_model(path), Tokenizer.from_dir(path), EngineConfig(**config))  # type: ignore[arg-type]
+    core = EngineCore(load_model(path, onednn_linears=True), Tokenizer.from_dir(path),  # as the engine service
+                      EngineConfig(**config))  # type: ignore[arg-type]
     core.start()
     return core
 

@@ -92,7 +92,7 @@ class Driver:
 
     def __init__(self, checkpoint: Path, setup: Setup) -> None:
         self.setup = setup
-        loaded = load_model(checkpoint)
+        loaded = load_model(checkpoint, onednn_linears=True)  # as the engine service loads it
         page_bytes = kv_bytes_per_page(loaded.config, PAGE, loaded.model.dtype)
         if not page_bytes:
             raise ValueError("the model has no full-attention layer (a hybrid needs --layers >= 4)")

@@ -206,6 +206,9 @@ class EngineSettings(_Section):
     kv_cache_bytes: int = setting(512 * MiB, parse_size, minimum=1, doc="device KV page pool (bytes)")
     dtype: str = setting("auto", choice("auto", "float32", "bfloat16", "float16"), doc="compute dtype")
     device: str = setting("auto", parse_device, doc="auto, cpu, cuda or cuda:N")
+    cpu_linear: str = setting("onednn", choice("onednn", "torch"),
+                              doc="fp32 CPU linear layers: onednn (weights reordered once at load: faster "
+                                  "decode, a copy of them in memory) or torch (MKL on the mapped file, no copy)")
 
 
 @dataclass(slots=True)

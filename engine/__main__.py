@@ -59,7 +59,8 @@ def resolve_device(name: str) -> torch.device:
 
 def build_core(model_path: Path, settings: Settings) -> EngineCore:
     e = settings.engine
-    loaded = load_model(model_path, dtype=e.dtype, device=resolve_device(e.device))
+    loaded = load_model(model_path, dtype=e.dtype, device=resolve_device(e.device),
+                        onednn_linears=e.cpu_linear == "onednn")
     tokenizer = Tokenizer.from_dir(model_path)
     config = EngineConfig(
         page_size=e.page_size, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,

@@ -11,6 +11,7 @@ import torch
 from checkpoints import ARCHITECTURES
 from engine.cache.device_cache import CacheGeometry, DeviceCache
 from engine.model.batch import CPU_PADDED_DECODE_MAX_CONTEXT, ForwardBatch, LogitsWanted, SequenceChunk
+from engine.model.cpu_linear import ONEDNN_MAX_ROWS, OneDnnLinear
 from engine.model.loader import LoadedModel, load_model
 from engine.offline import greedy_generate
 
@@ -51,13 +52,17 @@ MAX_DIFF: dict[str, float] = {}
 GDN_CUT_TOLERANCE = 1e-4  # logits of a hybrid prefill cut elsewhere (fp32 chunked delta rule)
 
 
+@pytest.mark.parametrize("onednn", [False, True], ids=["torch-linear", "onednn-linear"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_logits_match_transformers(arch: str, checkpoint_dir: Callable[[str], Path]) -> None:
+def test_logits_match_transformers(arch: str, onednn: bool, checkpoint_dir: Callable[[str], Path]) -> None:
     path = checkpoint_dir(arch)
-    loaded = load_model(path)
+    loaded = load_model(path, onednn_linears=onednn)
+    assert any(isinstance(m, OneDnnLinear) for m in loaded.model.modules()) == onednn
     assert loaded.config.architecture == arch.removesuffix("-moe")
     ids = make_prompt(100)
-    ours = run_chunks(loaded, make_cache(loaded), ids, [100], list(range(7)))
+    # oneDNN takes chunks of up to ONEDNN_MAX_ROWS rows (decode-sized); longer ones go to MKL.
+    sizes = [ONEDNN_MAX_ROWS, 100 - ONEDNN_MAX_ROWS] if onednn else [100]
+    ours = run_chunks(loaded, make_cache(loaded), ids, sizes, list(range(7)))
     ref = hf_logits(path, ids)
     diff = (ours - ref).abs().max().item()
     MAX_DIFF[arch] = diff
@@ -139,7 +144,7 @@ def test_greedy_generation_matches_transformers(arch: str, checkpoint_dir: Calla
     import transformers
 
     path = checkpoint_dir(arch)
-    loaded = load_model(path)
+    loaded = load_model(path, onednn_linears=True)  # as the engine service loads it
     ids = make_prompt(24, seed=7)
     ours = greedy_generate(loaded, ids, 32, PAGE, stop_token_ids=frozenset({2}))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -14,6 +14,7 @@ import torch
 
 from common.progress import Progress
 from engine.model.config import ModelConfig, load_config
+from engine.model.cpu_linear import use_onednn_linears
 from engine.model.decoder import CausalLM
 from engine.model.errors import CheckpointError
 from engine.model.layers import Rotary
@@ -69,7 +70,9 @@ def _normalise_names(tensors: dict[str, torch.Tensor], config: ModelConfig) -> d
     return out
 
 
-def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",
+               onednn_linears: bool = False) -> LoadedModel:
+    """`onednn_linears`: on an fp32 CPU model, run the linear layers on oneDNN (engine.cpu_linear)."""
     path = Path(checkpoint).expanduser()
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
@@ -112,4 +115,6 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
     model.load_state_dict(state, assign=True, strict=True)
     model.rotary = Rotary(config, dev)
     model.eval()
+    if onednn_linears and dev.type == "cpu" and torch_dtype == torch.float32:
+        use_onednn_linears(model)  # copies the linear weights out of the mapped files (cpu_linear.py says why)
     return LoadedModel(model=model, config=config, path=path, weights_digest=digest, files=tuple(files))
