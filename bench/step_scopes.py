@@ -66,7 +66,7 @@ CLASS_SCOPES: list[tuple[Any, str, str]] = [
     (GatedDeltaNet, "_decode", "ignis.gdn.state"),
     (engine.model.gated_deltanet, "causal_conv1d", "ignis.gdn.conv"),
     (engine.model.gated_deltanet, "chunk_gated_delta_rule", "ignis.gdn.chunked"),
-    (engine.model.gated_deltanet, "recurrent_gated_delta_rule", "ignis.gdn.recurrent"),
+    (engine.model.gated_deltanet, "gated_delta_decode_step_", "ignis.gdn.recurrent"),
     (GatedRMSNorm, "forward", "ignis.gdn.norm"),
     (MLP, "forward", "ignis.mlp"),
     (RMSNorm, "forward", "ignis.norm"),

@@ -120,6 +120,30 @@ def chunk_gated_delta_rule(
     return out.transpose(1, 2).to(out_dtype).contiguous(), state.float()
 
 
+def gated_delta_decode_step_(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    states: list[torch.Tensor],
+) -> torch.Tensor:
+    """One token for each of B sequences, each state updated where it lies (no gather, no copy).
+
+    q, k: [B, 1, Hk, Dk]; v: [B, 1, Hv, Dv]; g, beta: [B, 1, Hv]; states[b]: the sequence's own
+    contiguous fp32 [Hv, Dk, Dv] (a view into its state slot). Returns out [B, 1, Hv, Dv] in v's
+    dtype. The same arithmetic as recurrent_gated_delta_rule, one sequence at a time: a batched
+    step would gather every state (1 MiB a layer at hidden 1024) and scatter it back.
+    """
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, torch.float32)  # [B, Hv, 1, D], g/beta [B, Hv, 1]
+    decay = g[:, :, 0].exp()
+    out = torch.empty(v.shape[0], v.shape[1], v.shape[-1], dtype=torch.float32, device=v.device)
+    for b, state in enumerate(states):
+        k_t = k[b]  # [Hv, 1, Dk] row vectors
+        state.mul_(decay[b].view(-1, 1, 1))
+        delta = (v[b] - torch.bmm(k_t, state)) * beta[b].view(-1, 1, 1)
+        state.baddbmm_(k_t.transpose(1, 2), delta)  # S += k delta^T
+        out[b] = torch.bmm(q[b], state)[:, 0]
+    return out.unsqueeze(1).to(out_dtype)
+
+
 def recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -127,12 +151,8 @@ def recurrent_gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
-    update_in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token gated delta rule; same contract as chunk_gated_delta_rule.
-
-    `update_in_place`: the caller hands over initial_state (a contiguous fp32 copy of its
-    own, e.g. gathered from the state slots) and gets it back updated instead of a clone.
 
     The decode path: it runs in fp32 (the state's own dtype) with in-place updates and
     batched matrix-vector products, so a step touches the state once instead of
@@ -142,12 +162,11 @@ def recurrent_gated_delta_rule(
     q, k, v, g, beta = _prepare(q, k, v, g, beta, torch.float32)
     b, h, t, dk = k.shape
     dv = v.shape[-1]
-    if initial_state is None:
-        state = torch.zeros(b * h, dk, dv, dtype=torch.float32, device=q.device)
-    elif update_in_place and initial_state.dtype == torch.float32 and initial_state.is_contiguous():
-        state = initial_state.view(b * h, dk, dv)
-    else:
-        state = initial_state.to(torch.float32).reshape(b * h, dk, dv).clone()
+    state = (
+        torch.zeros(b * h, dk, dv, dtype=torch.float32, device=q.device)
+        if initial_state is None
+        else initial_state.to(torch.float32).reshape(b * h, dk, dv).clone()
+    )
     out = torch.empty(b, h, t, dv, dtype=torch.float32, device=q.device)
     for i in range(t):
         k_t = k[:, :, i].reshape(b * h, 1, dk)  # row vector

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.causal_conv import causal_conv1d
-from kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule, unit_lower_inverse
+from kernels.gated_delta import (chunk_gated_delta_rule, gated_delta_decode_step_, recurrent_gated_delta_rule,
+                                 unit_lower_inverse)
 from kernels.paged_attention import paged_attention, paged_decode_attention
 
 
@@ -102,14 +103,17 @@ def test_batched_decode_attention_equals_per_sequence(window: int | None) -> Non
         assert torch.allclose(batched[i], alone[0], atol=1e-6)
 
 
-def test_recurrent_update_in_place_equals_the_copying_form() -> None:
+def test_decode_step_in_place_equals_the_recurrent_rule() -> None:
     q, k, v, g, beta = make_gdn_inputs(3, 1)
     start = torch.randn(3, 4, 16, 16)
     out, state = recurrent_gated_delta_rule(q, k, v, g, beta, start)
-    handed = start.clone()
-    out2, state2 = recurrent_gated_delta_rule(q, k, v, g, beta, handed, update_in_place=True)
-    assert torch.equal(out, out2) and torch.equal(state, state2)
-    assert torch.equal(handed, state) and not torch.equal(handed, start)  # updated where it lies
+    slots = torch.zeros(5, 4, 16, 16)  # a state pool; the sequences sit in slots 4, 0, 2
+    for b, slot in enumerate((4, 0, 2)):
+        slots[slot] = start[b]
+    stepped = gated_delta_decode_step_(q, k, v, g, beta, [slots[4], slots[0], slots[2]])
+    assert (stepped - out).abs().max() < 1e-6
+    assert (slots[[4, 0, 2]] - state).abs().max() < 1e-6  # updated where they lie
+    assert torch.equal(slots[1], torch.zeros(4, 16, 16)) and torch.equal(slots[3], torch.zeros(4, 16, 16))
 
 
 def test_decode_conv_step_equals_the_convolution() -> None:
