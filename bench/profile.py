@@ -379,16 +379,6 @@ def render(setup: Setup, ignis: dict[str, Any], peer: dict[str, Any], loads: dic
     return "\n".join(out)
 
 
-def save(out: Path, name: str, payload: dict[str, Any], text: str) -> Path:
-    if out.resolve() == table.RESULTS.resolve():
-        return table.save(name, payload, text)
-    out.mkdir(parents=True, exist_ok=True)  # the same files bench.table.save writes, elsewhere
-    path = out / f"{name}.json"
-    path.write_text(json.dumps({"machine": table.machine(), **payload}, indent=2, default=str))
-    (out / f"{name}.md").write_text(text + "\n")
-    return path
-
-
 def profile_kind(setup: Setup, peer: str, out: Path, models: Path | None) -> Path:
     checkpoint = ensure_geometry(setup.kind, setup.hidden, setup.layers, root=models)
     print(f"\n== profile, {setup.kind}: {checkpoint}", flush=True)
@@ -406,7 +396,7 @@ def profile_kind(setup: Setup, peer: str, out: Path, models: Path | None) -> Pat
     print(text, flush=True)
     payload = {"setup": asdict(setup), "checkpoint": str(checkpoint), "ignis": ignis, "peer": peer_result,
                "loadavg_1m": loads}
-    return save(out, f"profile-{setup.kind}", payload, text)
+    return table.save(f"profile-{setup.kind}", payload, text, out)
 
 
 def main(argv: list[str] | None = None) -> int:

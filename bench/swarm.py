@@ -34,7 +34,7 @@ import torch
 from bench.geometry import ensure_geometry
 from bench.launch import Service, grpc_serving, launch, launch_gateway
 from bench.swarm_stats import plot, ratios, summarize, table
-from bench.table import RESULTS, machine
+from bench.table import RESULTS, save
 from bench.workload import RequestRecord, Trace, WorkloadConfig, make_trace, run_trace, stream_chat
 from engine.cache.device_cache import kv_bytes_per_page
 from engine.model.config import parse_config
@@ -195,14 +195,12 @@ def bench_kind(kind: str, args: argparse.Namespace, config: WorkloadConfig, out:
              f"{config.burst_size}, head {head} tokens, replies of {config.max_tokens} tokens")
     text = title + "\n\n" + table(summaries, PEER, note) + "\n\n" + settings_note(settings)
     print(text)
-    payload = {"machine": machine(), "kind": kind, "hidden": args.hidden, "layers": args.layers,
+    payload = {"kind": kind, "hidden": args.hidden, "layers": args.layers,
                "workload": asdict(config), "head_tokens": head, "setup": asdict(setup), "settings": settings,
                "peer": PEER, "peer_note": note, "summaries": summaries,
                "ratios": ratios(summaries["ignis"], summaries[PEER]) if PEER in summaries else None,
                "records": {s: [asdict(r) for r in rs] for s, rs in series.items()}}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"swarm-{kind}.json").write_text(json.dumps(payload, indent=2))
-    (out / f"swarm-{kind}.md").write_text(text + "\n")
+    save(f"swarm-{kind}", payload, text, out)
     plot(out / f"swarm-{kind}.png", f"TTFT per turn, {kind} (hidden {args.hidden}, {args.layers} layers)",
          series, trace)
     print(f"wrote {out / f'swarm-{kind}.json'} (.md, .png)", flush=True)

@@ -28,9 +28,10 @@ def machine() -> dict[str, Any]:
             "when": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def save(name: str, payload: dict[str, Any], table: str) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def save(name: str, payload: dict[str, Any], table: str, out: Path = RESULTS) -> Path:
+    """`<name>.json` (the machine it ran on, then `payload`) and `<name>.md` (`table`) in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2, default=str))
-    (RESULTS / f"{name}.md").write_text(table + "\n")
+    (out / f"{name}.md").write_text(table + "\n")
     return path

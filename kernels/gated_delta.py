@@ -132,7 +132,7 @@ def gated_delta_decode_step_(
     step would gather every state (1 MiB a layer at hidden 1024) and scatter it back.
     """
     out_dtype = v.dtype
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, torch.float32)  # [B, Hv, 1, D], g/beta [B, Hv, 1]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)  # [B, Hv, 1, D], g/beta [B, Hv, 1]
     decay = g[:, :, 0].exp()
     out = torch.empty(v.shape[0], v.shape[1], v.shape[-1], dtype=torch.float32, device=v.device)
     for b, state in enumerate(states):
@@ -154,9 +154,8 @@ def recurrent_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token gated delta rule; same contract as chunk_gated_delta_rule.
 
-    The decode path: it runs in fp32 (the state's own dtype) with in-place updates and
-    batched matrix-vector products, so a step touches the state once instead of
-    materialising several state-sized temporaries.
+    The reference the chunked form and the engine's decode step (gated_delta_decode_step_)
+    are tested against; fp32, one batched matrix-vector product per update.
     """
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, torch.float32)

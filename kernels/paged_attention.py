@@ -36,24 +36,21 @@ def paged_attention(
     v = gather_pages(v_cache, page_table, context_len)
     if sliding_window is None and tq == 1:  # a decode: no mask at all
         return single_query_attention(q[0], k, v, scale).unsqueeze(0)
-    if sliding_window is None and tq == context_len:
-        # A fresh prefill: plain causal, which SDPA's flash path computes without a mask
-        # and skipping the upper triangle (2x at 2k tokens on the CPU).
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-            is_causal=True, scale=scale, enable_gqa=heads != k.shape[1],
-        )
-        return out[0].transpose(0, 1)
-    q_pos = torch.arange(context_len - tq, context_len, device=q.device)
-    k_pos = torch.arange(context_len, device=q.device)
-    allowed = k_pos[None, :] <= q_pos[:, None]  # [Tq, Tk]
-    if sliding_window is not None:
-        allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    allowed: torch.Tensor | None = None
+    if sliding_window is not None or tq != context_len:
+        q_pos = torch.arange(context_len - tq, context_len, device=q.device)
+        k_pos = torch.arange(context_len, device=q.device)
+        allowed = k_pos[None, :] <= q_pos[:, None]  # [Tq, Tk]
+        if sliding_window is not None:
+            allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    # Otherwise a fresh prefill: plain causal, which SDPA's flash path computes without a
+    # mask and skipping the upper triangle (2x at 2k tokens on the CPU).
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # [1, H, Tq, D]
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
         attn_mask=allowed,
+        is_causal=allowed is None,
         scale=scale,
         enable_gqa=heads != k.shape[1],
     )

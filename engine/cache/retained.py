@@ -162,8 +162,7 @@ class RetainedStateReuse(TieredReuse):
     def cut_point(self, seq: Sequence) -> int | None:
         if not seq.request.publishes:
             return None
-        cuts = [p for p in (seq.request.publish_point, seq.num_prompt) if seq.num_computed < p < len(seq.token_ids)]
-        return min(cuts, default=None)
+        return min((p for p in self._pending_captures(seq) if p < len(seq.token_ids)), default=None)
 
     def after_compute(self, seq: Sequence, next_logits: torch.Tensor | None) -> None:
         if not seq.request.publishes:

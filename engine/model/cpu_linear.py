@@ -22,6 +22,9 @@ ONEDNN_MAX_ROWS = 64  # decode steps and short chunks; longer runs go to MKL
 class OneDnnLinear(nn.Module):
     """nn.Linear with a second copy of its weight in oneDNN's layout, used for few rows."""
 
+    packed_weight: torch.Tensor
+    packed_bias: torch.Tensor | None
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features = linear.in_features
@@ -40,15 +43,12 @@ class OneDnnLinear(nn.Module):
         return out.to_dense().view(*x.shape[:-1], self.out_features)
 
 
-def use_onednn_linears(model: nn.Module) -> int:
-    """Swap every fp32 nn.Linear of a CPU model for an OneDnnLinear; returns how many."""
+def use_onednn_linears(model: nn.Module) -> None:
+    """Swap every fp32 CPU nn.Linear of `model` for an OneDnnLinear (others stay as they are)."""
     if not torch.backends.mkldnn.is_available():
-        return 0
-    swapped = 0
+        return
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" \
                     and child.weight.dtype == torch.float32:
                 setattr(parent, name, OneDnnLinear(child))
-                swapped += 1
-    return swapped

@@ -109,10 +109,11 @@ class GatedDeltaNet(nn.Module):
         """All single-token decodes of the step: projections and conv batched, each recurrent
         state updated in its own slot (gathering them would copy 1 MiB a layer at hidden 1024)."""
         rows = torch.tensor([s.offset for s in seqs], dtype=torch.int64, device=mixed.device)
-        slots = torch.tensor([_slot(s) for s in seqs], dtype=torch.int64, device=mixed.device)
+        slot_ids = [_slot(s) for s in seqs]
+        slots = torch.tensor(slot_ids, dtype=torch.int64, device=mixed.device)
         conv_out, new_conv = causal_conv1d(mixed[rows].unsqueeze(-1), weight, cache.conv[slots, li])
         q, k, v = self._split_heads(conv_out.transpose(1, 2))  # [B, 1, ...]
-        states = [cache.recurrent[_slot(s), li] for s in seqs]  # views, updated in place
+        states = [cache.recurrent[slot, li] for slot in slot_ids]  # views, updated in place
         out = gated_delta_decode_step_(q, k, v, g[rows].unsqueeze(1), beta[rows].unsqueeze(1), states)
         core[rows] = out[:, 0]
         cache.conv[slots, li] = new_conv

@@ -115,6 +115,6 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
     model.load_state_dict(state, assign=True, strict=True)
     model.rotary = Rotary(config, dev)
     model.eval()
-    if onednn_linears and dev.type == "cpu" and torch_dtype == torch.float32:
+    if onednn_linears:
         use_onednn_linears(model)  # copies the linear weights out of the mapped files (cpu_linear.py says why)
     return LoadedModel(model=model, config=config, path=path, weights_digest=digest, files=tuple(files))
