@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from engine.core import EngineConfig, EngineCore
+from engine.config import EngineConfig
+from engine.core import EngineCore
 from engine.model.loader import load_model
 from engine.offline import run_to_completion
 from engine.outputs import Usage

@@ -32,8 +32,8 @@ from bench import table
 from bench.drive import random_prompt
 from bench.geometry import ensure_geometry
 from bench.step_scopes import breakdown, scope_times, scopes, top_ops
-from engine.cache.device_cache import kv_bytes_per_page
-from engine.core import EngineConfig, EngineCore
+from engine.config import EngineConfig
+from engine.core import EngineCore
 from engine.model.loader import load_model
 from engine.outputs import RequestUpdate
 from engine.request import EngineRequest
@@ -93,12 +93,12 @@ class Driver:
     def __init__(self, checkpoint: Path, setup: Setup) -> None:
         self.setup = setup
         loaded = load_model(checkpoint, onednn_linears=True)  # as the engine service loads it
-        page_bytes = kv_bytes_per_page(loaded.config, PAGE, loaded.model.dtype)
+        page_bytes = loaded.config.state_shape().kv_bytes_per_page(PAGE, loaded.model.dtype)
         if not page_bytes:
             raise ValueError("the model has no full-attention layer (a hybrid needs --layers >= 4)")
         pages = setup.batch * -(-(setup.prompt + setup.decode + setup.slack) // PAGE) + 4
         config = EngineConfig(page_size=PAGE, kv_cache_bytes=pages * page_bytes, max_num_seqs=setup.batch,
-                              step_token_budget=setup.prompt, reuse_prompt=False)
+                              prefill_chunk_tokens=setup.prompt, reuse_prompt=False)
         self.core = EngineCore(loaded, Tokenizer.from_dir(checkpoint), config)
         self.updates: dict[str, list[RequestUpdate]] = {}
         self._next = 0
@@ -164,14 +164,14 @@ class Driver:
         """
         rids = self.submit(prompts, self.setup.decode + self.setup.slack)
         self.run_until(lambda: all(self.generated(r) >= 1 for r in rids))
-        counters = self.core.counters
-        before, steps = counters["generated_tokens"], self.setup.decode - 1
+        totals = self.core.totals
+        before, steps = totals.generated_tokens, self.setup.decode - 1
         with around():
             start = time.perf_counter()
             for _ in range(steps):
                 self.core.step()
             wall = time.perf_counter() - start
-        tokens = counters["generated_tokens"] - before
+        tokens = totals.generated_tokens - before
         if tokens != len(rids) * steps or any(self.done(r) for r in rids):
             raise RuntimeError(f"{tokens} tokens in {steps} steps of {len(rids)} sequences: not all decoded "
                                "every step (a sequence finished early: raise the slack)")

@@ -15,10 +15,9 @@ import torch
 
 from bench.drive import make_core, random_prompt, run
 from bench.geometry import ensure_geometry, geometry_config
-from engine.cache.device_cache import kv_bytes_per_page
 from engine.model.config import parse_config
 from bench.table import markdown, save
-from engine.cache.chain_hash import Namespace, page_hashes
+from engine.kv.chain_hash import Namespace, page_hashes
 from engine.request import EngineRequest
 from engine.sampling.params import SamplingParams
 
@@ -27,7 +26,7 @@ P = 16
 
 def request(rid: str, prompt: tuple[int, ...], publish: int = 0) -> EngineRequest:
     return EngineRequest(rid, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
-                         publish_point=publish)
+                         head_tokens=publish)
 
 
 def ttft(core: Any, req: EngineRequest) -> tuple[float, int]:
@@ -50,10 +49,10 @@ def bench_kind(kind: str, sizes: list[int], hidden: int, layers: int) -> dict[st
     config = parse_config(geometry_config(kind, hidden, layers))
     # Room for the live prompt, its turn-2 extension and the retained copies, fp32.
     pages_needed = 4 * (max(sizes) + 128) // P + 64
-    kv_bytes = pages_needed * kv_bytes_per_page(config, P, torch.float32)
-    on = make_core(path, page_size=P, kv_cache_bytes=kv_bytes, max_num_seqs=4, step_token_budget=2048,
+    kv_bytes = pages_needed * config.state_shape().kv_bytes_per_page(P, torch.float32)
+    on = make_core(path, page_size=P, kv_cache_bytes=kv_bytes, max_num_seqs=4, prefill_chunk_tokens=2048,
                    retained_device=8)
-    off = make_core(path, page_size=P, kv_cache_bytes=kv_bytes, max_num_seqs=4, step_token_budget=2048,
+    off = make_core(path, page_size=P, kv_cache_bytes=kv_bytes, max_num_seqs=4, prefill_chunk_tokens=2048,
                     reuse_prompt=False)
     rows = []
     try:
@@ -107,7 +106,7 @@ def clone_cost(core: Any, n: int) -> dict[str, float]:
 
 def hash_cost() -> dict[str, float]:
     tokens = random_prompt(100_000, 5)
-    seed = Namespace(b"\0" * 16, "", "float32", P).seed()
+    seed = Namespace(b"\0" * 16, "float32", P).digest()
     return {"tokens": 100_000.0, "ms": timed(lambda: page_hashes(seed, tokens, P), repeat=5)}
 
 

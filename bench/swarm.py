@@ -36,7 +36,6 @@ from bench.launch import Service, grpc_serving, launch, launch_gateway
 from bench.swarm_stats import plot, ratios, summarize, table
 from bench.table import RESULTS, save
 from bench.workload import RequestRecord, Trace, WorkloadConfig, make_trace, run_trace, stream_chat
-from engine.cache.device_cache import kv_bytes_per_page
 from engine.model.config import parse_config
 from engine.text.tokenizer import Tokenizer
 
@@ -90,7 +89,7 @@ def run_ignis(checkpoint: Path, trace: Trace, setup: Setup, workdir: Path, progr
     # Room for every slot's live conversation and as much again for retained states (a fair
     # operator sizes the pool to the swarm, as llama-server's context is sized to its slots).
     pages = 2 * setup.slots * math.ceil(setup.slot_tokens / PAGE) + 64
-    kv_bytes = pages * kv_bytes_per_page(model_config, PAGE, torch.float32)
+    kv_bytes = pages * model_config.state_shape().kv_bytes_per_page(PAGE, torch.float32)
     # Two checkpoints per conversation (agents and the latest burst's subagents), the head, spares.
     retained = 2 * (config.agents + config.burst_size) + 2
     args = ["--served-model-name", MODEL, "--max-num-seqs", str(setup.slots), "--page-size", str(PAGE),

@@ -52,7 +52,7 @@ def main() -> None:
     path = ensure_geometry(args.kind, args.hidden, args.layers)
     batches = [int(b) for b in args.batches.split(",")]
     core = make_core(path, page_size=16, kv_cache_bytes=2 << 30, max_num_seqs=max(batches),
-                     step_token_budget=4096, reuse_prompt=False)
+                     prefill_chunk_tokens=4096, reuse_prompt=False)
     hf = None
     if not args.no_hf:
         import transformers

@@ -23,8 +23,8 @@ import torch
 from bench.drive import random_prompt, run
 from bench.geometry import ensure_geometry, geometry_config
 from bench.launch import Service, launch_tierstore
-from engine.cache.device_cache import kv_bytes_per_page
-from engine.core import EngineConfig, EngineCore
+from engine.config import EngineConfig
+from engine.core import EngineCore
 from engine.model.config import parse_config
 from engine.model.loader import LoadedModel, load_model
 from engine.request import EngineRequest
@@ -38,7 +38,7 @@ P = 16
 def measure(mib: int, folder: Path, hidden: int = 1024, layers: int = 16) -> dict[str, Any]:
     path = ensure_geometry("dense", hidden, layers)
     config = parse_config(geometry_config("dense", hidden, layers))
-    page_bytes = kv_bytes_per_page(config, P, torch.float32)  # the bench checkpoints are fp32
+    page_bytes = config.state_shape().kv_bytes_per_page(P, torch.float32)  # the bench checkpoints are fp32
     pages = max(4, mib * MiB // page_bytes)
     tokens = pages * P
     state_bytes = pages * page_bytes
@@ -90,9 +90,9 @@ def measure(mib: int, folder: Path, hidden: int = 1024, layers: int = 16) -> dic
 
 
 def engine(loaded: LoadedModel, tokenizer: Tokenizer, store: Service, pages: int) -> EngineCore:
-    page_bytes = kv_bytes_per_page(loaded.config, P, loaded.model.dtype)
+    page_bytes = loaded.config.state_shape().kv_bytes_per_page(P, loaded.model.dtype)
     core = EngineCore(loaded, tokenizer, EngineConfig(
-        page_size=P, kv_cache_bytes=pages * page_bytes, max_num_seqs=2, step_token_budget=2048,
+        page_size=P, kv_cache_bytes=pages * page_bytes, max_num_seqs=2, prefill_chunk_tokens=2048,
         tierstore_address=store.address, tier_timeout=30.0))
     core.start()
     return core

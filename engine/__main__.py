@@ -15,7 +15,8 @@ import torch
 from common.logs import configure_logging
 from common.settings import Settings, parse_service_args
 from common.tracing import run_traced
-from engine.core import EngineConfig, EngineCore
+from engine.config import EngineConfig
+from engine.core import EngineCore
 from common.metrics import serve_metrics
 from engine.model.errors import CheckpointError
 from engine.model.loader import load_model
@@ -64,7 +65,7 @@ def build_core(model_path: Path, settings: Settings) -> EngineCore:
     tokenizer = Tokenizer.from_dir(model_path)
     config = EngineConfig(
         page_size=e.page_size, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,
-        step_token_budget=e.prefill_chunk_tokens, max_queue=e.max_queue, max_model_len=e.max_model_len,
+        prefill_chunk_tokens=e.prefill_chunk_tokens, max_queue=e.max_queue, max_model_len=e.max_model_len,
         reuse_prompt=settings.reuse.prompt, retained_device=settings.reuse.retained_device,
         retained_interactive_ttl=settings.reuse.retained_interactive_ttl,
         tierstore_address=settings.tierstore.address,

@@ -24,7 +24,8 @@ from prometheus_client.registry import Collector
 
 from common.metrics import labelled_gauge
 from engine.outputs import EngineStats
-from engine.request import RequestClass, Sequence
+from engine.facts import RequestClass
+from engine.request import EngineSequence
 from engine.tiers.link import TierLink
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -81,7 +82,7 @@ class EngineMetrics:
         self._last_token: dict[int, float] = {}  # seq_id -> time of its latest token (engine thread only)
         r.register(EngineCollector(stats, tiers))
 
-    def on_tokens(self, seqs: Iterable[Sequence]) -> None:
+    def on_tokens(self, seqs: Iterable[EngineSequence]) -> None:
         """After a sampling round (engine thread): each sequence got one token just now."""
         now = time.monotonic()
         for seq in seqs:
@@ -119,6 +120,8 @@ class EngineCollector(Collector):
             ("ignis_prefix_reused_tokens", "Reused tokens that came from a retained prefix", s.prefix_reused_tokens),
             ("ignis_retained_slot_skips", "Captures skipped for want of a free retained-state slot",
              s.retained_slot_skips),
+            ("ignis_retained_protected_skips", "Captures skipped because the state they would displace is protected",
+             s.retained_protected_skips),
             ("ignis_reuse_inflight_holds", "Admissions held while a running request computed the state they reuse",
              s.inflight_holds),
             ("ignis_prompt_tokens", "Prompt tokens of admitted requests", s.prompt_tokens),
@@ -128,9 +131,8 @@ class EngineCollector(Collector):
             yield CounterMetricFamily(name, doc, value=value)
         reused = CounterMetricFamily("ignis_retained_reused_tokens", "Prompt tokens whose state was reused, by tier",
                                      labels=["tier"])
-        reused.add_metric(["device"], s.reused_tokens_device)
-        reused.add_metric(["ram"], s.reused_tokens_ram)
-        reused.add_metric(["disk"], s.reused_tokens_disk)
+        for tier, tokens in s.reused_tokens.items():
+            reused.add_metric([tier.value], tokens)
         yield reused
         for name, doc, interactive, agent in (
             ("ignis_requests_waiting", "Sequences waiting for admission", s.waiting_interactive, s.waiting_agent),

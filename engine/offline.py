@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
-from engine.cache.device_cache import CacheGeometry, DeviceCache
+from engine.kv.device_cache import CacheGeometry, DeviceCache
 from engine.model.batch import ForwardBatch, LogitsWanted, SequenceChunk
 from engine.model.loader import LoadedModel
 from engine.outputs import RequestUpdate
 from engine.request import EngineRequest
 
-if TYPE_CHECKING:
-    from engine.core import EngineCore
+
+class Submitter(Protocol):
+    """What run_to_completion needs of an engine core (engine.core.EngineCore)."""
+
+    def submit(self, request: EngineRequest, sink: Callable[[RequestUpdate], None]) -> None: ...
+
+    def start(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +47,7 @@ def greedy_generate(
     total = len(prompt) + max_new_tokens
     pages = -(-total // page_size)
     model = loaded.model
-    cache = DeviceCache(loaded.config, CacheGeometry(page_size, pages, 1, model.dtype), model.device)
+    cache = DeviceCache(loaded.config.state_shape(), CacheGeometry(page_size, pages, 1, model.dtype), model.device)
     page_table = list(range(pages))
     step = prefill_chunk or len(prompt)
     logits = torch.empty(0)
@@ -67,7 +72,7 @@ def greedy_generate(
     return OfflineResult(token_ids=out, logits=seen)
 
 
-def run_to_completion(core: "EngineCore", *requests: EngineRequest, timeout: float = 3600.0,
+def run_to_completion(core: Submitter, *requests: EngineRequest, timeout: float = 3600.0,
                       start: bool = False) -> list[list[RequestUpdate]]:
     """Submit `requests` together to a started EngineCore (so they may batch) and block until
     each is done; returns every request's updates, in submission order. `start`: the core is

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from engine.request import FinishReason, ReuseReport
+from engine.facts import ReuseReport, ReuseTier
+from engine.request import FinishReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +68,8 @@ class EngineStats:  # noqa: D101 - a snapshot for GetStats and /metrics
     retained_slots_used: int = 0
     retained_hits: int = 0
     retained_misses: int = 0
-    reused_tokens_device: int = 0
-    reused_tokens_ram: int = 0
-    reused_tokens_disk: int = 0
+    reused_tokens: dict[ReuseTier, int] = field(default_factory=dict)  # by the tier they came from
     prefix_reused_tokens: int = 0
     retained_slot_skips: int = 0
+    retained_protected_skips: int = 0
     inflight_holds: int = 0

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from common.stable_head import stable_head_length
 from engine.text.tokenizer import Tokenizer
 from ignis.v1 import engine_pb2
 
@@ -14,7 +15,7 @@ from ignis.v1 import engine_pb2
 class RenderedPrompt:
     token_ids: tuple[int, ...]
     text: str | None  # the rendered prompt, when there was text
-    head_tokens: int = 0  # length of the system+tools head, when it is a token prefix of the prompt
+    head_tokens: int = 0  # length of the stable head (common/stable_head.py), when it is a token prefix of the prompt
 
 
 def _json_field(raw: str, name: str, expect: type) -> Any:
@@ -76,9 +77,9 @@ def render_chat(tokenizer: Tokenizer, chat: engine_pb2.ChatInput) -> RenderedPro
 
 def _head_tokens(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[Any] | None,
                  kwargs: dict[str, Any], ids: tuple[int, ...]) -> int:
-    """The publish point: render the system message and tools alone; if those tokens
+    """The stable head's length: render its messages and the tools alone; if those tokens
     prefix the full prompt, the state there is shared by every subagent of a burst."""
-    head = [m for m in messages[:1] if m["role"] == "system"]
+    head = messages[:stable_head_length(m["role"] for m in messages)]
     if not head and not tools:
         return 0
     try:

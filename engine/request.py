@@ -11,16 +11,11 @@ from dataclasses import dataclass, field
 import torch
 from opentelemetry.context import Context
 
-from engine.cache.chain_hash import BlockHash
-
+from engine.facts import RequestClass, ReuseReport
+from engine.kv.chain_hash import BlockHash
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import RequestSampler
 from engine.text.detokenizer import TextStream
-
-
-class RequestClass(enum.IntEnum):
-    INTERACTIVE = 0  # ranked above agent work: admitted first, preempted last
-    AGENT = 1
 
 
 class FinishReason(enum.Enum):
@@ -33,13 +28,6 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(frozen=True, slots=True)
-class ReuseReport:
-    tier: str = "none"  # none|device|ram|disk
-    kind: str = "none"  # none|checkpoint|prefix|pages
-    reused_tokens: int = 0
 
 
 class CommitPolicy(enum.Enum):
@@ -58,7 +46,7 @@ class EngineRequest:
     echo: bool = False
     lookup: bool = True  # False: bypass reuse entirely (no lookup, nothing published)
     commit: CommitPolicy = CommitPolicy.INCLUDING_GENERATED_TOKENS
-    publish_point: int = 0  # end of the page-rounded system+tools head (0: none)
+    head_tokens: int = 0  # length of the stable head (system + tools) when it prefixes the prompt; 0: none
     arrival: float = field(default_factory=time.monotonic)
     # The trace of the RPC that submitted it (None: not traced); its engine spans are children of it.
     trace_context: Context | None = field(default=None, compare=False, repr=False)
@@ -96,8 +84,12 @@ class SeqTimes:
             self.admitted = time.monotonic()
 
 
-class Sequence:
-    """One choice of a request: prompt + generated tokens and where their state lives."""
+class EngineSequence:
+    """One choice of a request: prompt + generated tokens and where their state lives.
+
+    The scheduler and the reuse strategies change its cache state only through
+    the methods below, so each field has one kind of writer.
+    """
 
     def __init__(self, seq_id: int, request: EngineRequest, choice: int, sampler: RequestSampler,
                  stream: TextStream) -> None:
@@ -117,9 +109,9 @@ class Sequence:
         self.first_token_time: float | None = None
         self.preemptions = 0
         self.times = SeqTimes()
-        self.unforked: list[Sequence] = []  # choices 1..n-1, forked from this one after its prompt
-        # Reuse state: the chain hashes of this sequence's full pages (computed once), what it claimed.
-        self.seed: bytes = b""
+        self.unforked: list[EngineSequence] = []  # choices 1..n-1, forked from this one after its prompt
+        # Reuse state: the namespace hash h0, the chain hashes of its full pages (computed once), what it claimed.
+        self.namespace: BlockHash = BlockHash(b"")
         self.page_hashes: list[BlockHash] = []
         self.num_cached = 0
         self.reuse = ReuseReport()
@@ -148,6 +140,71 @@ class Sequence:
     def pages_needed(self, total_tokens: int, page_size: int) -> int:
         return max(0, -(-total_tokens // page_size) - len(self.page_table))
 
+    # --- naming (set once when the request reaches the engine thread) ---------------------------
+    def name_pages(self, namespace: BlockHash, page_hashes: list[BlockHash]) -> None:
+        self.namespace, self.page_hashes = namespace, page_hashes
+
+    # --- cache state: the scheduler and the reuse strategies -----------------------------------
+    def admit(self, slot: int | None) -> None:
+        """Leaves the queue with its state slot (hybrid models)."""
+        self.times.mark_admitted()
+        self.slot = slot
+
+    def start_running(self) -> None:
+        self.status = SeqStatus.RUNNING
+
+    def hold_for_inflight(self) -> bool:
+        """Held at admission while another computes what it would claim; True the first time."""
+        first, self.held_for_inflight = not self.held_for_inflight, True
+        return first
+
+    def adopt(self, pages: list[int], computed: int, logits: torch.Tensor | None = None,
+              registered: int = 0) -> None:
+        """Start from claimed state: `pages` hold the first `computed` tokens (the first
+        `registered` of them already published by hash); `logits` are the next-token logits
+        when the claim covers the whole sequence."""
+        if computed > len(self.token_ids):
+            raise RuntimeError("claimed more tokens than the sequence has: this is a bug")
+        if computed == len(self.token_ids) and logits is None:
+            # Nothing would be computed and nothing sampled: the sequence would never move.
+            raise RuntimeError("claimed the whole sequence without its next-token logits: this is a bug")
+        self.page_table = list(pages)
+        self.num_computed = computed
+        self.num_registered = registered
+        self.pending_logits = logits if computed == len(self.token_ids) else None
+
+    def fork_from(self, parent: EngineSequence, pages: list[int], slot: int | None) -> None:
+        """Choice i of n starts from its parent's computed prompt: shared pages plus a private copy."""
+        self.page_table = list(pages)
+        self.slot = slot
+        self.num_computed = parent.num_computed
+        self.num_cached, self.reuse, self.lineage = parent.num_cached, parent.reuse, parent.lineage
+        self.status = SeqStatus.RUNNING
+
+    def grow(self, pages: list[int]) -> None:
+        self.page_table.extend(pages)
+
+    def release_memory(self) -> tuple[list[int], int | None]:
+        """Hand back the pages and slot it holds (the caller frees them)."""
+        pages, slot = self.page_table, self.slot
+        self.page_table, self.slot = [], None
+        return pages, slot
+
+    def mark_registered(self, num_pages: int) -> None:
+        self.num_registered = max(self.num_registered, num_pages)
+
+    def join_lineage(self, lineage: int) -> None:
+        self.lineage = lineage
+
+    def record_reuse(self, report: ReuseReport) -> None:
+        self.num_cached = report.reused_tokens
+        self.reuse = report
+
+    def take_pending_logits(self) -> torch.Tensor | None:
+        logits, self.pending_logits = self.pending_logits, None
+        return logits
+
+    # --- progress: the engine core --------------------------------------------------------------
     def mark_computed(self, n: int) -> None:
         self.num_computed += n
         if self.num_computed > len(self.token_ids):
@@ -160,12 +217,12 @@ class Sequence:
             self.first_token_time = time.monotonic()
 
     def reset_for_recompute(self) -> None:
-        """After preemption: state is gone; prompt + output so far are prefilled again."""
+        """After preemption (its memory already released): prompt + output so far are prefilled again."""
+        if self.page_table or self.slot is not None:
+            raise RuntimeError("preempted while still holding memory: this is a bug")
         self.num_computed = 0
         self.num_registered = 0
         self.pending_logits = None
-        self.page_table = []
-        self.slot = None
         self.status = SeqStatus.WAITING
         self.preemptions += 1
 

@@ -7,16 +7,16 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.device_cache import DeviceCache
+from engine.kv.device_cache import DeviceCache
 from engine.model.batch import ForwardBatch, LogitsWanted, SequenceChunk
 from engine.model.decoder import CausalLM
-from engine.request import Sequence
+from engine.request import EngineSequence
 from engine.scheduler import ScheduledChunk
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkLogits:
-    seq: Sequence
+    seq: EngineSequence
     num_tokens: int
     next_token_logits: torch.Tensor | None  # [V] when the chunk completes the pending tokens
     prompt_logits: torch.Tensor | None  # [n, V] for echo with logprobs: logits at each chunk position
@@ -67,7 +67,7 @@ class ModelRunner:
             )
         return out
 
-    def fork_state(self, parent: Sequence, child: Sequence, new_last_page: int | None) -> None:
+    def fork_state(self, parent: EngineSequence, child: EngineSequence, new_last_page: int | None) -> None:
         """Give `child` a copy of the parent's state: shared full pages are already in its
         table; the partially filled last page (if any) and the recurrent slot are copied."""
         if new_last_page is not None:

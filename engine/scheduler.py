@@ -1,33 +1,39 @@
 """Continuous batching: which sequences run in the next step, and with how many tokens.
 
 Each step every running sequence that is decoding gets one token, then prefills
-share the rest of the step's token budget, so a long prompt is cut into chunks
-and never stalls running decodes. Interactive work is admitted first and
-preempted last; memory is counted in pages and state slots.
+share the rest of the step's token budget (`engine.prefill_chunk_tokens`), so a
+long prompt is cut into chunks and never stalls running decodes. Interactive
+work is admitted first and preempted last; memory is counted in pages and state
+slots. The scheduler owns that memory for live sequences: the page pool, the
+slot pool, the running list, and the forks of an n > 1 request's choices.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-from engine.cache.page_pool import PagePool, SlotPool
 from engine.cache.reuse import Claim, NoReuse, PromptReuse
-from engine.request import RequestClass, Sequence, SeqStatus
+from engine.facts import RequestClass
+from engine.kv.page_pool import PagePool, SlotPool
+from engine.request import EngineSequence, SeqStatus
 from engine.tracing import admission_stage
+
+# Copies a parent's computed state into a forked child: (parent, child, child's private last page or None).
+ForkCopy = Callable[[EngineSequence, EngineSequence, int | None], None]
 
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
-    seq: Sequence
+    seq: EngineSequence
     num_tokens: int  # tokens of seq.token_ids[seq.num_computed:] that run this step
 
 
 @dataclass(slots=True)
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[EngineSequence] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -38,7 +44,7 @@ class StepPlan:
 class SchedulerLimits:
     page_size: int
     max_num_seqs: int
-    step_token_budget: int
+    step_token_budget: int  # tokens per step, decodes and prefill chunks together (engine.prefill_chunk_tokens)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.step_token_budget <= 0:
@@ -47,17 +53,17 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, pages: PagePool, slots: SlotPool | None,
-                 on_release: Callable[[Sequence], None] | None = None, reuse: PromptReuse | None = None) -> None:
+                 reuse: PromptReuse | None = None, fork_copy: ForkCopy | None = None) -> None:
         self.limits = limits
         self.pages = pages
         self.slots = slots
         self.reuse = reuse or NoReuse()
-        self.waiting: dict[RequestClass, deque[Sequence]] = {c: deque() for c in RequestClass}
-        self.running: list[Sequence] = []
-        self._on_release = on_release
+        self._fork_copy = fork_copy
+        self.waiting: dict[RequestClass, deque[EngineSequence]] = {c: deque() for c in RequestClass}
+        self.running: list[EngineSequence] = []
 
     # --- queues -------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: EngineSequence) -> None:
         self.waiting[seq.request.request_class].append(seq)
 
     @property
@@ -67,7 +73,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running) or self.num_waiting > 0
 
-    def remove(self, seq: Sequence) -> None:
+    def remove(self, seq: EngineSequence) -> None:
         """Drop a sequence (finished or cancelled) and free what it holds."""
         if seq in self.running:
             self.running.remove(seq)
@@ -78,17 +84,14 @@ class Scheduler:
         self._release(seq)
 
     # --- memory -------------------------------------------------------------
-    def _release(self, seq: Sequence) -> None:
-        if seq.page_table:
-            self.pages.release(seq.page_table)
-            seq.page_table = []
-        if seq.slot is not None and self.slots is not None:
-            self.slots.release(seq.slot)
-            seq.slot = None
-        if self._on_release:
-            self._on_release(seq)
+    def _release(self, seq: EngineSequence) -> None:
+        pages, slot = seq.release_memory()
+        if pages:
+            self.pages.release(pages)
+        if slot is not None and self.slots is not None:
+            self.slots.release(slot)
 
-    def _grow(self, seq: Sequence, total_tokens: int) -> bool:
+    def _grow(self, seq: EngineSequence, total_tokens: int) -> bool:
         need = seq.pages_needed(total_tokens, self.limits.page_size)
         if need == 0:
             return True
@@ -97,17 +100,17 @@ class Scheduler:
         got = self.pages.allocate(need)
         if got is None:
             return False
-        seq.page_table.extend(got)
+        seq.grow(got)
         return True
 
-    def _preempt(self, victim: Sequence, plan: StepPlan) -> None:
+    def _preempt(self, victim: EngineSequence, plan: StepPlan) -> None:
         self.running.remove(victim)
         self._release(victim)
         victim.reset_for_recompute()
         self.waiting[victim.request.request_class].appendleft(victim)
         plan.preempted.append(victim)
 
-    def _lowest_running(self) -> Sequence | None:
+    def _lowest_running(self) -> EngineSequence | None:
         return max(self.running, key=lambda s: s.rank_key, default=None)
 
     # --- the step -------------------------------------------------------------
@@ -151,60 +154,58 @@ class Scheduler:
     def _admit(self, plan: StepPlan) -> None:
         """Admit waiting sequences whose whole prompt fits: interactive first, FIFO within a class.
 
-        A sequence whose reusable state another is computing right now is held back (and
-        does not block the queue): it is admitted once that state is published."""
+        Reuse is matched once per attempt; making room keeps what the claim matched (reclaim
+        spares the claimed state, preemption only frees pages). A sequence whose reusable
+        state another is computing right now is held back (and does not block the queue):
+        it is admitted once that state is published."""
         for cls in RequestClass:
             queue = self.waiting[cls]
             for seq in list(queue):
                 claim = self._match(seq)
                 if self.reuse.in_flight(seq, claim, self.running) is not None:
-                    if not seq.held_for_inflight:
-                        seq.held_for_inflight = True
+                    if seq.hold_for_inflight():
                         self.reuse.counters.inflight_holds += 1
                     continue  # what it would claim is being computed now: wait for it; the rest may pass
                 if not self._fits(seq, claim):
-                    # Reclaiming or preempting may drop what the claim matched: match again after each.
-                    self.reuse.reclaim(self._pages_for(seq, claim))
-                    claim = self._match(seq)
-                    if not self._fits(seq, claim):
-                        if not self._make_room_for(seq, claim, plan):
-                            return  # keep order: nothing behind the head jumps it
-                        claim = self._match(seq)
-                        if not self._fits(seq, claim):
-                            return
+                    self.reuse.reclaim(self._pages_for(seq, claim), keep=claim)
+                    if not self._fits(seq, claim) and not self._make_room_for(seq, claim, plan):
+                        return  # keep order: nothing behind the head jumps it
                 queue.remove(seq)
-                seq.times.mark_admitted()
-                seq.slot = self.slots.allocate() if self.slots is not None else None
-                if claim is not None:
-                    with admission_stage(seq, "claim"):  # a restore's tierstore calls join the request's trace
-                        self.reuse.apply(seq, claim)
-                if seq.preemptions == 0:
-                    self.reuse.record(seq, claim)
-                got = self.pages.allocate(seq.pages_needed(len(seq.token_ids), self.limits.page_size))
-                assert got is not None, "admitted without its pages: this is a bug"
-                seq.page_table.extend(got)
-                seq.status = SeqStatus.RUNNING
-                self.running.append(seq)
+                self._start(seq, claim)
 
-    def _match(self, seq: Sequence) -> Claim | None:
+    def _start(self, seq: EngineSequence, claim: Claim | None) -> None:
+        seq.admit(self.slots.allocate() if self.slots is not None else None)
+        if claim is not None:
+            with admission_stage(seq, "claim"):  # a restore's tierstore calls join the request's trace
+                self.reuse.apply(seq, claim)
+        if seq.preemptions == 0:
+            self.reuse.record(seq, claim)
+        got = self.pages.allocate(seq.pages_needed(len(seq.token_ids), self.limits.page_size))
+        assert got is not None, "admitted without its pages: this is a bug"
+        seq.grow(got)
+        seq.start_running()
+        self.running.append(seq)
+
+    def _match(self, seq: EngineSequence) -> Claim | None:
         with admission_stage(seq, "lookup"):  # the lookup's tierstore calls join the request's trace
             return self.reuse.match(seq)
 
-    def _pages_for(self, seq: Sequence, claim: Claim | None) -> int:
-        """Free pages admitting `seq` takes: its whole prompt, less the full pages a claim shares."""
+    def _pages_for(self, seq: EngineSequence, claim: Claim | None) -> int:
+        """Free pages admitting `seq` takes: its whole prompt, less the full pages a claim shares,
+        plus the claimed pages it takes back off the free list (counted now: room-making changes it)."""
         total = -(-len(seq.token_ids) // self.limits.page_size)
         if claim is None:
             return total
-        return total - claim.num_tokens // self.limits.page_size + claim.revived_free_pages
+        return total - claim.num_tokens // self.limits.page_size + self.reuse.revived_free_pages(claim)
 
-    def _fits(self, seq: Sequence, claim: Claim | None) -> bool:
+    def _fits(self, seq: EngineSequence, claim: Claim | None) -> bool:
         if len(self.running) >= self.limits.max_num_seqs:
             return False
         if self.slots is not None and self.slots.num_free == 0:
             return False
         return self.pages.can_allocate(self._pages_for(seq, claim))
 
-    def _make_room_for(self, seq: Sequence, claim: Claim | None, plan: StepPlan) -> bool:
+    def _make_room_for(self, seq: EngineSequence, claim: Claim | None, plan: StepPlan) -> bool:
         """Preempt running sequences ranked below `seq` (agent work for interactive) until it fits."""
         while not self._fits(seq, claim):
             victim = self._lowest_running()
@@ -212,6 +213,35 @@ class Scheduler:
                 return False
             self._preempt(victim, plan)
         return True
+
+    # --- forks -------------------------------------------------------------------
+    def fork_children(self, parent: EngineSequence) -> list[EngineSequence]:
+        """Choices 1..n-1 copy the parent's state once its prompt is computed; the ones
+        that do not fit now wait and prefill the prompt themselves."""
+        children, parent.unforked = parent.unforked, []
+        forked = []
+        page_size = self.limits.page_size
+        for child in children:
+            full = parent.num_computed // page_size
+            partial = parent.num_computed % page_size != 0
+            slot = self.slots.allocate() if self.slots is not None else None
+            new_page = self.pages.allocate(1) if partial else []
+            if (self.slots is not None and slot is None) or new_page is None or \
+                    len(self.running) >= self.limits.max_num_seqs:
+                if slot is not None and self.slots is not None:
+                    self.slots.release(slot)
+                if new_page:
+                    self.pages.release(new_page)
+                self.add(child)
+                continue
+            shared = parent.page_table[:full]
+            self.pages.share(shared)
+            child.fork_from(parent, shared + list(new_page), slot)
+            if self._fork_copy is not None:
+                self._fork_copy(parent, child, new_page[0] if new_page else None)
+            self.running.append(child)
+            forked.append(child)
+        return forked
 
     def check_integrity(self) -> None:
         self.pages.check_integrity()

@@ -14,7 +14,7 @@ from grpc_health.v1 import health
 from common.grpc_server import build_server
 from common.grpc_server import set_serving as set_health
 from common.tracing import QUIET_METHODS, ServerTracingInterceptor
-from engine.api_convert import commit_policy, request_class, sampling_params, update_messages
+from engine.proto_convert import commit_policy, request_class, sampling_params, update_messages
 from engine.core import EngineCore, EngineStopped, QueueFull
 from engine.outputs import RequestUpdate
 from engine.prompt import render_input
@@ -109,10 +109,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 echo=request.echo,
                 lookup=request.reuse.lookup != engine_pb2.ReusePolicy.LOOKUP_BYPASS,
                 commit=commit_policy(request.reuse.commit),
-                publish_point=prompt.head_tokens // core.config.page_size * core.config.page_size,
+                head_tokens=prompt.head_tokens,
                 trace_context=capture_context(),  # this RPC's SERVER span: the parent of the engine's spans
             )
-            core.validate(engine_request)
         except ValueError as exc:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         return engine_request
@@ -169,7 +168,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 requests_finished=s.requests_finished, requests_cancelled=s.requests_cancelled,
                 requests_preempted=s.requests_preempted, prompt_tokens=s.prompt_tokens,
                 generated_tokens=s.generated_tokens, retained_state_hits=s.retained_hits,
-                retained_state_misses=s.retained_misses, reused_tokens=s.reused_tokens_device + s.reused_tokens_ram + s.reused_tokens_disk,
+                retained_state_misses=s.retained_misses, reused_tokens=sum(s.reused_tokens.values()),
                 retained_slot_skips=s.retained_slot_skips, inflight_holds=s.inflight_holds,
             ),
         )

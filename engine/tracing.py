@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
-from engine.request import EngineRequest, Sequence
+from engine.facts import ReuseTier
+from engine.request import EngineRequest, EngineSequence
 
 TRACER_NAME = "ignis.engine"
 
@@ -45,7 +46,7 @@ def in_request(request: EngineRequest) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def admission_stage(seq: Sequence, stage: Literal["lookup", "claim"]) -> Iterator[None]:
+def admission_stage(seq: EngineSequence, stage: Literal["lookup", "claim"]) -> Iterator[None]:
     """Time one step of admitting `seq` (until its first admission) and run it in its request's trace."""
     start = time.monotonic()
     with in_request(seq.request):
@@ -54,7 +55,7 @@ def admission_stage(seq: Sequence, stage: Literal["lookup", "claim"]) -> Iterato
         setattr(seq.times, stage, (start, time.monotonic()))
 
 
-def emit_request_spans(request: EngineRequest, seqs: Seq[Sequence], finish_reason: str) -> None:
+def emit_request_spans(request: EngineRequest, seqs: Sequence[EngineSequence], finish_reason: str) -> None:
     """Emit the spans of a request that has ended (finished, cancelled or failed); cheap when untraced."""
     if request.trace_context is None or not seqs:
         return
@@ -73,8 +74,8 @@ def emit_request_spans(request: EngineRequest, seqs: Seq[Sequence], finish_reaso
         "ignis.request_class": request.request_class.name.lower(),
         "ignis.prompt_tokens": len(request.prompt_ids),
         "ignis.cached_tokens": head.num_cached,
-        "ignis.reuse.tier": head.reuse.tier,
-        "ignis.reuse.kind": head.reuse.kind,
+        "ignis.reuse.tier": head.reuse.tier.value,
+        "ignis.reuse.kind": head.reuse.kind.value,
         "ignis.output_tokens": sum(s.num_output for s in seqs),
         "ignis.finish_reason": finish_reason,
     }
@@ -96,9 +97,9 @@ def emit_request_spans(request: EngineRequest, seqs: Seq[Sequence], finish_reaso
     prefill_start = t.admitted
     if t.claim is not None:
         prefill_start = t.claim[1]
-        if head.reuse.tier in ("ram", "disk"):
+        if head.reuse.tier in (ReuseTier.RAM, ReuseTier.DISK):
             emit("engine.reuse.restore", *t.claim)
-        elif head.reuse.tier == "none":  # only a lower-tier claim can fail to apply
+        elif head.reuse.tier is ReuseTier.NONE:  # only a lower-tier claim can fail to apply
             emit("engine.reuse.restore", *t.claim, error="the restore failed: the prompt was prefilled cold")
     emit("engine.prefill", prefill_start, first_token or finished,
          extra={"ignis.prefill_tokens": len(request.prompt_ids) - head.num_cached})

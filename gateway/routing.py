@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from typing import Sequence, TypeVar
 
+from common.stable_head import stable_head_length
 from ignis.v1 import engine_pb2
 
 T = TypeVar("T")
@@ -39,17 +40,16 @@ def route_key(model: str, salt: str, head: str) -> bytes:
 
 
 def chat_head(chat: engine_pb2.ChatInput) -> str:
-    """The leading system/developer messages plus the tools; the first message when there is no system prompt."""
-    parts: list[str] = []
-    for msg in chat.messages:
-        if msg.role not in ("system", "developer"):
-            break
-        parts.append(msg.content if msg.HasField("content") else "".join(p.text for p in msg.content_parts))
-    if not parts and chat.messages:
-        first = chat.messages[0]
-        parts.append(first.content if first.HasField("content") else "".join(p.text for p in first.content_parts))
+    """The stable head (common/stable_head.py: leading system/developer messages plus the tools).
+    Without head messages the first message stands in, so conversations still spread."""
+    n = stable_head_length(m.role for m in chat.messages) or min(1, len(chat.messages))
+    parts = [_text(msg) for msg in chat.messages[:n]]
     parts.append(chat.tools_json)
     return "\x1e".join(parts)
+
+
+def _text(msg: engine_pb2.ChatMessage) -> str:
+    return msg.content if msg.HasField("content") else "".join(p.text for p in msg.content_parts)
 
 
 def text_head(text: str) -> str:

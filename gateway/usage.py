@@ -8,15 +8,19 @@ object naming the tier and kind of the reused state.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from gateway.aliases import JSONObject
 from ignis.v1 import common_pb2, engine_pb2
 
-_TIERS = {common_pb2.REUSE_TIER_NONE: "none", common_pb2.REUSE_TIER_DEVICE: "device",
-          common_pb2.REUSE_TIER_RAM: "ram", common_pb2.REUSE_TIER_DISK: "disk"}
-_KINDS = {common_pb2.REUSE_KIND_NONE: "none", common_pb2.REUSE_KIND_CHECKPOINT: "checkpoint",
-          common_pb2.REUSE_KIND_PREFIX: "prefix", common_pb2.REUSE_KIND_PAGES: "pages"}
+
+
+def _enum_name(enum: Any, prefix: str, value: int) -> str:
+    """The API's name of a proto enum value: REUSE_TIER_RAM -> "ram" (unknown values: "none")."""
+    try:
+        return str(enum.Name(value)).removeprefix(prefix).lower()
+    except ValueError:
+        return "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,8 +35,10 @@ class Usage:
 
     @classmethod
     def from_proto(cls, u: engine_pb2.Usage) -> Usage:
-        return cls(u.prompt_tokens, u.completion_tokens, u.cached_tokens, _TIERS.get(u.reuse.tier, "none"),
-                   _KINDS.get(u.reuse.kind, "none"), u.reuse.reused_tokens, u.time_to_first_token_ms)
+        return cls(u.prompt_tokens, u.completion_tokens, u.cached_tokens,
+                   _enum_name(common_pb2.ReuseTier, "REUSE_TIER_", u.reuse.tier),
+                   _enum_name(common_pb2.ReuseKind, "REUSE_KIND_", u.reuse.kind), u.reuse.reused_tokens,
+                   u.time_to_first_token_ms)
 
     @classmethod
     def total(cls, parts: Iterable[Usage]) -> Usage:

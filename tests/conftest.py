@@ -49,7 +49,11 @@ def dense_chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
     """A real engine process serving ignis-tiny on a free port, one per test module that asks."""
+    # One engine serves a whole module's unrelated tests: with the default TTL the first eight
+    # conversations would keep the retained slots (protected) and later ones would never be
+    # retained. Recency alone here; protection has its own tests (test_engine_tiers.py).
     service = start_engine(tmp_path_factory.mktemp("engine"), str(tiny_model_dir),
-                           ["--served-model-name", "ignis-tiny", "--max-queue", "64"])
+                           ["--served-model-name", "ignis-tiny", "--max-queue", "64",
+                            "--set", "reuse.retained_interactive_ttl=0"])
     yield service
     assert service.stop() == 0, service.log()

@@ -6,11 +6,11 @@ import struct
 
 import xxhash
 
-from engine.cache.chain_hash import Namespace, page_hashes, state_name
+from engine.kv.chain_hash import Namespace, page_hashes, state_name
 
 
 def test_page_hashes_chain_by_hand() -> None:
-    seed = Namespace(b"\x01" * 16, "", "float32", 4).seed()
+    seed = Namespace(b"\x01" * 16, "float32", 4).digest()
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     h1 = xxhash.xxh3_128_digest(seed + struct.pack("<4I", 1, 2, 3, 4))
     h2 = xxhash.xxh3_128_digest(h1 + struct.pack("<4I", 5, 6, 7, 8))
@@ -25,7 +25,7 @@ def test_page_hashes_chain_by_hand() -> None:
 
 
 def test_incremental_hashing_continues_the_chain() -> None:
-    seed = Namespace(b"\x02" * 16, "", "float32", 2).seed()
+    seed = Namespace(b"\x02" * 16, "float32", 2).digest()
     tokens = list(range(100, 120))
     whole = page_hashes(seed, tokens, 2)
     head = page_hashes(seed, tokens[:8], 2)
@@ -34,24 +34,24 @@ def test_incremental_hashing_continues_the_chain() -> None:
 
 
 def test_namespace_separates_salts_and_geometry() -> None:
-    base = Namespace(b"\x03" * 16, "", "float32", 16)
-    seeds = {base.seed(), Namespace(b"\x03" * 16, "", "float32", 16, "tenant-a").seed(),
-             Namespace(b"\x03" * 16, "", "bfloat16", 16).seed(), Namespace(b"\x03" * 16, "", "float32", 32).seed(),
-             Namespace(b"\x04" * 16, "", "float32", 16).seed()}
+    base = Namespace(b"\x03" * 16, "float32", 16)
+    seeds = {base.digest(), Namespace(b"\x03" * 16, "float32", 16, "tenant-a").digest(),
+             Namespace(b"\x03" * 16, "bfloat16", 16).digest(), Namespace(b"\x03" * 16, "float32", 32).digest(),
+             Namespace(b"\x04" * 16, "float32", 16).digest()}
     assert len(seeds) == 5
     tokens = list(range(32))
-    assert page_hashes(base.seed(), tokens, 16) != page_hashes(Namespace(b"\x03" * 16, "", "float32", 16, "x").seed(),
+    assert page_hashes(base.digest(), tokens, 16) != page_hashes(Namespace(b"\x03" * 16, "float32", 16, "x").digest(),
                                                                tokens, 16)
 
 
 def test_token_encoding_is_uint32_little_endian() -> None:
-    seed = Namespace(b"\x05" * 16, "", "float32", 1).seed()
+    seed = Namespace(b"\x05" * 16, "float32", 1).digest()
     big = 70000  # does not fit 16 bits: the encoding must not truncate
     assert page_hashes(seed, [big], 1) == [xxhash.xxh3_128_digest(seed + struct.pack("<I", big))]
 
 
 def test_common_pages_bisects_the_chain() -> None:
-    from engine.cache.chain_hash import common_pages
+    from engine.kv.chain_hash import common_pages
 
     seed = b"n" * 16
     a = page_hashes(seed, list(range(40)), 4)  # type: ignore[arg-type]

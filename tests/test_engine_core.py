@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.core import EngineConfig, EngineCore, QueueFull
+from engine.config import EngineConfig
+from engine.core import EngineCore, QueueFull
 from engine.model.loader import LoadedModel, load_model
 from engine.offline import greedy_generate
 from engine.outputs import RequestUpdate
-from engine.request import EngineRequest, FinishReason, RequestClass
+from engine.facts import RequestClass
+from engine.request import EngineRequest, FinishReason
 from engine.sampling.params import SamplingParams
 from engine.text.tokenizer import Tokenizer
 
@@ -78,7 +80,7 @@ def test_preemption_under_page_pressure_keeps_outputs_exact(tiny: tuple[LoadedMo
     prompts = [make_prompt(40, seed=i) for i in range(4)]
     core = make_core(tiny, pages=20)
     out = run_all(core, [make_request(f"r{i}", p, 60) for i, p in enumerate(prompts)])
-    assert core.counters["preempted"] > 0  # 4 x 7 pages do not fit in 20
+    assert core.totals.preempted > 0  # 4 x 7 pages do not fit in 20
     for i, p in enumerate(prompts):
         assert out.tokens(f"r{i}") == greedy_generate(tiny[0], list(p), 60).token_ids
         assert out.updates[f"r{i}"][-1].usage is not None
@@ -102,7 +104,7 @@ def test_interactive_preempts_agent_work(tiny: tuple[LoadedModel, Tokenizer]) ->
     finally:
         core.stop()
     assert out.order == ["interactive", "agent"]
-    assert core.counters["preempted"] >= 1
+    assert core.totals.preempted >= 1
     assert out.tokens("agent") == greedy_generate(tiny[0], list(agent.prompt_ids), 40).token_ids
     core.check_integrity()
 

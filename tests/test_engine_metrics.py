@@ -142,7 +142,8 @@ def test_restore_from_ram_counts_under_tier_ram_and_logs_spills_and_the_restore(
     port = free_port()
     engine = start_engine(tmp_path / "engine", str(tiny_model_dir), [
         "--served-model-name", MODEL, "--metrics-port", str(port), "--tierstore", store.address,
-        "--set", "reuse.retained_device=2", "--kv-cache-bytes", str(16 * MiB)])
+        "--set", "reuse.retained_device=2", "--kv-cache-bytes", str(16 * MiB),
+            "--set", "reuse.retained_interactive_ttl=0"])  # nothing protected: each capture evicts by recency
     try:
         topics = ["tides", "glaciers", "volcanoes", "comets", "lichens"]
         with grpc.insecure_channel(engine.address) as channel:

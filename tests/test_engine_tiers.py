@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.core import EngineConfig, EngineCore
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.facts import ReuseTier
 from engine.model.loader import LoadedModel, load_model
 from engine.outputs import RequestUpdate
 from engine.prompt import render_chat
@@ -46,11 +48,13 @@ class Engine:
     """An EngineCore driven from the test thread."""
 
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, *, reuse: bool = True, tierstore: str = "",
-                 kv_cache_bytes: int = 16 * MiB) -> None:
+                 kv_cache_bytes: int = 16 * MiB, interactive_ttl: float = 0.0) -> None:
+        # interactive_ttl=0: these tests move state by recency; protection has tests of its own.
         self.tokenizer = tokenizer
         self.core = EngineCore(loaded, tokenizer, EngineConfig(
             page_size=P, kv_cache_bytes=kv_cache_bytes, max_num_seqs=4, reuse_prompt=reuse, retained_device=2,
-            tierstore_address=tierstore, tier_timeout=2.0, tier_retry_seconds=0.3))
+            retained_interactive_ttl=interactive_ttl, tierstore_address=tierstore, tier_timeout=2.0,
+            tier_retry_seconds=0.3))
         self.core.start()
         self.n = 0
 
@@ -81,8 +85,8 @@ class Engine:
         deltas = [d for u in updates for d in u.deltas]
         usage = last.usage
         return Result([t for d in deltas for t in d.token_ids], [lp.logprob for d in deltas for lp in d.logprobs],
-                      usage.cached_tokens if usage else 0, usage.reuse.tier if usage else "none",
-                      usage.reuse.kind if usage else "none", last.error)
+                      usage.cached_tokens if usage else 0, usage.reuse.tier.value if usage else "none",
+                      usage.reuse.kind.value if usage else "none", last.error)
 
     def check(self) -> None:
         self.core.check_integrity()
@@ -142,6 +146,51 @@ def same(got: Result, want: Result) -> None:
 TOPICS = ["tides", "glaciers", "volcanoes", "comets", "lichens"]
 
 
+def test_protected_states_keep_the_device_and_newcomers_go_straight_to_ram(tmp_path: Path, model, oracle) -> None:
+    """Inside reuse.retained_interactive_ttl an interactive state is protected: a later interactive
+    capture does not displace it from the device (the one eviction order) but is written to KV-RAM
+    from its own slot; every conversation still hits, the first one on the device."""
+    store = tierstore(tmp_path, arena=16 * MiB, disk=0)
+    engine = Engine(*model, tierstore=store.address, interactive_ttl=300.0)
+    try:
+        for topic in TOPICS:
+            same(engine.run(topic), oracle(topic))
+        counters = engine.core.reuse.counters
+        assert counters.evictions == 0  # nothing left the device
+        assert counters.protected_skips == counters.captures_below == 2 * (len(TOPICS) - 1)
+        assert engine.core.stats().retained_protected_skips == counters.protected_skips
+        got = engine.run(TOPICS[0])
+        same(got, oracle(TOPICS[0]))
+        assert (got.tier, got.cached) == ("device", len(engine.request(TOPICS[0]).prompt_ids))
+        for topic in TOPICS[1:3]:
+            got = engine.run(topic)
+            same(got, oracle(topic))
+            assert (got.tier, got.cached) == ("ram", len(engine.request(topic).prompt_ids))
+        engine.check()
+    finally:
+        engine.close()
+        store.stop()
+
+
+def test_without_a_ttl_newcomers_displace_the_least_recent_state(tmp_path: Path, model, oracle) -> None:
+    """The same run with reuse.retained_interactive_ttl=0: nothing is protected, each capture
+    displaces the least recently used state (spilled to RAM), and the newest stays on the device."""
+    store = tierstore(tmp_path, arena=16 * MiB, disk=0)
+    engine = Engine(*model, tierstore=store.address, interactive_ttl=0.0)
+    try:
+        for topic in TOPICS:
+            same(engine.run(topic), oracle(topic))
+        counters = engine.core.reuse.counters
+        assert (counters.protected_skips, counters.captures_below) == (0, 0)
+        assert counters.evictions == 2 * (len(TOPICS) - 1)
+        got = engine.run(TOPICS[0])
+        assert (got.tier, got.cached) == ("ram", len(engine.request(TOPICS[0]).prompt_ids))
+        engine.check()
+    finally:
+        engine.close()
+        store.stop()
+
+
 def test_evicted_states_spill_to_ram_and_hit_from_ram(tmp_path: Path, model, oracle) -> None:
     store = tierstore(tmp_path, arena=16 * MiB, disk=0)
     engine = Engine(*model, tierstore=store.address)
@@ -154,9 +203,9 @@ def test_evicted_states_spill_to_ram_and_hit_from_ram(tmp_path: Path, model, ora
             got = engine.run(topic)
             same(got, oracle(topic))
             assert got.tier == "ram" and got.cached == len(engine.request(topic).prompt_ids)
-        assert engine.core.reuse.counters.reused_tokens["ram"] > 0
-        assert engine.core.stats().reused_tokens_ram == engine.core.reuse.counters.reused_tokens["ram"]
-        engine.core.reuse.restore_floor = 10**6  # type: ignore[attr-defined] # a restore never beats re-prefilling
+        assert engine.core.reuse.counters.reused_tokens[ReuseTier.RAM] > 0
+        assert engine.core.stats().reused_tokens[ReuseTier.RAM] == engine.core.reuse.counters.reused_tokens[ReuseTier.RAM]
+        engine.core.reuse.lower.restore_floor = 10**6  # type: ignore[attr-defined,union-attr] # a restore never beats re-prefilling
         got = engine.run(TOPICS[3])  # in RAM, but below the floor: served cold
         same(got, oracle(TOPICS[3]))
         assert (got.tier, got.cached) == ("none", 0)
@@ -197,21 +246,21 @@ def test_dense_pages_spill_when_the_pool_reuses_them_and_hit_from_ram(tmp_path: 
     """
     page_bytes = P * 4 * 2 * 2 * 16 * 4  # page x layers x (k, v) x kv heads x head dim x fp32
     store = tierstore(tmp_path, arena=4 * MiB, disk=0)
-    engine = Engine(*dense_model, tierstore=store.address, kv_cache_bytes=24 * page_bytes)
+    engine = Engine(*dense_model, tierstore=store.address, kv_cache_bytes=16 * page_bytes)
     try:
-        assert engine.core.pages.num_pages == 24
+        assert engine.core.pages.num_pages == 16
         for topic in TOPICS:  # ~5 pages each: the later ones reuse the first ones' pages
             same(engine.run(topic), dense_oracle(topic))
         chains = engine.core.reuse.chains  # type: ignore[attr-defined]
         assert chains.spills >= 1
-        assert engine.core.pages.lookup(engine_page_hashes(engine, TOPICS[0])[0]) is None  # gone from the device
+        assert engine.core.pages.page_for(engine_page_hashes(engine, TOPICS[0])[0]) is None  # gone from the device
         n = len(engine.request(TOPICS[0], turns=2).prompt_ids)
         got = engine.run(TOPICS[0], turns=2)
         same(got, dense_oracle(TOPICS[0], turns=2))
         first_turn = len(engine.request(TOPICS[0]).prompt_ids)
         assert got.tier == "ram" and got.kind == "pages"
         assert (first_turn // P) * P <= got.cached < n and got.cached % P == 0  # a page-aligned prefix
-        assert engine.core.reuse.counters.reused_tokens["ram"] == got.cached
+        assert engine.core.reuse.counters.reused_tokens[ReuseTier.RAM] == got.cached
         engine.check()
     finally:
         engine.close()
@@ -219,9 +268,9 @@ def test_dense_pages_spill_when_the_pool_reuses_them_and_hit_from_ram(tmp_path: 
 
 
 def engine_page_hashes(engine: Engine, topic: str) -> list[bytes]:
-    from engine.cache.chain_hash import page_hashes
+    from engine.kv.chain_hash import page_hashes
 
-    return page_hashes(engine.core.namespace_seed(""), engine.request(topic).prompt_ids, P)  # type: ignore[arg-type]
+    return page_hashes(engine.core.namespace_hash(""), engine.request(topic).prompt_ids, P)  # type: ignore[arg-type]
 
 
 def test_small_arena_spills_on_to_disk_and_hits_from_disk(tmp_path: Path, model, oracle) -> None:
@@ -233,7 +282,7 @@ def test_small_arena_spills_on_to_disk_and_hits_from_disk(tmp_path: Path, model,
         got = engine.run(TOPICS[0])  # spilled first: long pushed out of the arena onto disk
         same(got, oracle(TOPICS[0]))
         assert got.tier == "disk"
-        assert engine.core.reuse.counters.reused_tokens["disk"] > 0
+        assert engine.core.reuse.counters.reused_tokens[ReuseTier.DISK] > 0
         engine.check()
     finally:
         engine.close()
@@ -324,7 +373,7 @@ def test_layout_refused_means_device_only(tmp_path: Path, model, oracle, caplog:
     engine = Engine(*model, tierstore=store.address)
     try:
         with TierStoreClient(store.address) as other:  # the namespace is taken with another state layout
-            other.register(engine.core.namespace_seed(""), page_size=P, layout='{"another": "layout"}')
+            other.register(engine.core.namespace_hash(""), page_size=P, layout='{"another": "layout"}')
         for topic in [*TOPICS[:4], *TOPICS[:2]]:
             got = engine.run(topic)
             same(got, oracle(topic))

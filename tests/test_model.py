@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from checkpoints import ARCHITECTURES
-from engine.cache.device_cache import CacheGeometry, DeviceCache
+from engine.kv.device_cache import CacheGeometry, DeviceCache
 from engine.model.batch import CPU_PADDED_DECODE_MAX_CONTEXT, ForwardBatch, LogitsWanted, SequenceChunk
 from engine.model.cpu_linear import ONEDNN_MAX_ROWS, OneDnnLinear
 from engine.model.loader import LoadedModel, load_model
@@ -25,7 +25,7 @@ def make_prompt(n: int, seed: int = 0, vocab: int = 512) -> list[int]:
 
 
 def make_cache(loaded: LoadedModel, pages: int = 64, slots: int = 8) -> DeviceCache:
-    return DeviceCache(loaded.config, CacheGeometry(PAGE, pages, slots, torch.float32), CPU)
+    return DeviceCache(loaded.config.state_shape(), CacheGeometry(PAGE, pages, slots, torch.float32), CPU)
 
 
 def run_chunks(loaded: LoadedModel, cache: DeviceCache, ids: list[int], sizes: list[int],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cache.page_pool import PagePool, SlotPool
+from engine.kv.page_pool import PagePool, SlotPool
 
 
 def test_allocate_release_reuses_least_recently_freed_first() -> None:
@@ -58,7 +58,7 @@ def test_cached_pages_are_revived_not_reallocated() -> None:
     pool.register(a, h)  # type: ignore[arg-type]
     pool.release([a])
     assert pool.num_free == 3 and pool.num_cached == 1
-    assert pool.lookup(h) == a  # type: ignore[arg-type]
+    assert pool.page_for(h) == a  # type: ignore[arg-type]
     pool.revive(a)
     assert pool.refcount(a) == 1 and pool.num_free == 2 and pool.num_cached == 0
     pool.revive(a)  # a second claimant shares it
@@ -67,22 +67,37 @@ def test_cached_pages_are_revived_not_reallocated() -> None:
     pool.check_integrity()
     # Fresh allocation takes the least recently freed pages; the cached page goes last and loses its name.
     assert pool.allocate(2) == [1, 2]
-    assert pool.lookup(h) == a  # type: ignore[arg-type]
+    assert pool.page_for(h) == a  # type: ignore[arg-type]
     assert pool.allocate(1) == [a]
-    assert pool.lookup(h) is None  # type: ignore[arg-type]
+    assert pool.page_for(h) is None  # type: ignore[arg-type]
     pool.check_integrity()
 
 
 def test_evict_hook_sees_a_findable_page_just_before_it_is_handed_out_fresh() -> None:
     pool = PagePool(3)
     seen: list[tuple[int, bytes, int | None]] = []
-    pool.on_evict = lambda page, h: seen.append((page, h, pool.lookup(h)))  # type: ignore[arg-type, assignment]
+    pool.on_evict = lambda page, h: seen.append((page, h, pool.page_for(h)))  # type: ignore[arg-type, assignment]
     a, b = pool.allocate(2)  # type: ignore[misc]
     pool.register(a, b"A" * 16)  # type: ignore[arg-type]
     pool.release([a, b])
-    assert pool.allocate(1) == [2] and seen == []  # a never-hashed page first: nothing to evict
+    assert pool.allocate(1) == [2] and seen == []  # never-hashed pages first: nothing to evict
+    assert pool.allocate(1) == [b] and seen == []  # b had no content: taken before the cached a
     assert pool.allocate(1) == [a]
     assert seen == [(a, b"A" * 16, a)]  # still findable while the hook runs
-    assert pool.lookup(b"A" * 16) is None  # type: ignore[arg-type]
-    assert pool.allocate(1) == [b] and len(seen) == 1  # b had no content
+    assert pool.page_for(b"A" * 16) is None  # type: ignore[arg-type]
+    pool.check_integrity()
+
+
+def test_a_freed_chain_loses_its_tail_before_its_head() -> None:
+    """Pages are freed tail first and cached pages go after blank ones, so pressure takes the
+    last pages of a chain first and a lookup (which stops at the first miss) keeps its head."""
+    pool = PagePool(4)
+    chain = pool.allocate(3)
+    assert chain == [0, 1, 2]
+    for i, page in enumerate(chain):
+        pool.register(page, bytes([i]) * 16)  # type: ignore[arg-type]
+    pool.release(chain)
+    assert pool.allocate(1) == [3]  # the blank page first
+    assert pool.allocate(1) == [2]  # then the chain's tail
+    assert pool.page_for(b"\x00" * 16) == 0 and pool.page_for(b"\x01" * 16) == 1  # type: ignore[arg-type]
     pool.check_integrity()

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.core import EngineConfig, EngineCore
+from engine.config import EngineConfig
+from engine.core import EngineCore
 from engine.model.loader import LoadedModel, load_model
 from engine.offline import run_to_completion
 from engine.prompt import render_chat
-from engine.request import CommitPolicy, EngineRequest, RequestClass
+from engine.facts import RequestClass
+from engine.request import CommitPolicy, EngineRequest
 from engine.sampling.params import SamplingParams
 from engine.text.tokenizer import Tokenizer
 from ignis.v1 import engine_pb2
@@ -68,7 +70,7 @@ class Harness:
             request_class=kw.get("cls", RequestClass.INTERACTIVE),  # type: ignore[arg-type]
             cache_salt=str(kw.get("salt", "")), lookup=bool(kw.get("lookup", True)),
             commit=kw.get("commit", CommitPolicy.INCLUDING_GENERATED_TOKENS),  # type: ignore[arg-type]
-            publish_point=rendered.head_tokens // P * P,
+            head_tokens=rendered.head_tokens,
         )
 
     def run(self, *requests: EngineRequest) -> list[Result]:
@@ -82,7 +84,7 @@ class Harness:
             usage = updates[-1].usage
             assert usage is not None
             out.append(Result([t for d in deltas for t in d.token_ids], [lp.logprob for d in deltas for lp in d.logprobs],
-                              usage.cached_tokens, usage.reuse.kind, "".join(d.text for d in deltas)))
+                              usage.cached_tokens, usage.reuse.kind.value, "".join(d.text for d in deltas)))
         return out
 
     def check(self) -> None:
@@ -169,7 +171,7 @@ def test_subagent_burst_shares_the_system_and_tools_head(pair) -> None:  # type:
     tasks = ["Find the flaky test.", "Read the changelog.", "Profile the decoder.", "Draft the release notes.",
              "Check the disk budget."]
     requests = [warm.request(conversation(t), tools=TOOLS) for t in tasks]
-    head = requests[0].publish_point
+    head = requests[0].head_tokens // P * P
     assert head > 0 and head % P == 0
     results = [warm.run(r)[0] for r in requests]
     for task, result in zip(tasks, results):
@@ -196,7 +198,7 @@ def test_identical_heads_arriving_together_are_prefilled_once(model: tuple[str, 
         other = held.request([{"role": "user", "content": "Unrelated: name three prime numbers."}],
                              cls=RequestClass.AGENT)
         results = held.run(*requests, other)
-        head = requests[0].publish_point
+        head = requests[0].head_tokens // P * P
         assert results[0].cached == 0 and results[-1].cached == 0
         for result in results[1:-1]:
             assert result.cached >= head

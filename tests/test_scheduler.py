@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from engine.cache.page_pool import PagePool, SlotPool
-from engine.request import EngineRequest, RequestClass, Sequence
+from engine.kv.chain_hash import BlockHash
+from engine.kv.page_pool import PagePool, SlotPool
+from engine.facts import RequestClass
+from engine.request import EngineRequest, EngineSequence
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import RequestSampler
 from engine.scheduler import Scheduler, SchedulerLimits
@@ -13,10 +15,10 @@ class _NoText:
     """Stands in for the detokenizer, which the scheduler never touches."""
 
 
-def make_seq(seq_id: int, n_prompt: int, cls: RequestClass = RequestClass.INTERACTIVE, arrival: float = 0.0) -> Sequence:
+def make_seq(seq_id: int, n_prompt: int, cls: RequestClass = RequestClass.INTERACTIVE, arrival: float = 0.0) -> EngineSequence:
     request = EngineRequest(f"r{seq_id}", tuple(range(1, n_prompt + 1)), SamplingParams(max_tokens=100), cls,
                             arrival=arrival + seq_id)
-    return Sequence(seq_id, request, 0, RequestSampler(request.params, request.prompt_ids), _NoText())  # type: ignore[arg-type]
+    return EngineSequence(seq_id, request, 0, RequestSampler(request.params, request.prompt_ids), _NoText())  # type: ignore[arg-type]
 
 
 def make_scheduler(pages: int, slots: int | None = None, budget: int = 64, max_seqs: int = 8) -> Scheduler:
@@ -97,7 +99,7 @@ def test_no_state_slot_no_admission() -> None:
 def test_held_admission_waits_for_the_running_head_and_lets_others_pass() -> None:
     """b shares a's first 8 pages: it is held while a computes them, c (unrelated) is admitted
     at once; when a has published those pages, b claims them and prefills only its tail."""
-    from engine.cache.chain_hash import page_hashes
+    from engine.kv.chain_hash import page_hashes
     from engine.cache.page_reuse import PageReuse
 
     pool = PagePool(64)
@@ -108,8 +110,8 @@ def test_held_admission_waits_for_the_running_head_and_lets_others_pass() -> Non
     for seq, tokens in ((a, head + [1, 2]), (b, head + [3, 4, 5, 6, 7]), (c, list(range(200, 260)))):
         seq.token_ids = list(tokens)
         seq.num_prompt = len(tokens)
-        seq.seed = b"s" * 16
-        seq.page_hashes = page_hashes(seq.seed, tokens, 4)  # type: ignore[arg-type]
+        namespace = BlockHash(b"s" * 16)
+        seq.name_pages(namespace, page_hashes(namespace, tokens, 4))
         s.add(seq)
 
     def step() -> list[tuple[int, int]]:

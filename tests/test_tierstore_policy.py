@@ -1,103 +1,103 @@
-"""The one eviction order: class, then protection, then recency. Exact orders only."""
+"""The tierstore's side of the one order: a stored state as a Resident, and the last tier's room rule."""
 
 from __future__ import annotations
 
-import pytest
-
+from common.eviction import EvictionOrder, Resident
 from ignis.v1 import common_pb2
-from tierstore.policy import Candidate, EvictionPolicy
+from tierstore.policy import last_tier_room, resident
+from tierstore.state import StateHash, StateInfo
 
 AGENT = common_pb2.REQUEST_CLASS_AGENT
 INTERACTIVE = common_pb2.REQUEST_CLASS_INTERACTIVE
 UNSPECIFIED = common_pb2.REQUEST_CLASS_UNSPECIFIED
+CHECKPOINT, PREFIX, PAGES = common_pb2.REUSE_KIND_CHECKPOINT, common_pb2.REUSE_KIND_PREFIX, common_pb2.REUSE_KIND_PAGES
 NOW = 10_000.0
 TTL = 300.0
+BLOCK = 4096
 
 
-def make_candidate(name: str, cls: int, age: float, *, protect_for: float = 0.0, leased: bool = False) -> Candidate:
-    """A state last used ``age`` seconds ago, protected ``protect_for`` more seconds."""
-    return Candidate(name.encode().ljust(16, b"."), cls, NOW - age, NOW + protect_for if protect_for else 0.0,
-                     leased)
+def make_info(name: str, cls: int, kind: int = CHECKPOINT) -> StateInfo:
+    return StateInfo(StateHash(name.encode().ljust(16, b".")), b"N" * 16, 16, kind, cls, (), b"\0" * 16, BLOCK)
 
 
-def order(*cands: Candidate, ttl: float = TTL) -> list[str]:
-    return [c.hash.rstrip(b".").decode() for c in EvictionPolicy(ttl).order(cands, NOW)]
+def make_resident(name: str, cls: int, age: float, *, kind: int = CHECKPOINT, protect_for: float = 0.0,
+                  leased: bool = False) -> Resident:
+    """A stored state last used ``age`` seconds ago, protected ``protect_for`` more seconds."""
+    return resident(make_info(name, cls, kind), last_used=NOW - age,
+                    protect_until=NOW + protect_for if protect_for else 0.0, leased=leased)
 
 
-def test_recency_alone_is_lru() -> None:
-    assert order(make_candidate("new", AGENT, 1), make_candidate("old", AGENT, 50),
-                 make_candidate("mid", AGENT, 10)) == ["old", "mid", "new"]
+def name_of(r: Resident) -> str:
+    return r.tiebreak.rstrip(b".").decode()
 
 
-def test_class_first_even_against_recency() -> None:
-    # Interactive states past their TTL (unprotected) still outrank a fresher agent state.
-    assert order(make_candidate("i_old", INTERACTIVE, 900), make_candidate("a_new", AGENT, 1),
-                 make_candidate("i_older", INTERACTIVE, 1000), make_candidate("a_old", AGENT, 500)) \
-        == ["a_old", "a_new", "i_older", "i_old"]
+def order(*rs: Resident, ttl: float = TTL) -> list[str]:
+    return [name_of(r) for r in EvictionOrder(ttl).order(rs, NOW, resident=lambda r: r)]
 
 
-def test_unspecified_class_is_interactive() -> None:
-    assert order(make_candidate("u", UNSPECIFIED, 900), make_candidate("a", AGENT, 1)) == ["a", "u"]
+def test_resident_maps_the_record() -> None:
+    info = make_info("x", AGENT, PREFIX)
+    assert resident(info, last_used=12.5, protect_until=40.0, leased=True) == \
+        Resident(interactive=False, last_used=12.5, prefix=True, leased=True, protect_until=40.0, tiebreak=info.hash)
+    for cls, interactive in ((AGENT, False), (INTERACTIVE, True), (UNSPECIFIED, True)):
+        assert resident(make_info("x", cls), last_used=0, protect_until=0, leased=False).interactive is interactive
+    for kind, prefix in ((CHECKPOINT, False), (PREFIX, True), (PAGES, False)):
+        assert resident(make_info("x", AGENT, kind), last_used=0, protect_until=0, leased=False).prefix is prefix
 
 
-def test_protection_within_a_class() -> None:
-    cands = [
-        make_candidate("a_leased_old", AGENT, 800, leased=True),  # a retained prefix in use by a burst
-        make_candidate("a_window", AGENT, 700, protect_for=30),  # inside its protect window
-        make_candidate("a_window_over", AGENT, 600),
-        make_candidate("a_plain_new", AGENT, 5),
+def test_stored_states_in_the_one_order() -> None:
+    rs = [
+        make_resident("i_leased", INTERACTIVE, 5000, leased=True),
+        make_resident("i_ttl", INTERACTIVE, 100),
+        make_resident("u_stale", UNSPECIFIED, 4000),  # UNSPECIFIED counts as interactive
+        make_resident("i_window", INTERACTIVE, 3000, protect_for=60),
+        make_resident("a_prefix_ttl", AGENT, 200, kind=PREFIX),  # a retained prefix: TTL-protected
+        make_resident("a_leased", AGENT, 1, leased=True),
+        make_resident("a_stale", AGENT, 3000),
+        make_resident("a_fresh", AGENT, 2),
     ]
-    # Protection is one rank: within it, recency orders (the leased one was used longer ago).
-    assert order(*cands) == ["a_window_over", "a_plain_new", "a_leased_old", "a_window"]
+    assert order(*rs) == ["a_stale", "a_fresh", "a_prefix_ttl", "a_leased", "u_stale", "i_leased", "i_window",
+                          "i_ttl"]
+    # Without a TTL the prefix and the recent interactive state are only as old as they are.
+    assert order(*rs, ttl=0) == ["a_stale", "a_prefix_ttl", "a_fresh", "a_leased", "u_stale", "i_ttl",
+                                 "i_leased", "i_window"]
 
 
-def test_interactive_ttl_protects_recent_interactive_states_only() -> None:
-    cands = [
-        make_candidate("i_in_ttl_old", INTERACTIVE, 200),  # within the 300 s TTL: protected
-        make_candidate("i_in_ttl_new", INTERACTIVE, 10),
-        make_candidate("i_past_ttl", INTERACTIVE, 301),  # past the TTL: unprotected
-        make_candidate("a_recent", AGENT, 10),  # agents get no TTL protection
-    ]
-    assert order(*cands) == ["a_recent", "i_past_ttl", "i_in_ttl_old", "i_in_ttl_new"]
-    # With the TTL at 0 only recency orders the interactive states.
-    assert order(*cands, ttl=0) == ["a_recent", "i_past_ttl", "i_in_ttl_old", "i_in_ttl_new"]
-    assert order(make_candidate("i_new", INTERACTIVE, 10), make_candidate("i_old", INTERACTIVE, 200), ttl=0) \
-        == ["i_old", "i_new"]
-    assert order(make_candidate("i_new", INTERACTIVE, 10), make_candidate("i_past", INTERACTIVE, 400),
-                 make_candidate("i_old", INTERACTIVE, 200)) == ["i_past", "i_old", "i_new"]
+def room(incoming: Resident, *held: Resident, newcomer: bool | None, free: int = 0, need: int = BLOCK,
+         ttl: float = TTL) -> list[str] | None:
+    return last_tier_room(EvictionOrder(ttl), incoming, ((name_of(r), r, BLOCK) for r in held),
+                          newcomer_interactive=newcomer, free=free, need=need, now=NOW)
 
 
-def test_full_mixed_order() -> None:
-    cands = [
-        make_candidate("i_leased", INTERACTIVE, 5000, leased=True),
-        make_candidate("i_ttl", INTERACTIVE, 100),
-        make_candidate("i_stale_a", INTERACTIVE, 4000),
-        make_candidate("i_stale_b", INTERACTIVE, 350),
-        make_candidate("i_window", INTERACTIVE, 3000, protect_for=60),
-        make_candidate("a_prefix_window", AGENT, 2000, protect_for=5),
-        make_candidate("a_leased", AGENT, 1, leased=True),
-        make_candidate("a_stale", AGENT, 3000),
-        make_candidate("a_fresh", AGENT, 2),
-    ]
-    assert order(*cands) == [
-        "a_stale", "a_fresh",  # agent, unprotected, LRU
-        "a_prefix_window", "a_leased",  # agent, protected, LRU
-        "i_stale_a", "i_stale_b",  # interactive, unprotected, LRU
-        "i_leased", "i_window", "i_ttl",  # interactive, protected, LRU
-    ]
+def test_room_that_is_free_drops_nothing() -> None:
+    assert room(make_resident("in", AGENT, 1), make_resident("d", AGENT, 9), newcomer=False, free=BLOCK) == []
 
 
-def test_a_window_expires() -> None:
-    c = make_candidate("a", AGENT, 10, protect_for=5)
-    policy = EvictionPolicy(TTL)
-    assert policy.is_protected(c, NOW) and policy.is_protected(c, NOW + 4.9)
-    assert not policy.is_protected(c, NOW + 5)
+def test_room_takes_only_states_ranked_below_the_incoming_one_in_order() -> None:
+    held = [make_resident("a_new", AGENT, 5), make_resident("a_old", AGENT, 50), make_resident("a_mid", AGENT, 20)]
+    incoming = make_resident("in", AGENT, 10)
+    assert room(incoming, *held, newcomer=False, need=2 * BLOCK) == ["a_old", "a_mid"]
+    assert room(incoming, *held, newcomer=False, need=3 * BLOCK) is None  # a_new outranks it: kept
+    assert room(incoming, *held, newcomer=False, need=3 * BLOCK, free=BLOCK) == ["a_old", "a_mid"]
 
 
-def test_equal_times_break_ties_by_hash() -> None:
-    assert order(make_candidate("b", AGENT, 3), make_candidate("a", AGENT, 3)) == ["a", "b"]
+def test_room_never_drops_a_protected_state_for_a_same_class_newcomer() -> None:
+    held = [make_resident("i_old", INTERACTIVE, 100), make_resident("i_older", INTERACTIVE, 200)]
+    incoming = make_resident("in", INTERACTIVE, 10)
+    assert room(incoming, *held, newcomer=True) is None  # both inside their TTL
+    assert room(incoming, *held, newcomer=True, ttl=0) == ["i_older"]
+    assert room(incoming, *held, newcomer=None) == ["i_older"]  # live work (a restore): rank alone
 
 
-def test_negative_ttl_is_refused() -> None:
-    with pytest.raises(ValueError):
-        EvictionPolicy(-1)
+def test_room_protection_follows_the_newcomer_class_not_the_one_coming_down() -> None:
+    held = [make_resident("a_prefix", AGENT, 100, kind=PREFIX)]
+    incoming = make_resident("a_in", AGENT, 10, kind=PREFIX)
+    assert room(incoming, *held, newcomer=False) is None  # an agent newcomer may not drop a protected agent prefix
+    assert room(incoming, *held, newcomer=True) == ["a_prefix"]  # an interactive one may
+    # An interactive state coming down for an agent newcomer still may not drop a protected agent state.
+    assert room(make_resident("i_in", INTERACTIVE, 10), *held, newcomer=False) is None
+
+
+def test_room_never_takes_a_leased_state_for_a_newcomer() -> None:
+    held = [make_resident("a_leased", AGENT, 100, leased=True)]
+    assert room(make_resident("i_in", INTERACTIVE, 10), *held, newcomer=True) is None

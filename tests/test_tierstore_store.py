@@ -6,16 +6,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 from ignis.v1 import common_pb2, tierstore_pb2
 from tierstore.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from tierstore.metrics import store_registry
 from tierstore.registry import Registration
 from tierstore.state import checksum
-from tierstore.store import DISK, RAM, StoreConfig, TierStore
+from tierstore.store import DISK, RAM, Hit, StoreConfig, TierStore
 
 AGENT = common_pb2.REQUEST_CLASS_AGENT
 INTERACTIVE = common_pb2.REQUEST_CLASS_INTERACTIVE
-CHECKPOINT = common_pb2.REUSE_KIND_CHECKPOINT
+CHECKPOINT, PREFIX = common_pb2.REUSE_KIND_CHECKPOINT, common_pb2.REUSE_KIND_PREFIX
 NS = b"N" * 16  # attention-only namespace (registered below)
 NS_HYBRID = b"H" * 16
 SIZE = 3 * 4096  # every state in these tests: 12 KiB
@@ -44,8 +46,8 @@ def make_store(tmp_path: Path, clock: Clock, *, ram: int = 3, disk: int = 10, tt
 
 
 def make_meta(name: str, *, ns: bytes = NS, pages: tuple[str, ...] = (), tokens: int = 16, cls: int = 0,
-              nbytes: int = SIZE) -> tierstore_pb2.StateMetadata:
-    return tierstore_pb2.StateMetadata(namespace=ns, tokens=tokens, kind=CHECKPOINT,
+              nbytes: int = SIZE, kind: int = CHECKPOINT) -> tierstore_pb2.StateMetadata:
+    return tierstore_pb2.StateMetadata(namespace=ns, tokens=tokens, kind=kind,  # type: ignore[arg-type]
                                        request_class=cls,  # type: ignore[arg-type]
                                        page_hashes=[h(p) for p in pages], nbytes=nbytes)
 
@@ -67,6 +69,11 @@ def where(store: TierStore) -> dict[str, str]:
         tiers = (["ram"] if state.extent is not None else []) + (["disk"] if store._disk and key in store._disk else [])
         out[key.rstrip(b".").decode()] = "+".join(tiers)
     return out
+
+
+def match_hits(store: TierStore, namespace: bytes, pages: list[bytes], tail: bytes | None = None) -> list[Hit]:
+    """Match without anchored candidates: the best hit per tier."""
+    return store.match_anchored(namespace, pages, tail, anchored=False)[0]
 
 
 def read_back(store: TierStore, name: str) -> tuple[bytes, int]:
@@ -112,7 +119,7 @@ def test_refusals(store: TierStore) -> None:
     with pytest.raises(InvalidArgument):
         store.reserve(h("z"), 0)
     with pytest.raises(InvalidArgument):
-        store.match(NS, [b"x" * 15])
+        match_hits(store, NS, [b"x" * 15])
     assert store.reserve(h("huge"), 4 * SIZE) is None  # larger than the arena: room, not an error
     put(store, "a")
     with pytest.raises(AlreadyExists):
@@ -240,12 +247,113 @@ def test_a_spill_that_ranks_below_the_whole_disk_is_dropped(tmp_path: Path, cloc
         put(store, "i2", cls=INTERACTIVE)
         put(store, "a1", cls=AGENT)  # i1 and i2 (interactive, in their TTL) now fill the disk
         assert where(store) == {"i1": "disk", "i2": "disk", "a1": "ram"}
-        assert store.match(NS, [h("a1")])[0].tier == RAM
+        assert match_hits(store, NS, [h("a1")])[0].tier == RAM
         put(store, "a2", cls=AGENT)  # a1 ranks below both disk states: it is dropped, they stay
         assert where(store) == {"i1": "disk", "i2": "disk", "a2": "ram"}
         s = store.stats()
         assert (s.evictions, s.disk_bytes_used) == (1, 2 * SIZE)
-        assert store.match(NS, [h("a1")]) == []
+        assert match_hits(store, NS, [h("a1")]) == []
+        store.check_integrity()
+    finally:
+        store.close()
+
+
+def fill_with_interactive_states(store: TierStore, clock: Clock) -> None:
+    """i1..i4, one second apart: the two oldest spilled to a full disk, the two newest in a full RAM."""
+    for name in ("i1", "i2", "i3", "i4"):
+        put(store, name, cls=INTERACTIVE)
+        clock.t += 1
+    assert where(store) == {"i1": "disk", "i2": "disk", "i3": "ram", "i4": "ram"}  # protected states move down
+
+
+def test_protected_states_refuse_a_same_class_reserve_rather_than_be_dropped(tmp_path: Path, clock: Clock) -> None:
+    store = make_store(tmp_path, clock, ram=2, disk=2, ttl=300)
+    try:
+        fill_with_interactive_states(store, clock)
+        # i3 would have to come down, and the disk could only take it by dropping i1 (in its TTL).
+        assert store.reserve(h("i5"), SIZE, INTERACTIVE) is None
+        assert where(store) == {"i1": "disk", "i2": "disk", "i3": "ram", "i4": "ram"}
+        s = store.stats()
+        assert (s.protected_refusals, s.evictions, s.spills, s.reservations_pending) == (1, 0, 2, 0)
+        text = generate_latest(store_registry(store.stats)).decode()
+        assert "ignis_tierstore_protected_refusals_total 1.0" in text
+        store.check_integrity()
+        clock.t = 1300.5  # i1 (used at 1000) is past its TTL; i2, i3 and i4 are not
+        assert store.reserve(h("i5"), SIZE, INTERACTIVE) is not None
+        assert where(store) == {"i2": "disk", "i3": "disk", "i4": "ram"}
+        assert (store.stats().evictions, store.stats().protected_refusals) == (1, 1)
+        store.check_integrity()
+    finally:
+        store.close()
+
+
+def test_without_a_ttl_the_same_reserve_evicts_the_lru_state(tmp_path: Path, clock: Clock) -> None:
+    store = make_store(tmp_path, clock, ram=2, disk=2, ttl=0)
+    try:
+        fill_with_interactive_states(store, clock)
+        assert store.reserve(h("i5"), SIZE, INTERACTIVE) is not None
+        assert where(store) == {"i2": "disk", "i3": "disk", "i4": "ram"}  # i1 went: the least recent
+        s = store.stats()
+        assert (s.protected_refusals, s.evictions, s.spills) == (0, 1, 3)
+        store.check_integrity()
+    finally:
+        store.close()
+
+
+def test_an_agent_reserve_never_displaces_an_interactive_state(tmp_path: Path, clock: Clock) -> None:
+    store = TierStore(StoreConfig(2 * SIZE, str(tmp_path / "unused"), 0, interactive_ttl=0), clock=clock)
+    try:
+        put(store, "i1", cls=INTERACTIVE)
+        clock.t += 1
+        put(store, "i2", cls=INTERACTIVE)
+        clock.t += 1
+        assert store.reserve(h("a"), SIZE, AGENT) is None  # no disk tier: room only by dropping one
+        assert where(store) == {"i1": "ram", "i2": "ram"}
+        assert (store.stats().protected_refusals, store.stats().evictions) == (1, 0)
+        assert store.reserve(h("x"), SIZE, INTERACTIVE) is not None  # unprotected (no TTL): its own class may
+        assert where(store) == {"i2": "ram"}
+        assert (store.stats().protected_refusals, store.stats().evictions) == (1, 1)
+        store.check_integrity()
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("ttl", [300.0, 0.0])
+def test_a_prefix_in_its_ttl_is_kept_from_an_agent_and_yields_to_an_interactive_reserve(
+        tmp_path: Path, clock: Clock, ttl: float) -> None:
+    store = make_store(tmp_path, clock, ram=1, disk=1, ttl=ttl)
+    try:
+        put(store, "p1", kind=PREFIX)  # agent retained prefixes: the shared heads of two bursts
+        clock.t += 1
+        put(store, "p2", kind=PREFIX)
+        clock.t += 1
+        assert where(store) == {"p1": "disk", "p2": "ram"}
+        agent = store.reserve(h("a"), SIZE, AGENT)  # p2 must come down, and the disk drop p1 for it
+        if ttl:
+            assert agent is None and where(store) == {"p1": "disk", "p2": "ram"}
+            assert (store.stats().protected_refusals, store.stats().evictions) == (1, 0)
+            assert store.reserve(h("x"), SIZE, INTERACTIVE) is not None  # a higher class takes p1's room
+        else:
+            assert agent is not None and store.stats().protected_refusals == 0
+        assert where(store) == {"p2": "disk"}  # the lower ranked p1 went, not p2
+        assert store.stats().evictions == 1
+        store.check_integrity()
+    finally:
+        store.close()
+
+
+def test_a_restore_is_live_work_and_takes_room_in_rank_order(tmp_path: Path, clock: Clock) -> None:
+    store = make_store(tmp_path, clock, ram=1, disk=2, ttl=300)
+    try:
+        for name in ("i1", "i2", "i3"):
+            put(store, name, cls=INTERACTIVE)
+            clock.t += 1
+        assert where(store) == {"i1": "disk", "i2": "disk", "i3": "ram"}
+        assert read_back(store, "i1") == (make_data("i1"), DISK)
+        # i3 came down; the disk dropped i2 (ranked below it) although it is inside its TTL.
+        assert where(store) == {"i1": "ram+disk", "i3": "disk"}
+        s = store.stats()
+        assert (s.protected_refusals, s.evictions, s.restores) == (0, 1, 1)
         store.check_integrity()
     finally:
         store.close()
@@ -270,19 +378,19 @@ def test_without_a_disk_tier_ram_pressure_evicts(tmp_path: Path, clock: Clock) -
 def test_match_longest_per_tier_pages_prefixes_and_tails(store: TierStore, clock: Clock) -> None:
     p = ("p1", "p2", "p3")
     put(store, "p3", pages=p, tokens=48)  # attention-only namespace: every page-aligned prefix is a state
-    hits = store.match(NS, [h(x) for x in ("p1", "p2", "p3", "p4", "p5")])
+    hits = match_hits(store, NS, [h(x) for x in ("p1", "p2", "p3", "p4", "p5")])
     assert [(x.hash, x.state_hash, x.tokens, x.tier) for x in hits] == [(h("p3"), h("p3"), 48, RAM)]
     assert hits[0].extent is not None and hits[0].extent.length == SIZE and hits[0].nbytes == SIZE
     # A prompt that diverges after page 2 still gets the first two pages of the stored state.
-    hits = store.match(NS, [h("p1"), h("p2"), h("q3")])
+    hits = match_hits(store, NS, [h("p1"), h("p2"), h("q3")])
     assert [(x.hash, x.state_hash, x.tokens, x.tier) for x in hits] == [(h("p2"), h("p3"), 32, RAM)]
-    assert store.match(b"O" * 16, [h("p1"), h("p2"), h("p3")]) == []  # another namespace never matches
+    assert match_hits(store, b"O" * 16, [h("p1"), h("p2"), h("p3")]) == []  # another namespace never matches
 
     # A hybrid model's checkpoint ends mid-page, named by its tail hash, and is not sliceable.
     put(store, "tail", ns=NS_HYBRID, pages=("a1", "a2"), tokens=37)
-    hits = store.match(NS_HYBRID, [h("a1"), h("a2")], h("tail"))
+    hits = match_hits(store, NS_HYBRID, [h("a1"), h("a2")], h("tail"))
     assert [(x.hash, x.tokens, x.tier) for x in hits] == [(h("tail"), 37, RAM)]
-    assert store.match(NS_HYBRID, [h("a1"), h("a2")]) == []
+    assert match_hits(store, NS_HYBRID, [h("a1"), h("a2")]) == []
 
     # Per tier: the RAM hit, then a longer disk hit.
     clock.t += 1
@@ -290,16 +398,16 @@ def test_match_longest_per_tier_pages_prefixes_and_tails(store: TierStore, clock
     clock.t += 1
     put(store, "filler")  # spills the least recent: p3
     assert where(store)["p3"] == "disk"
-    hits = store.match(NS, [h(x) for x in ("p1", "p2", "p3")])
+    hits = match_hits(store, NS, [h(x) for x in ("p1", "p2", "p3")])
     assert [(x.hash, x.state_hash, x.tokens, x.tier) for x in hits] == [(h("p1"), h("p1"), 16, RAM),
                                                                      (h("p3"), h("p3"), 48, DISK)]
     assert hits[1].extent is None
     # A page prefix on disk, found through the LMDB page index.
-    hits = store.match(NS, [h("p1"), h("p2"), h("q3")])
+    hits = match_hits(store, NS, [h("p1"), h("p2"), h("q3")])
     assert [(x.hash, x.state_hash, x.tokens, x.tier) for x in hits] == [(h("p1"), h("p1"), 16, RAM),
                                                                      (h("p2"), h("p3"), 32, DISK)]
     # A disk hit no longer than the RAM hit is left out (ties go up).
-    assert [x.tier for x in store.match(NS, [h("p1")])] == [RAM]
+    assert [x.tier for x in match_hits(store, NS, [h("p1")])] == [RAM]
 
 
 def test_anchored_match_lists_states_ending_mid_page_after_a_prompt_page(tmp_path: Path, clock: Clock) -> None:
@@ -337,7 +445,7 @@ def test_drop_while_leased_frees_the_extent_at_release(store: TierStore) -> None
     lease = store.acquire(h("a"))
     assert lease is not None
     assert store.drop(h("a"))
-    assert store.match(NS, [h("a")]) == [] and store.stats().states_ram == 0
+    assert match_hits(store, NS, [h("a")]) == [] and store.stats().states_ram == 0
     assert bytes(store.arena.slice(lease.extent.offset, SIZE)) == data  # still valid for the holder
     assert store.stats().arena_bytes_used == SIZE
     store.check_integrity()
@@ -393,7 +501,7 @@ def test_restart_serves_what_reached_disk(tmp_path: Path, clock: Clock) -> None:
     try:
         s = again.stats()
         assert (s.states_ram, s.states_disk) == (0, 2)  # RAM died with the process; disk survived
-        assert again.match(NS, [h("b")])[0].tier == DISK
+        assert match_hits(again, NS, [h("b")])[0].tier == DISK
         assert read_back(again, "b") == (written["b"], DISK)
         with pytest.raises(FailedPrecondition):  # the registered layout survived too
             again.register(Registration(NS, "m", 16, "layout-b", 1024, 0))
@@ -430,6 +538,6 @@ def test_a_flipped_byte_on_disk_is_dropped_and_counted(store: TierStore, clock: 
     s = store.stats()
     assert (s.checksum_failures, s.restores) == (1, 0)
     assert "a" not in where(store)  # (the restore had already spilled b to make room)
-    assert store.match(NS, [h("a")]) == [] and not blob.exists()
+    assert match_hits(store, NS, [h("a")]) == [] and not blob.exists()
     with pytest.raises(NotFound):
         store.acquire(h("a"))

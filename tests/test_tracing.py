@@ -152,7 +152,8 @@ def test_one_request_is_one_trace_across_the_three_services(tmp_path: Path, tiny
         services.append(store)
         engine = start_engine(tmp_path / "engine", str(tiny_model_dir),
                               ["--served-model-name", MODEL, "--tierstore", store.address,
-                               "--set", "reuse.retained_device=1"], env=env)
+                               "--set", "reuse.retained_device=1", "--set", "reuse.retained_interactive_ttl=0"],
+                              env=env)
         services.append(engine)
         gateway = start_gateway(tmp_path / "gateway", [engine.address], env=env)
         services.append(gateway)

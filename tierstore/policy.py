@@ -1,60 +1,69 @@
-"""The one eviction order across the tiers (DESIGN.md "Tiers and movement").
+"""The tierstore's side of the one eviction order (``common/eviction.py``, the rule the engine uses too).
 
-Lowest rank leaves first:
+``resident`` describes a stored state to that order; ``last_tier_room`` is the one
+decision the last tier makes with it. The store (store.py) applies the rest:
 
-1. class: ``agent`` states before ``interactive`` ones;
-2. protection: unprotected before protected. A state is protected while it is
-   leased (a retained prefix in use by a burst), inside its protect window
-   (``protect_seconds`` after commit), or, for an interactive state, within
-   ``reuse.retained_interactive_ttl`` of its last use;
-3. recency: least recently used first (then by hash, so the order is total).
-
-The same order picks what RAM spills to disk and what disk drops. Leased states
-are ranked (as protected) but never moved: the store skips them.
+- RAM is the staging tier: an incoming state (Reserve, Put, a restore) spills
+  unpinned RAM states to disk in eviction order until it fits; moving down is not
+  displacing, so protection does not stop it. Leased (pinned) states never move.
+- A state that cannot move down (no disk tier, or the disk refuses it) is dropped
+  only when ``may_displace`` allows it for the Reserve/Put's class; otherwise the
+  reservation is refused and counted (``protected_refusals``). A restore is live
+  work, not a newcomer: it drops what cannot move down, in rank order.
+- Disk (the last tier) drops a state for one coming down only when it ranks below
+  the one coming down *and* the Reserve/Put that forced the move may displace it
+  (``last_tier_room``): protection holds all the way down, not only in RAM.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import TypeVar
 
+from common.eviction import EvictionOrder, Resident
 from ignis.v1 import common_pb2
+from tierstore.state import StateInfo
+
+T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """What the policy needs to know about one state."""
-
-    hash: bytes
-    request_class: int  # common_pb2.RequestClass
-    last_used: float  # seconds (time.time()) of commit or the last Acquire/Get
-    protect_until: float = 0.0  # commit time + protect_seconds; 0 = no window
-    leased: bool = False
-
-
-RankKey = tuple[int, int, float, bytes]
+def resident(info: StateInfo, *, last_used: float, protect_until: float, leased: bool) -> Resident:
+    """A stored state as the one order sees it."""
+    return Resident(
+        interactive=info.request_class != common_pb2.REQUEST_CLASS_AGENT,  # UNSPECIFIED counts as interactive
+        last_used=last_used,
+        prefix=info.kind == common_pb2.REUSE_KIND_PREFIX,  # the shared head of a burst: TTL-protected too
+        leased=leased,
+        protect_until=protect_until,
+        tiebreak=info.hash,
+    )
 
 
-class EvictionPolicy:
-    def __init__(self, interactive_ttl: float) -> None:
-        if interactive_ttl < 0:
-            raise ValueError(f"reuse.retained_interactive_ttl must be >= 0, got {interactive_ttl}")
-        self.interactive_ttl = interactive_ttl
+def last_tier_room(order: EvictionOrder, incoming: Resident, held: Iterable[tuple[T, Resident, int]], *,
+                   newcomer_interactive: bool | None, free: int, need: int, now: float) -> list[T] | None:
+    """What the last tier drops, in eviction order, so ``need`` bytes fit beside ``free``; None if they cannot.
 
-    def is_protected(self, c: Candidate, now: float) -> bool:
-        if c.leased or now < c.protect_until:
-            return True
-        return _is_interactive(c.request_class) and now - c.last_used < self.interactive_ttl
+    ``incoming`` is the state coming down; ``held`` is (key, resident, bytes) for
+    each state the tier may drop for it. Only states ranked below ``incoming`` are
+    taken, so the tier keeps the highest-ranked ones. ``newcomer_interactive`` is
+    the class of the Reserve/Put whose arrival forced the move: its loss is that
+    newcomer's doing, so only states it may displace are taken (None: live work,
+    a restore, which takes in rank order alone). None, and nothing to drop, when
+    even all of those would not make room: the incoming state does not fit.
+    """
+    if free >= need:
+        return []
+    bar = order.rank(incoming, now)
 
-    def rank(self, c: Candidate, now: float) -> RankKey:
-        """Sort key: the smallest leaves first."""
-        return (1 if _is_interactive(c.request_class) else 0, 1 if self.is_protected(c, now) else 0,
-                c.last_used, c.hash)
+    def takeable(r: Resident) -> bool:
+        return order.rank(r, now) < bar and (newcomer_interactive is None
+                                             or order.may_displace(r, newcomer_interactive, now))
 
-    def order(self, candidates: Iterable[Candidate], now: float) -> list[Candidate]:
-        """``candidates`` in eviction order: the first one leaves first."""
-        return sorted(candidates, key=lambda c: self.rank(c, now))
-
-
-def _is_interactive(request_class: int) -> bool:
-    return request_class != common_pb2.REQUEST_CLASS_AGENT  # UNSPECIFIED counts as interactive
+    victims = sorted(((order.rank(r, now), key, size) for key, r, size in held if takeable(r)), key=lambda t: t[0])
+    chosen: list[T] = []
+    for _, key, size in victims:
+        chosen.append(key)
+        free += size
+        if free >= need:
+            return chosen
+    return None

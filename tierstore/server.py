@@ -87,7 +87,8 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
         tail = bytes(request.tail_hash) if request.HasField("tail_hash") else None
         hits, candidates = await self._call(context, self.store.match_anchored, bytes(request.namespace),
                                             [bytes(p) for p in request.page_hashes], tail, request.anchored)
-        return tierstore_pb2.MatchResponse(hits=[_hit(h) for h in hits], candidates=[_hit(c) for c in candidates])
+        return tierstore_pb2.MatchResponse(hits=[_hit(h) for h in hits], candidates=[_hit(c) for c in candidates],
+                                           instance_id=self.store.instance_id)
 
     async def Reserve(self, request: tierstore_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> tierstore_pb2.ReserveResponse:
@@ -95,7 +96,7 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
                                   request.request_class, request.protect_seconds)
         if extent is None:
             await self._exhausted(context, request.nbytes)
-        return tierstore_pb2.ReserveResponse(extent=_extent(extent))
+        return tierstore_pb2.ReserveResponse(extent=_extent(extent), instance_id=self.store.instance_id)
 
     async def Commit(self, request: tierstore_pb2.CommitRequest, context: grpc.aio.ServicerContext
                      ) -> tierstore_pb2.CommitResponse:
@@ -109,7 +110,8 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
             await _fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 "no room in the arena to restore the state: every extent is pinned; retry later")
         return tierstore_pb2.AcquireResponse(lease_id=lease.lease_id, extent=_extent(lease.extent),
-                                             metadata=lease.info.to_proto(), from_tier=lease.from_tier)  # type: ignore[arg-type]
+                                             metadata=lease.info.to_proto(), from_tier=lease.from_tier,  # type: ignore[arg-type]
+                                             instance_id=self.store.instance_id)
 
     async def Release(self, request: tierstore_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
                       ) -> tierstore_pb2.ReleaseResponse:

@@ -5,10 +5,13 @@
   the arena is caught before it reaches disk).
 - Acquire pins a state in the arena (restoring it from disk first if needed);
   Release, or the lease running out, unpins it.
-- RAM pressure spills the lowest-ranked unpinned states to disk; disk pressure
-  drops the lowest-ranked states, but only those ranked below the one coming
-  down (policy.py is the one order). ``kv_disk.bytes`` is never exceeded: a
-  spill that cannot fit is dropped and counted as an eviction.
+- RAM pressure spills unpinned states to disk in the one eviction order
+  (common/eviction.py, through policy.py); disk pressure drops only states ranked
+  below the one coming down, and only those the Reserve/Put that forced the move
+  may displace. ``kv_disk.bytes`` is never exceeded. A state that cannot move down
+  is dropped (an eviction) only if that Reserve/Put may displace it; else the
+  reservation is refused and counted (``protected_refusals``): protection changes
+  decisions, not only the order. A restore is live work: rank order alone.
 - A restored state keeps its disk copy (states are immutable), so spilling it
   again only frees its extent.
 
@@ -27,11 +30,12 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from common.eviction import EvictionOrder, Resident
 from ignis.v1 import common_pb2, tierstore_pb2
 from tierstore.arena import Arena, Extent, align_up
 from tierstore.disk import DiskRecord, DiskTier, blob_size
 from tierstore.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
-from tierstore.policy import Candidate, EvictionPolicy
+from tierstore.policy import last_tier_room, resident
 from tierstore.registry import NamespaceRegistry, Registration
 from tierstore.state import StateInfo, check_hash, checksum, normal_class
 
@@ -100,6 +104,7 @@ class StoreStats:
     spills: int
     restores: int
     evictions: int
+    protected_refusals: int  # Reserve/Put refused rather than drop a state they may not displace
 
 
 # ------------------------------------------------------------ internal, mutable
@@ -140,6 +145,7 @@ class _Counters:
     restores: int = 0
     evictions: int = 0
     checksum_failures: int = 0  # at commit/spill/restore; the disk tier counts its own too
+    protected_refusals: int = 0
 
 
 class TierStore:
@@ -148,7 +154,7 @@ class TierStore:
         self.instance_id = uuid.uuid4().hex
         self._clock = clock
         self._lock = threading.Lock()
-        self._policy = EvictionPolicy(config.interactive_ttl)
+        self._order = EvictionOrder(config.interactive_ttl)
         self._disk = DiskTier(config.disk_path, config.disk_bytes) if config.disk_bytes > 0 else None
         self.arena = Arena(config.arena_bytes, instance_id=self.instance_id)
         known: dict[bytes, Registration] = {}
@@ -177,13 +183,10 @@ class TierStore:
             self._registry.register(reg)
         return ArenaInfo(str(self.arena.path), self.arena.size, self.instance_id)
 
-    def match(self, namespace: bytes, page_hashes: Iterable[bytes], tail_hash: bytes | None = None) -> list[Hit]:
-        """The longest state per tier whose tokens prefix the prompt; a lower tier only if longer."""
-        return self.match_anchored(namespace, page_hashes, tail_hash, False)[0]
-
     def match_anchored(self, namespace: bytes, page_hashes: Iterable[bytes], tail_hash: bytes | None = None,
                        anchored: bool = True) -> tuple[list[Hit], list[Hit]]:
-        """`match`, plus (with `anchored`) the states ending mid-page right after one of the pages.
+        """The longest state per tier whose tokens prefix the prompt (a lower tier only if longer);
+        with `anchored`, also the states ending mid-page right after one of the pages.
 
         Those candidates are named by a hash over tokens the store never sees, so the
         caller verifies each by name; longest first, at most MAX_CANDIDATES.
@@ -232,7 +235,7 @@ class TierStore:
             if hash in self._states or hash in self._reservations:
                 what = "stored" if hash in self._states else "reserved"
                 raise AlreadyExists(f"state {hash.hex()} is already {what}")
-            extent = self._make_room(nbytes, now)
+            extent = self._make_room(nbytes, now, newcomer_interactive=request_class != common_pb2.REQUEST_CLASS_AGENT)
             if extent is None:
                 return None
             self._reservations[hash] = _Reservation(extent, nbytes, request_class, protect_seconds,
@@ -360,6 +363,7 @@ class TierStore:
                 checksum_failures=c.checksum_failures + (disk.checksum_failures if disk is not None else 0),
                 leases_active=len(self._leases), reservations_pending=len(self._reservations),
                 spills=c.spills, restores=c.restores, evictions=c.evictions,
+                protected_refusals=c.protected_refusals,
             )
 
     def check_integrity(self) -> None:
@@ -449,12 +453,20 @@ class TierStore:
         return Hit(name, state.info.hash, tokens, RAM if extent is not None else DISK, state.info.kind, extent,
                    state.info.nbytes)
 
-    def _candidate(self, state: _State) -> Candidate:
-        return Candidate(state.info.hash, state.info.request_class, state.last_used, state.protect_until,
-                         state.pinned)
+    def _resident(self, state: _State) -> Resident:
+        return resident(state.info, last_used=state.last_used, protect_until=state.protect_until,
+                        leased=state.pinned)
 
-    def _make_room(self, nbytes: int, now: float) -> Extent | None:
-        """An arena extent, spilling unpinned states in eviction order until one fits."""
+    def _make_room(self, nbytes: int, now: float, *, newcomer_interactive: bool | None = None) -> Extent | None:
+        """An arena extent, moving unpinned states down in eviction order until one fits.
+
+        ``newcomer_interactive`` is the class of an incoming Reserve/Put: a state that
+        cannot move down is dropped only if that newcomer may displace it (and the
+        disk drops only such states to take one coming down); otherwise the newcomer
+        is refused (None, counted), though states already moved down for it stay
+        where they went. None: a restore (live work), which takes in rank order and
+        drops what cannot move down.
+        """
         extent = self.arena.allocate(nbytes)
         if extent is not None:
             return extent
@@ -462,30 +474,42 @@ class TierStore:
         # Spill nothing when even every movable state would not make enough room.
         if self.arena.allocator.free_bytes + sum(s.extent.length for s in movable if s.extent) < align_up(nbytes):
             return None
-        for cand in self._policy.order(map(self._candidate, movable), now):
-            self._spill(self._states[cand.hash], now)
+        for victim in self._order.order(movable, now, resident=self._resident):
+            if not self._move_down(victim, now, newcomer_interactive):
+                if newcomer_interactive is not None and \
+                        not self._order.may_displace(self._resident(victim), newcomer_interactive, now):
+                    self._counters.protected_refusals += 1
+                    log.info("refused %d bytes: state=%s may not be displaced and cannot move down",
+                             nbytes, victim.info.hash.hex())
+                    return None
+                log.info("evicted state=%s bytes=%d (no room below RAM)", victim.info.hash.hex(), victim.info.nbytes)
+                self._counters.evictions += 1
+                self._forget(victim)
             extent = self.arena.allocate(nbytes)
             if extent is not None:
                 return extent
         return None
 
-    def _spill(self, state: _State, now: float) -> None:
-        """Moves a RAM state down to disk; drops it (an eviction) when the disk cannot take it."""
+    def _move_down(self, state: _State, now: float, newcomer_interactive: bool | None) -> bool:
+        """Spills a RAM state to disk; False (nothing changed) when the disk cannot take it.
+
+        True also when the state is gone instead: its arena copy no longer matched its
+        checksum, so it must never reach disk.
+        """
         assert state.extent is not None and not state.pinned
         disk = self._disk
-        if disk is None or not (state.info.hash in disk or self._make_disk_room(state, now)):
-            log.info("evicted state=%s bytes=%d (no room below RAM)", state.info.hash.hex(), state.info.nbytes)
-            self._counters.evictions += 1
-            self._forget(state)
-            return
+        if disk is None:
+            return False
         if state.info.hash not in disk:  # a restored state kept its disk copy: nothing to write
+            if not self._make_disk_room(state, now, newcomer_interactive):
+                return False
             data = self.arena.slice(state.extent.offset, state.info.nbytes)
             try:
                 stored = disk.put(DiskRecord(state.info, state.last_used, state.protect_until), data)
             except DataLoss as exc:  # the arena copy was corrupted after commit: never persist it
                 log.error("%s", exc)
                 self._forget(state)
-                return
+                return True
             finally:
                 data.release()
             assert stored, "the disk had room a moment ago: this is a bug"
@@ -494,35 +518,31 @@ class TierStore:
         state.extent = None
         self._counters.spills += 1
         log.info("spilled state=%s bytes=%d", state.info.hash.hex(), state.info.nbytes)
+        return True
 
-    def _make_disk_room(self, incoming: _State, now: float) -> bool:
-        """Frees disk room for ``incoming`` by dropping only states ranked below it."""
+    def _make_disk_room(self, incoming: _State, now: float, newcomer_interactive: bool | None) -> bool:
+        """Frees disk room for ``incoming`` (policy.last_tier_room); False, nothing dropped, if it cannot."""
         disk = self._disk
         assert disk is not None
         need = blob_size(incoming.info.nbytes)
         if need > disk.budget:
             return False
-        if disk.free_bytes() >= need:
-            return True
-        bar = self._policy.rank(self._candidate(incoming), now)
-        victims = [c for c in self._policy.order(
-            (self._candidate(self._states[r.info.hash]) for r in disk.records()
-             if r.info.hash not in self._busy and r.info.hash != incoming.info.hash), now)
-            if self._policy.rank(c, now) < bar]
-        sizes = {c.hash: blob_size(self._states[c.hash].info.nbytes) for c in victims}
-        if disk.free_bytes() + sum(sizes.values()) < need:
-            return False  # keep everything that outranks the incoming state
-        for c in victims:
-            victim = self._states[c.hash]
+        held = ((self._states[r.info.hash], self._resident(self._states[r.info.hash]), blob_size(r.info.nbytes))
+                for r in disk.records() if r.info.hash not in self._busy and r.info.hash != incoming.info.hash)
+        victims = last_tier_room(self._order, self._resident(incoming), held, newcomer_interactive=newcomer_interactive,
+                                 free=disk.free_bytes(), need=need, now=now)
+        if victims is None:
+            return False  # keep everything that outranks the incoming state or the newcomer may not displace
+        for victim in victims:
             if victim.extent is None:  # its last tier: the state is gone
                 self._counters.evictions += 1
-                log.info("evicted state=%s bytes=%d", c.hash.hex(), victim.info.nbytes)
+                log.info("evicted state=%s bytes=%d", victim.info.hash.hex(), victim.info.nbytes)
                 self._forget(victim)
             else:  # still in RAM: only the disk copy goes
-                disk.remove(c.hash)
-            if disk.free_bytes() >= need:
-                return True
-        raise AssertionError("disk room was counted but not found: this is a bug")
+                disk.remove(victim.info.hash)
+        if disk.free_bytes() < need:
+            raise AssertionError("disk room was counted but not found: this is a bug")
+        return True
 
     def _restore(self, state: _State, now: float) -> bool:
         """Brings a disk state into the arena, checked; False if RAM has no room. DataLoss if the blob is bad."""

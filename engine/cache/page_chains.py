@@ -13,19 +13,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.cache.chain_hash import BlockHash
-from engine.cache.page_pool import PagePool
-from engine.request import RequestClass
+from engine.kv.chain_hash import BlockHash
+from engine.kv.page_pool import PagePool
+from engine.facts import RequestClass, ReuseKind
 from engine.tiers.link import Spillable, TierLink
-from ignis.v1 import common_pb2
-
-_CLASS_PB = {RequestClass.INTERACTIVE: common_pb2.REQUEST_CLASS_INTERACTIVE,
-             RequestClass.AGENT: common_pb2.REQUEST_CLASS_AGENT}
 
 
 @dataclass(frozen=True, slots=True)
 class PageChain:
-    seed: bytes
+    namespace: BlockHash
     hashes: tuple[BlockHash, ...]  # h_1 .. h_k: the chain's name is h_k
     request_class: RequestClass
 
@@ -64,11 +60,11 @@ class PageChains:
             if chain is None:
                 continue
             self._forget(name)
-            pages = [self.pages.lookup(h) for h in chain.hashes]
+            pages = [self.pages.page_for(h) for h in chain.hashes]
             if any(p is None for p in pages):
                 continue  # a page went without passing through here: nothing whole to write
             spilled = self.link.spill(Spillable(
-                name, chain.seed, len(chain.hashes) * self.page_size, "pages", _CLASS_PB[chain.request_class],
+                name, chain.namespace, len(chain.hashes) * self.page_size, ReuseKind.PAGES, chain.request_class,
                 tuple(chain.hashes), None, [p for p in pages if p is not None], None))
             self.spills += int(spilled)
 

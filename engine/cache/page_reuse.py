@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache.chain_hash import common_pages, extend_page_hashes
 from engine.cache.page_chains import PageChain, PageChains
-from engine.cache.page_pool import PagePool
-from engine.cache.reuse import Claim
+from engine.cache.reuse import Claim, DevicePages
 from engine.cache.tier_claims import LowerTierClaims, TieredReuse
-from engine.request import CommitPolicy, Sequence
-from engine.tiers.link import TierHit, TierLink
+from engine.facts import ReuseKind
+from engine.kv.chain_hash import common_pages, extend_page_hashes
+from engine.kv.page_pool import PagePool
+from engine.request import CommitPolicy, EngineSequence
+from engine.tiers.link import TierLink
 
 
 class PageReuse(TieredReuse):
@@ -30,17 +31,19 @@ class PageReuse(TieredReuse):
         super().__init__()
         self.pages = pages
         self.page_size = page_size
-        self.tiers = tiers
         self.lower = LowerTierClaims(tiers, pages, page_size, restore_floor) if tiers is not None else None
         self.chains = PageChains(pages, tiers, page_size) if tiers is not None else None
 
-    def match(self, seq: Sequence) -> Claim | None:
+    def _claimable_pages(self, seq: EngineSequence) -> int:
+        """Full pages a claim may cover: one token of the prompt is always computed."""
+        return (len(seq.token_ids) - 1) // self.page_size
+
+    def match(self, seq: EngineSequence) -> Claim | None:
         if not seq.request.claims_state:
             return None
-        limit = (len(seq.token_ids) - 1) // self.page_size
         matched: list[int] = []
-        for page_hash in seq.page_hashes[:limit]:
-            page = self.pages.lookup(page_hash)
+        for page_hash in seq.page_hashes[:self._claimable_pages(seq)]:
+            page = self.pages.page_for(page_hash)
             if page is None:
                 break
             matched.append(page)
@@ -49,14 +52,18 @@ class PageReuse(TieredReuse):
             return lower
         if not matched:
             return None
-        from_free = sum(1 for p in matched if self.pages.is_free(p))
-        return Claim(len(matched) * self.page_size, "pages", from_free, tuple(matched))
+        return Claim(len(matched) * self.page_size, ReuseKind.PAGES, DevicePages(tuple(matched)))
 
-    def in_flight(self, seq: Sequence, claim: Claim | None, running: list[Sequence]) -> Sequence | None:
+    def device_revived_pages(self, claim: Claim) -> int:
+        assert isinstance(claim.source, DevicePages)
+        return sum(1 for p in claim.source.pages if self.pages.is_free(p))
+
+    def in_flight(self, seq: EngineSequence, claim: Claim | None,
+                  running: list[EngineSequence]) -> EngineSequence | None:
         if not seq.request.claims_state:
             return None
         claimed = (claim.num_tokens if claim else 0) // self.page_size
-        limit = (len(seq.token_ids) - 1) // self.page_size
+        limit = self._claimable_pages(seq)
         for other in running:
             if not other.request.publishes or other.num_computed // self.page_size >= limit:
                 continue
@@ -66,34 +73,28 @@ class PageReuse(TieredReuse):
                 return other
         return None
 
-    def apply(self, seq: Sequence, claim: Claim) -> None:
-        if isinstance(claim.handle, TierHit):
-            assert self.lower is not None
-            if self.lower.apply(seq, claim.handle):
-                seq.num_registered = 0  # restored pages are published again after the next step
-            return
-        pages = list(claim.handle)  # type: ignore[call-overload]
+    def apply_device(self, seq: EngineSequence, claim: Claim) -> None:
+        assert isinstance(claim.source, DevicePages)
+        pages = list(claim.source.pages)
         for page in pages:
             self.pages.revive(page)
-        seq.page_table = pages
-        seq.num_computed = claim.num_tokens
-        seq.num_registered = len(pages)  # revived pages are already published
+        seq.adopt(pages, claim.num_tokens, registered=len(pages))  # revived pages are already published
 
-    def after_compute(self, seq: Sequence, next_logits: torch.Tensor | None) -> None:
+    def after_compute(self, seq: EngineSequence, next_logits: torch.Tensor | None) -> None:
         if not seq.request.publishes:
             return  # bypass and commit=none publish nothing
         limit = seq.num_computed
         if seq.request.commit is CommitPolicy.PREFILL_STATE_ONLY:
             limit = min(limit, seq.num_prompt)
-        full = limit // self.page_size
-        extend_page_hashes(seq.seed, seq.page_hashes, seq.token_ids, limit, self.page_size)  # type: ignore[arg-type]
-        for i in range(seq.num_registered, min(full, len(seq.page_table))):
+        full = min(limit // self.page_size, len(seq.page_table))
+        extend_page_hashes(seq.namespace, seq.page_hashes, seq.token_ids, limit, self.page_size)
+        for i in range(seq.num_registered, full):
             self.pages.register(seq.page_table[i], seq.page_hashes[i])
-        seq.num_registered = max(seq.num_registered, min(full, len(seq.page_table)))
+        seq.mark_registered(full)
 
-    def on_finish(self, seq: Sequence) -> None:
+    def on_finish(self, seq: EngineSequence) -> None:
         if self.chains is not None and seq.request.publishes and seq.num_registered:
-            self.chains.add(PageChain(seq.seed, tuple(seq.page_hashes[:seq.num_registered]),
+            self.chains.add(PageChain(seq.namespace, tuple(seq.page_hashes[:seq.num_registered]),
                                       seq.request.request_class))
 
     def check_integrity(self) -> None:

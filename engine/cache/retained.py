@@ -5,6 +5,11 @@ state and conv taps (a copy in a slot reserved at load), and the KV pages up to
 that position (full pages shared by reference, a partial last page copied).
 It is immutable: a claim copies it into the claimant's own slot and pages.
 
+Which state leaves the device is decided by the one eviction order
+(common/eviction.py): a capture that finds no free slot displaces the lowest-ranked
+state only if the order lets it (a protected state is never displaced by a capture
+of the same or a lower class); otherwise the capture is skipped and counted.
+
 With a tierstore (`tiers`), a state the device evicts is spilled to KV-RAM
 instead of lost, and a lookup also asks the store; a lower-tier state is used
 only if it beats the device match by more than `restore_floor` tokens (ties go up).
@@ -16,40 +21,22 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
+from common.eviction import EvictionOrder
 from common.logs import log_event
-from engine.cache.chain_hash import BlockHash, extend_page_hashes, state_name
-from engine.cache.device_cache import DeviceCache
-from engine.cache.eviction import eviction_key
-from engine.cache.page_pool import PagePool
-from engine.cache.reuse import Claim
+from engine.cache.reuse import Claim, DeviceState
+from engine.cache.retained_state import RetainedState
 from engine.cache.tier_claims import LowerTierClaims, TieredReuse
-from engine.request import CommitPolicy, RequestClass, Sequence
-from engine.tiers.link import Spillable, TierHit, TierLink
-from ignis.v1 import common_pb2
+from engine.facts import RequestClass, ReuseKind
+from engine.kv.chain_hash import BlockHash, extend_page_hashes, state_matches, state_name
+from engine.kv.device_cache import DeviceCache
+from engine.kv.page_pool import PagePool
+from engine.request import CommitPolicy, EngineSequence
+from engine.tiers.link import Spillable, TierLink
 
 log = logging.getLogger("ignis.request")
-_CLASS_PB = {RequestClass.INTERACTIVE: common_pb2.REQUEST_CLASS_INTERACTIVE,
-             RequestClass.AGENT: common_pb2.REQUEST_CLASS_AGENT}
-
-
-@dataclass(eq=False)
-class RetainedState:
-    name: BlockHash
-    anchor: BlockHash  # hash of the last full page at or before the end (the index key)
-    num_tokens: int
-    kind: str  # checkpoint | prefix
-    slot: int
-    pages: list[int]
-    request_class: RequestClass
-    lineage: int | None
-    logits: torch.Tensor | None  # next-token logits at the end (opener checkpoints): a retry prefills nothing
-    last_used: float = field(default_factory=time.monotonic)
-    seed: bytes = b""  # namespace (for the tierstore)
-    page_hashes: tuple[bytes, ...] = ()  # hashes of its full pages (for the tierstore)
 
 
 class RetainedStateReuse(TieredReuse):
@@ -60,7 +47,7 @@ class RetainedStateReuse(TieredReuse):
         self.cache = cache
         self.pages = pages
         self.page_size = cache.page_size
-        self.ttl = interactive_ttl
+        self.order = EvictionOrder(interactive_ttl)
         self.max_per_lineage = max_per_lineage
         self._free_slots = deque(range(first_slot, first_slot + num_slots))
         self.num_slots = num_slots
@@ -68,43 +55,37 @@ class RetainedStateReuse(TieredReuse):
         self._by_anchor: dict[BlockHash, list[RetainedState]] = {}
         self._lineages: dict[int, deque[RetainedState]] = {}
         self._lineage_ids = itertools.count(1)
-        self.tiers = tiers
         self.lower = LowerTierClaims(tiers, pages, self.page_size, restore_floor) if tiers is not None else None
 
     # --- lookup -------------------------------------------------------------
-    def match(self, seq: Sequence) -> Claim | None:
+    def match(self, seq: EngineSequence) -> Claim | None:
         if not seq.request.claims_state:
             return None
         device = self._match_device(seq)
         lower = self.lower.claim(seq, device.num_tokens if device else 0) if self.lower is not None else None
         return lower or device
 
-    def _match_device(self, seq: Sequence) -> Claim | None:
+    def _match_device(self, seq: EngineSequence) -> Claim | None:
         if not self._by_name:
             return None
-        tokens = seq.token_ids
-        n = len(tokens)
+        n = len(seq.token_ids)
         # Longest first: walk page boundaries from the end; states anchored at boundary i end in [iP, (i+1)P).
         for i in range(min(len(seq.page_hashes), n // self.page_size), -1, -1):
-            anchor = seq.page_hashes[i - 1] if i else seq.seed
+            anchor = seq.page_hashes[i - 1] if i else seq.namespace
             best: RetainedState | None = None
-            for state in self._by_anchor.get(anchor, ()):  # type: ignore[call-overload]
+            for state in self._by_anchor.get(anchor, ()):
                 m = state.num_tokens
                 usable = m < n or (m == n and state.logits is not None)
                 if usable and (best is None or m > best.num_tokens) and \
-                        state.name == state_name(seq.seed, seq.page_hashes, tokens, m, self.page_size):  # type: ignore[arg-type]
+                        state_matches(state.name, m, seq.namespace, seq.page_hashes, seq.token_ids, self.page_size):
                     best = state
             if best is not None:
-                return Claim(best.num_tokens, best.kind, 0, best)
+                return Claim(best.num_tokens, best.kind, DeviceState(best))
         return None
 
-    def apply(self, seq: Sequence, claim: Claim) -> None:
-        if isinstance(claim.handle, TierHit):
-            assert self.lower is not None and seq.slot is not None
-            self.lower.apply(seq, claim.handle)
-            return
-        state = claim.handle
-        assert isinstance(state, RetainedState) and seq.slot is not None
+    def apply_device(self, seq: EngineSequence, claim: Claim) -> None:
+        assert isinstance(claim.source, DeviceState) and seq.slot is not None
+        state = claim.source.state
         full = state.num_tokens // self.page_size
         shared = state.pages[:full]
         self.pages.share(shared)
@@ -116,15 +97,13 @@ class RetainedStateReuse(TieredReuse):
             self.cache.kv[got[0]].copy_(self.cache.kv[state.pages[full]])
             table.append(got[0])
         self.cache.copy_slot(state.slot, seq.slot)
-        seq.page_table = table
-        seq.num_computed = state.num_tokens
-        if state.num_tokens == len(seq.token_ids):
-            seq.pending_logits = state.logits
-        if state.kind == "checkpoint":
-            seq.lineage = state.lineage
+        seq.adopt(table, state.num_tokens, state.logits)
+        if state.kind is ReuseKind.CHECKPOINT and state.lineage is not None:
+            seq.join_lineage(state.lineage)
         state.last_used = time.monotonic()
 
-    def in_flight(self, seq: Sequence, claim: Claim | None, running: list[Sequence]) -> Sequence | None:
+    def in_flight(self, seq: EngineSequence, claim: Claim | None,
+                  running: list[EngineSequence]) -> EngineSequence | None:
         if not seq.request.claims_state:
             return None
         claimed = claim.num_tokens if claim else 0
@@ -140,47 +119,50 @@ class RetainedStateReuse(TieredReuse):
                     return other
         return None
 
-    @staticmethod
-    def _pending_captures(seq: Sequence) -> list[int]:
+    def publish_point(self, seq: EngineSequence) -> int:
+        """Where the retained prefix is captured: the stable head rounded down to whole pages."""
+        return seq.request.head_tokens // self.page_size * self.page_size
+
+    def _pending_captures(self, seq: EngineSequence) -> list[int]:
         """Positions at which `seq` will still capture a retained state (see after_compute)."""
         points = []
-        publish = seq.request.publish_point
+        publish = self.publish_point(seq)
         if seq.num_computed < publish < seq.num_prompt:
             points.append(publish)
         if seq.num_computed < seq.num_prompt and seq.num_output == 0:
             points.append(seq.num_prompt)
         return points
 
-    def _shares(self, seq: Sequence, other: Sequence, point: int) -> bool:
+    def _shares(self, seq: EngineSequence, other: EngineSequence, point: int) -> bool:
         """Whether the first `point` tokens of both are the same (same namespace, same tokens)."""
-        full = point // self.page_size
-        if seq.seed != other.seed or (full and seq.page_hashes[full - 1] != other.page_hashes[full - 1]):
+        if seq.namespace != other.namespace:
             return False
-        return seq.token_ids[full * self.page_size:point] == other.token_ids[full * self.page_size:point]
+        theirs = state_name(other.namespace, other.page_hashes, other.token_ids, point, self.page_size)
+        return state_matches(theirs, point, seq.namespace, seq.page_hashes, seq.token_ids, self.page_size)
 
     # --- capture ------------------------------------------------------------
-    def cut_point(self, seq: Sequence) -> int | None:
+    def cut_point(self, seq: EngineSequence) -> int | None:
         if not seq.request.publishes:
             return None
         return min((p for p in self._pending_captures(seq) if p < len(seq.token_ids)), default=None)
 
-    def after_compute(self, seq: Sequence, next_logits: torch.Tensor | None) -> None:
+    def after_compute(self, seq: EngineSequence, next_logits: torch.Tensor | None) -> None:
         if not seq.request.publishes:
             return
         m = seq.num_computed
-        if m == seq.request.publish_point and 0 < m < seq.num_prompt:
-            self._capture(seq, m, "prefix", None)
+        if m == self.publish_point(seq) and 0 < m < seq.num_prompt:
+            self._capture(seq, m, ReuseKind.PREFIX, None)
         elif m == seq.num_prompt and seq.num_output == 0:
-            self._capture(seq, m, "checkpoint", next_logits)
+            self._capture(seq, m, ReuseKind.CHECKPOINT, next_logits)
 
-    def on_finish(self, seq: Sequence) -> None:
+    def on_finish(self, seq: EngineSequence) -> None:
         if seq.request.publishes and seq.request.commit is CommitPolicy.INCLUDING_GENERATED_TOKENS \
                 and seq.num_computed > seq.num_prompt:
-            self._capture(seq, seq.num_computed, "checkpoint", None)
+            self._capture(seq, seq.num_computed, ReuseKind.CHECKPOINT, None)
 
-    def _capture(self, seq: Sequence, m: int, kind: str, logits: torch.Tensor | None) -> None:
-        extend_page_hashes(seq.seed, seq.page_hashes, seq.token_ids, m, self.page_size)  # type: ignore[arg-type]
-        name = state_name(seq.seed, seq.page_hashes, seq.token_ids, m, self.page_size)  # type: ignore[arg-type]
+    def _capture(self, seq: EngineSequence, m: int, kind: ReuseKind, logits: torch.Tensor | None) -> None:
+        extend_page_hashes(seq.namespace, seq.page_hashes, seq.token_ids, m, self.page_size)
+        name = state_name(seq.namespace, seq.page_hashes, seq.token_ids, m, self.page_size)
         existing = self._by_name.get(name)
         if existing is not None:  # a retry or a burst mate: the state is already retained
             existing.last_used = time.monotonic()
@@ -189,9 +171,8 @@ class RetainedStateReuse(TieredReuse):
             return
         if seq.slot is None:
             return
-        now = time.monotonic()
-        if not self._free_slots and not self._evict_for(seq.request.request_class, now):
-            self.counters.slot_skips += 1  # never allocated on the fly
+        if not self._free_slots and not self._displace_for(seq.request.request_class, time.monotonic()):
+            self._capture_below(seq, name, m, kind, logits)  # no device slot it may take: straight down a tier
             return
         full = m // self.page_size
         private: list[int] = []
@@ -202,27 +183,25 @@ class RetainedStateReuse(TieredReuse):
                 return
             private = got
             self.cache.kv[got[0]].copy_(self.cache.kv[seq.page_table[full]])
+        if len(seq.page_hashes) < full:
+            raise RuntimeError("page hashes shorter than the computed state: this is a bug")
         shared = seq.page_table[:full]
         self.pages.share(shared)
         slot = self._free_slots.popleft()
         self.cache.copy_slot(seq.slot, slot)
         lineage = None
-        if kind == "checkpoint":
+        if kind is ReuseKind.CHECKPOINT:
             if seq.lineage is None:
-                seq.lineage = next(self._lineage_ids)
+                seq.join_lineage(next(self._lineage_ids))
             lineage = seq.lineage
-        page_hash_index = full  # anchor: hash after `full` pages
-        if len(seq.page_hashes) < full:
-            raise RuntimeError("page hashes shorter than the computed state: this is a bug")
-        anchor = seq.page_hashes[page_hash_index - 1] if page_hash_index else seq.seed
         state = RetainedState(
-            name=name, anchor=anchor, num_tokens=m, kind=kind, slot=slot, pages=shared + private,  # type: ignore[arg-type]
-            request_class=seq.request.request_class, lineage=lineage,
-            logits=None if logits is None else logits.clone(), last_used=now,
-            seed=seq.seed, page_hashes=tuple(seq.page_hashes[:full]),
+            name=name, anchor=seq.page_hashes[full - 1] if full else seq.namespace, num_tokens=m, kind=kind,
+            slot=slot, pages=shared + private, request_class=seq.request.request_class, lineage=lineage,
+            logits=None if logits is None else logits.clone(), namespace=seq.namespace,
+            page_hashes=tuple(seq.page_hashes[:full]),
         )
         self._by_name[name] = state
-        self._by_anchor.setdefault(anchor, []).append(state)  # type: ignore[arg-type]
+        self._by_anchor.setdefault(state.anchor, []).append(state)
         self.counters.captures += 1
         if lineage is not None:
             chain = self._lineages.setdefault(lineage, deque())
@@ -230,34 +209,57 @@ class RetainedStateReuse(TieredReuse):
             while len(chain) > self.max_per_lineage:  # a conversation keeps its newest two
                 self._drop(chain.popleft())
 
-    # --- eviction -------------------------------------------------------------
-    def _key(self, state: RetainedState, now: float) -> tuple[int, int, float]:
-        return eviction_key(state.request_class, state.last_used, now, self.ttl)
+    def _capture_below(self, seq: EngineSequence, name: BlockHash, m: int, kind: ReuseKind,
+                       logits: torch.Tensor | None) -> None:
+        """Write the state at `m` from the sequence's own slot and pages to the tier below;
+        without one the capture is skipped (never allocated on the fly)."""
+        assert seq.slot is not None
+        full = m // self.page_size
+        spilled = self.tiers is not None and self.tiers.spill(Spillable(
+            name, seq.namespace, m, kind, seq.request.request_class, tuple(seq.page_hashes[:full]), seq.slot,
+            seq.page_table[:-(-m // self.page_size)], logits))
+        if spilled:
+            self.counters.captures_below += 1
+        else:
+            self.counters.slot_skips += 1
 
-    def _evict_for(self, request_class: RequestClass, now: float) -> bool:
-        """Make a slot free for a new capture by evicting a state ranked below it."""
-        newcomer = eviction_key(request_class, now, now, self.ttl)
-        victim = min(self._by_name.values(), key=lambda s: self._key(s, now), default=None)
-        if victim is None or self._key(victim, now) >= newcomer:
+    # --- eviction -------------------------------------------------------------
+    def eviction_order(self, now: float | None = None) -> list[RetainedState]:
+        """Every retained state, the first to leave first."""
+        return self.order.order(self._by_name.values(), time.monotonic() if now is None else now,
+                                RetainedState.resident)
+
+    def _displace_for(self, newcomer: RequestClass, now: float) -> bool:
+        """Free a slot for a new capture by evicting the lowest-ranked state, if the order lets
+        the newcomer displace it; False (skip the capture) otherwise."""
+        ranked = self.eviction_order(now)
+        if not ranked:
+            return False
+        victim = ranked[0]
+        if not self.order.may_displace(victim.resident(), newcomer is RequestClass.INTERACTIVE, now):
+            if self.order.is_protected(victim.resident(), now):
+                self.counters.protected_skips += 1
             return False
         self._evict(victim)
         return True
 
-    def reclaim(self, pages_needed: int) -> bool:
-        now = time.monotonic()
-        while self.pages.num_free < pages_needed and self._by_name:
-            victim = min(self._by_name.values(), key=lambda s: self._key(s, now))
-            self._evict(victim)
+    def reclaim(self, pages_needed: int, keep: Claim | None = None) -> bool:
+        kept = keep.source.state if keep is not None and isinstance(keep.source, DeviceState) else None
+        for victim in self.eviction_order():
+            if self.pages.num_free >= pages_needed:
+                break
+            if victim is not kept:
+                self._evict(victim)
         return self.pages.num_free >= pages_needed
 
     def _evict(self, state: RetainedState) -> None:
         """The device needs the room: move the state down a tier if there is one, then free it."""
         spilled = self.tiers is not None and self.tiers.spill(Spillable(
-            state.name, state.seed, state.num_tokens, state.kind, _CLASS_PB[state.request_class],
+            state.name, state.namespace, state.num_tokens, state.kind, state.request_class,
             state.page_hashes, state.slot, state.pages, state.logits))
         if not spilled:
-            log_event(log, "ignis.request.evicted", hash=state.name.hex(), tokens=state.num_tokens, kind=state.kind,
-                      tier="device")
+            log_event(log, "ignis.request.evicted", hash=state.name.hex(), tokens=state.num_tokens,
+                      kind=state.kind.value, tier="device")
         self._drop(state)
         self.counters.evictions += 1
 
@@ -278,10 +280,6 @@ class RetainedStateReuse(TieredReuse):
         self._free_slots.append(state.slot)
 
     # --- introspection ------------------------------------------------------------
-    @property
-    def states(self) -> list[RetainedState]:
-        return list(self._by_name.values())
-
     def held_pages(self) -> set[int]:
         return {p for s in self._by_name.values() for p in s.pages}
 

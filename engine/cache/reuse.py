@@ -13,8 +13,34 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.outputs import ReuseReport
-from engine.request import Sequence
+from engine.cache.retained_state import RetainedState
+from engine.facts import ReuseKind, ReuseReport, ReuseTier
+from engine.request import EngineSequence
+from engine.tiers.link import TierHit
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePages:
+    """Registered pages on the device, shared page by page (attention-only models)."""
+
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceState:
+    """A retained state on the device (models with recurrent layers)."""
+
+    state: RetainedState
+
+
+@dataclass(frozen=True, slots=True)
+class LowerTier:
+    """A state in KV-RAM or KV-disk, restored through the tierstore."""
+
+    hit: TierHit
+
+
+ClaimSource = DevicePages | DeviceState | LowerTier
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,21 +48,37 @@ class Claim:
     """What a waiting sequence would get from retained state (decided before admission)."""
 
     num_tokens: int  # tokens whose state is copied instead of prefilled
-    kind: str  # pages | checkpoint | prefix
-    revived_free_pages: int  # cached pages taken back off the free list (they count against it)
-    handle: object = None  # strategy-private: matched pages or the retained state
+    kind: ReuseKind
+    source: ClaimSource
+
+    @property
+    def tier(self) -> ReuseTier:
+        return self.source.hit.tier if isinstance(self.source, LowerTier) else ReuseTier.DEVICE
+
+
+def _per_tier() -> dict[ReuseTier, int]:
+    return {tier: 0 for tier in ReuseTier if tier is not ReuseTier.NONE}
 
 
 @dataclass(slots=True)
 class ReuseCounters:
     hits: int = 0
     misses: int = 0
-    reused_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "ram": 0, "disk": 0})
+    reused_tokens: dict[ReuseTier, int] = field(default_factory=_per_tier)
     prefix_reused_tokens: int = 0
-    slot_skips: int = 0
+    slot_skips: int = 0  # captures lost: no slot, no state the newcomer may displace, no tier below took it
+    protected_skips: int = 0  # captures that found the lowest-ranked state protected (not displaced)
+    captures_below: int = 0  # captures written straight to the tier below (no device slot to take)
     inflight_holds: int = 0  # admissions held back while a running sequence computed what they would claim
     captures: int = 0
     evictions: int = 0
+
+    def count_hit(self, seq: EngineSequence, claim: Claim, tier: ReuseTier) -> None:
+        self.hits += 1
+        self.reused_tokens[tier] += claim.num_tokens
+        if claim.kind is ReuseKind.PREFIX:
+            self.prefix_reused_tokens += claim.num_tokens
+        seq.record_reuse(ReuseReport(tier, claim.kind, claim.num_tokens))
 
 
 class PromptReuse(ABC):
@@ -44,14 +86,19 @@ class PromptReuse(ABC):
         self.counters = ReuseCounters()
 
     @abstractmethod
-    def match(self, seq: Sequence) -> Claim | None:
+    def match(self, seq: EngineSequence) -> Claim | None:
         """The best reuse for `seq` now, without side effects."""
 
     @abstractmethod
-    def apply(self, seq: Sequence, claim: Claim) -> None:
+    def apply(self, seq: EngineSequence, claim: Claim) -> None:
         """Copy the claimed state into `seq` (its slot is allocated); sets pages and num_computed."""
 
-    def in_flight(self, seq: Sequence, claim: Claim | None, running: list[Sequence]) -> Sequence | None:
+    def revived_free_pages(self, claim: Claim) -> int:
+        """Pages the claim takes off the free list besides the fresh ones of the prompt's rest."""
+        return 0
+
+    def in_flight(self, seq: EngineSequence, claim: Claim | None,
+                  running: list[EngineSequence]) -> EngineSequence | None:
         """A running sequence now computing state that `seq` would claim beyond `claim`, if any.
 
         Admitting `seq` before that state is published would compute it twice: a swarm's
@@ -60,30 +107,26 @@ class PromptReuse(ABC):
         """
         return None
 
-    def cut_point(self, seq: Sequence) -> int | None:
+    def cut_point(self, seq: EngineSequence) -> int | None:
         """A position the next prefill chunk must end at (to capture state there), if any."""
         return None
 
-    def after_compute(self, seq: Sequence, next_logits: torch.Tensor | None) -> None:
+    def after_compute(self, seq: EngineSequence, next_logits: torch.Tensor | None) -> None:
         """Called after each step that computed tokens of `seq`."""
 
-    def on_finish(self, seq: Sequence) -> None:
+    def on_finish(self, seq: EngineSequence) -> None:
         """Called when `seq` finishes normally, before its pages and slot are released."""
 
-    def reclaim(self, pages_needed: int) -> bool:
-        """Free device pages held by retained state until `pages_needed` are free."""
+    def reclaim(self, pages_needed: int, keep: Claim | None = None) -> bool:
+        """Free device pages held by retained state until `pages_needed` are free (live work
+        comes first), never the state `keep` claims."""
         return False
 
-    def record(self, seq: Sequence, claim: Claim | None) -> None:
+    def record(self, seq: EngineSequence, claim: Claim | None) -> None:
         if claim is None:
             self.counters.misses += 1
-            return
-        self.counters.hits += 1
-        self.counters.reused_tokens["device"] += claim.num_tokens
-        if claim.kind == "prefix":
-            self.counters.prefix_reused_tokens += claim.num_tokens
-        seq.num_cached = claim.num_tokens
-        seq.reuse = ReuseReport("device", claim.kind, claim.num_tokens)
+        else:
+            self.counters.count_hit(seq, claim, ReuseTier.DEVICE)
 
     def held_pages(self) -> set[int]:
         """Pages kept in use by retained state (not by any live sequence)."""
@@ -99,11 +142,11 @@ class PromptReuse(ABC):
 
 
 class NoReuse(PromptReuse):
-    def match(self, seq: Sequence) -> Claim | None:
+    def match(self, seq: EngineSequence) -> Claim | None:
         return None
 
-    def apply(self, seq: Sequence, claim: Claim) -> None:
+    def apply(self, seq: EngineSequence, claim: Claim) -> None:
         raise RuntimeError("NoReuse never claims: this is a bug")
 
-    def record(self, seq: Sequence, claim: Claim | None) -> None:
+    def record(self, seq: EngineSequence, claim: Claim | None) -> None:
         pass

@@ -10,11 +10,12 @@ that fails (gone, corrupt, store down) leaves the sequence cold and counts a mis
 from __future__ import annotations
 
 import time
+from abc import abstractmethod
 
-from engine.cache.page_pool import PagePool
-from engine.cache.reuse import Claim, PromptReuse, ReuseCounters
-from engine.outputs import ReuseReport
-from engine.request import Sequence
+from engine.cache.reuse import Claim, LowerTier, PromptReuse
+from engine.facts import ReuseTier
+from engine.kv.page_pool import PagePool
+from engine.request import EngineSequence
 from engine.tiers.link import TierHit, TierLink
 
 _MEMO_SECONDS = 1.0
@@ -27,84 +28,94 @@ class LowerTierClaims:
         self.page_size = page_size
         self.restore_floor = restore_floor
         self._memo: dict[int, tuple[float, int, TierHit | None]] = {}  # seq_id -> (at, tokens, hit)
-        self._restored: tuple[int, str] | None = None  # (seq_id, tier) of the last apply
+        self._restored: tuple[int, ReuseTier] | None = None  # (seq_id, tier) of the last apply
 
-    def worth_asking(self, seq: Sequence, have: int) -> bool:
+    def worth_asking(self, seq: EngineSequence, have: int) -> bool:
         """Could anything below the device beat a device match of `have` tokens?"""
         return len(seq.token_ids) - have > self.restore_floor
 
-    def claim(self, seq: Sequence, have: int) -> Claim | None:
+    def claim(self, seq: EngineSequence, have: int) -> Claim | None:
         """A claim on a lower-tier state that beats `have` device tokens by the floor, else None."""
         if not self.worth_asking(seq, have):
             return None
-        hit = self._lookup(seq)
+        hit = self._find(seq)
         if hit is None or hit.tokens <= have + self.restore_floor:
             return None
-        # Every page of a restored state is a fresh page: its full pages count against the free
-        # list like revived ones (a partial last page is counted with the rest of the prompt).
-        return Claim(hit.tokens, hit.kind, hit.tokens // self.page_size, hit)
+        return Claim(hit.tokens, hit.kind, LowerTier(hit))
 
-    def _lookup(self, seq: Sequence) -> TierHit | None:
+    def fresh_full_pages(self, claim: Claim) -> int:
+        """Every page of a restored state is a fresh page: its full pages count against the free
+        list like revived ones (a partial last page is counted with the rest of the prompt)."""
+        return claim.num_tokens // self.page_size
+
+    def _find(self, seq: EngineSequence) -> TierHit | None:
         now = time.monotonic()
         memo = self._memo.get(seq.seq_id)
         if memo is not None and now - memo[0] < _MEMO_SECONDS and memo[1] == len(seq.token_ids):
             return memo[2]
-        hit = self.link.lookup(seq.seed, seq.page_hashes, seq.token_ids)
+        hit = self.link.find(seq.namespace, seq.page_hashes, seq.token_ids)
         if len(self._memo) > 1024:
             self._memo = {k: v for k, v in self._memo.items() if now - v[0] < _MEMO_SECONDS}
         self._memo[seq.seq_id] = (now, len(seq.token_ids), hit)
         return hit
 
-    def apply(self, seq: Sequence, hit: TierHit) -> bool:
+    def apply(self, seq: EngineSequence, hit: TierHit) -> bool:
         """Restore `hit` into fresh pages (and the sequence's slot); False leaves `seq` cold."""
         self._memo.pop(seq.seq_id, None)
         self._restored = None
         got = self.pages.allocate(-(-hit.tokens // self.page_size))
         if got is None:
             raise RuntimeError("lower-tier claim admitted without its pages: this is a bug")
-        result = self.link.restore(seq.seed, hit, seq.slot, got)
+        result = self.link.restore(seq.namespace, hit, seq.slot, got)
         if result is None:
             self.pages.release(got)
             return False
         tier, logits = result
-        seq.page_table = got
-        seq.num_computed = hit.tokens
-        if hit.tokens == len(seq.token_ids):
-            seq.pending_logits = logits
+        seq.adopt(got, hit.tokens, logits)  # restored pages are published again after the next step
         self._restored = (seq.seq_id, tier)
         return True
 
-    def record(self, seq: Sequence, claim: Claim, counters: ReuseCounters) -> None:
+    def record(self, seq: EngineSequence, claim: Claim, reuse: PromptReuse) -> None:
         restored, self._restored = self._restored, None
         if restored is None or restored[0] != seq.seq_id:
-            counters.misses += 1  # the restore failed: served cold
+            reuse.counters.misses += 1  # the restore failed: served cold
             return
-        tier = restored[1]
-        counters.hits += 1
-        counters.reused_tokens[tier] += claim.num_tokens
-        if claim.kind == "prefix":
-            counters.prefix_reused_tokens += claim.num_tokens
-        seq.num_cached = claim.num_tokens
-        seq.reuse = ReuseReport(tier, claim.kind, claim.num_tokens)
+        reuse.counters.count_hit(seq, claim, restored[1])
 
 
 class TieredReuse(PromptReuse):
-    """A reuse strategy with an optional tierstore below the device (`lower`)."""
+    """A reuse strategy with an optional tierstore below the device (`lower`): it dispatches
+    lower-tier claims there and device claims to `apply_device`."""
 
     lower: LowerTierClaims | None = None
 
-    def record(self, seq: Sequence, claim: Claim | None) -> None:
-        if claim is not None and isinstance(claim.handle, TierHit):
+    def apply(self, seq: EngineSequence, claim: Claim) -> None:
+        if isinstance(claim.source, LowerTier):
             assert self.lower is not None
-            self.lower.record(seq, claim, self.counters)
+            self.lower.apply(seq, claim.source.hit)
+        else:
+            self.apply_device(seq, claim)
+
+    @abstractmethod
+    def apply_device(self, seq: EngineSequence, claim: Claim) -> None:
+        """Copy a device claim's state into `seq`."""
+
+    def revived_free_pages(self, claim: Claim) -> int:
+        if isinstance(claim.source, LowerTier):
+            assert self.lower is not None
+            return self.lower.fresh_full_pages(claim)
+        return self.device_revived_pages(claim)
+
+    def device_revived_pages(self, claim: Claim) -> int:
+        return 0
+
+    def record(self, seq: EngineSequence, claim: Claim | None) -> None:
+        if claim is not None and isinstance(claim.source, LowerTier):
+            assert self.lower is not None
+            self.lower.record(seq, claim, self)
         else:
             super().record(seq, claim)
 
     @property
-    def restore_floor(self) -> int:
-        return self.lower.restore_floor if self.lower is not None else 0
-
-    @restore_floor.setter
-    def restore_floor(self, tokens: int) -> None:
-        if self.lower is not None:
-            self.lower.restore_floor = tokens
+    def tiers(self) -> TierLink | None:
+        return self.lower.link if self.lower is not None else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.cache.device_cache import DeviceCache
+from engine.kv.device_cache import DeviceCache
 from engine.model.batch import ForwardBatch
 from engine.model.config import SLIDING_ATTENTION, ModelConfig
 from engine.model.layers import RMSNorm, Rotary

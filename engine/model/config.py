@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.kv.device_cache import StateShape
 from engine.model.errors import CheckpointError
 
 FULL_ATTENTION = "full_attention"
@@ -107,6 +108,15 @@ class ModelConfig:
     @property
     def gdn_conv_dim(self) -> int:
         return 2 * self.gdn_key_dim + self.gdn_value_dim
+
+    def state_shape(self) -> StateShape:
+        """What the cache holds per sequence for this model."""
+        return StateShape(
+            attention_layers=self.attention_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            linear_layers=self.linear_layers, linear_value_heads=self.linear_num_value_heads,
+            linear_key_dim=self.linear_key_head_dim, linear_value_dim=self.linear_value_head_dim,
+            conv_dim=self.gdn_conv_dim if self.is_hybrid else 0, conv_kernel=self.linear_conv_kernel,
+        )
 
     def is_moe_layer(self, layer: int) -> bool:
         return (

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.cache.device_cache import DeviceCache
+from engine.kv.device_cache import DeviceCache
 from engine.model.attention import Attention
 from engine.model.batch import ForwardBatch
 from engine.model.config import LINEAR_ATTENTION, ModelConfig

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cache.device_cache import DeviceCache
+from engine.kv.device_cache import DeviceCache
 from engine.model.batch import ForwardBatch, SeqView
 from engine.model.config import ModelConfig
 from engine.model.layers import GatedRMSNorm

@@ -12,10 +12,12 @@ import logging
 import mmap
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import grpc
+from opentelemetry import context as otel_context
 import torch
 
 from common.tracing import ClientTracingInterceptor
@@ -49,6 +51,9 @@ class TierClient:
         self.errors = 0  # calls answered "nothing" because of the store (down, slow, refused)
         self.last_code: grpc.StatusCode | None = None  # status of the last call (None: OK or not sent)
         self._refused: set[bytes] = set()  # namespaces whose Register was refused (layout mismatch)
+        self._registered: set[bytes] = set()  # namespaces registered with the instance mapped now
+        # Release runs off the engine thread: the copy is done, nothing waits for the answer.
+        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="ignis-tier-release")
 
     # --- availability ----------------------------------------------------------------
     @property
@@ -81,6 +86,7 @@ class TierClient:
         self._down = True
         self._retry_at = self._clock() + self.retry_seconds
         self._instance = ""  # whatever comes back may be another instance: register again
+        self._registered.clear()
         if self._channel is not None:
             self._channel.close()
         self._channel = self._stub = None
@@ -112,11 +118,15 @@ class TierClient:
     def ensure(self, namespace: bytes) -> bool:
         """Register `namespace` and (re)map the arena; False if the store is unusable.
 
-        Called before each spill and restore (Register is idempotent and cheap): a restarted
-        store is a new instance with a new arena, and a stale mapping must never be used.
+        Called before each spill and restore; it costs a Register only the first time per
+        store instance. A restarted store is a new instance with a new arena, and a stale
+        mapping must never be used: every Match, Reserve and Acquire reply names its
+        instance (`same_instance`), and one from another instance makes us register again.
         """
         if namespace in self._refused:
             return False
+        if namespace in self._registered and self.arena is not None:
+            return True
         refusals = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
         reply = self._call(lambda s: s.Register(tierstore_pb2.RegisterRequest(
             namespace=namespace, **self._register_fields), timeout=self.timeout),  # type: ignore[arg-type]
@@ -135,7 +145,17 @@ class TierClient:
                 self._mark_down(f"cannot map the arena {reply.arena_path}: {exc}")
                 return False
             self._instance = reply.instance_id
+            self._registered.clear()
+        self._registered.add(namespace)
         return True
+
+    def same_instance(self, instance_id: str) -> bool:
+        """Whether a reply came from the instance whose arena is mapped; if not, the next
+        `ensure` registers again and maps the new arena."""
+        if instance_id == self._instance:
+            return True
+        self._registered.clear()
+        return False
 
     def _map(self, path: str, size: int) -> None:
         self._unmap()
@@ -179,13 +199,15 @@ class TierClient:
         if tail_hash is not None:
             request.tail_hash = tail_hash
         reply = self._call(lambda s: s.Match(request, timeout=self.timeout))
-        return (list(reply.hits), list(reply.candidates)) if reply is not None else ([], [])
+        if reply is None:
+            return [], []
+        self.same_instance(reply.instance_id)
+        return list(reply.hits), list(reply.candidates)
 
-    def reserve(self, hash: bytes, nbytes: int, request_class: int) -> tierstore_pb2.Extent | None:
-        reply = self._call(lambda s: s.Reserve(tierstore_pb2.ReserveRequest(
+    def reserve(self, hash: bytes, nbytes: int, request_class: int) -> tierstore_pb2.ReserveResponse | None:
+        return self._call(lambda s: s.Reserve(tierstore_pb2.ReserveRequest(
             hash=hash, nbytes=nbytes, request_class=request_class), timeout=self.timeout),  # type: ignore[arg-type]
             quiet=(grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED))
-        return reply.extent if reply is not None else None
 
     def commit(self, hash: bytes, metadata: tierstore_pb2.StateMetadata) -> bool:
         reply = self._call(lambda s: s.Commit(tierstore_pb2.CommitRequest(hash=hash, metadata=metadata),
@@ -201,10 +223,25 @@ class TierClient:
             quiet=(grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED))
 
     def release(self, lease_id: int) -> None:
-        self._call(lambda s: s.Release(tierstore_pb2.ReleaseRequest(lease_id=lease_id), timeout=self.timeout),
-                   quiet=(grpc.StatusCode.NOT_FOUND,))
+        """Unpin a lease in the background; if the call fails the lease simply expires."""
+        stub = self._stub
+        if stub is None:
+            return
+        parent = otel_context.get_current()
+
+        def send() -> None:
+            token = otel_context.attach(parent)  # the Release span joins the caller's trace
+            try:
+                stub.Release(tierstore_pb2.ReleaseRequest(lease_id=lease_id), timeout=self.timeout)
+            except grpc.RpcError:
+                pass
+            finally:
+                otel_context.detach(token)
+
+        self._releaser.submit(send)
 
     def close(self) -> None:
+        self._releaser.shutdown(wait=True)
         self._unmap()
         if self._channel is not None:
             self._channel.close()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.device_cache import DeviceCache
+from engine.kv.device_cache import DeviceCache
 
 _ALIGN = 64
 

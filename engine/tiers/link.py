@@ -17,27 +17,24 @@ import xxhash
 from opentelemetry import trace
 
 from common.logs import log_event
-from engine.cache.chain_hash import BlockHash, state_name
+from engine.facts import RequestClass, ReuseKind, ReuseTier
+from engine.kv.chain_hash import BlockHash, state_matches, state_name
+from engine.proto_convert import request_class_pb, reuse_kind, reuse_kind_pb, reuse_tier
 from engine.tiers.client import TierClient
 from engine.tiers.codec import StateCodec
-from ignis.v1 import common_pb2, tierstore_pb2
+from ignis.v1 import tierstore_pb2
 
 log = logging.getLogger("ignis.request")
-
-_KINDS = {"checkpoint": common_pb2.REUSE_KIND_CHECKPOINT, "prefix": common_pb2.REUSE_KIND_PREFIX,
-          "pages": common_pb2.REUSE_KIND_PAGES}
-_KIND_NAMES = {v: k for k, v in _KINDS.items()}
-_TIERS = {common_pb2.REUSE_TIER_RAM: "ram", common_pb2.REUSE_TIER_DISK: "disk"}
 
 
 @dataclass(frozen=True, slots=True)
 class TierHit:
-    """A usable state in a lower tier (the handle of a Claim)."""
+    """A usable state in a lower tier (the source of a lower-tier Claim)."""
 
     state_hash: bytes
     tokens: int
-    kind: str
-    tier: str  # where Match saw it; Acquire's from_tier is what gets reported
+    kind: ReuseKind
+    tier: ReuseTier  # where Match saw it; Acquire's from_tier is what gets reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,11 +42,11 @@ class Spillable:
     """What a spill needs of a retained state (kept free of engine.cache imports)."""
 
     name: BlockHash
-    seed: bytes
+    namespace: BlockHash
     tokens: int
-    kind: str
-    request_class: int  # common_pb2.RequestClass
-    page_hashes: tuple[bytes, ...]
+    kind: ReuseKind
+    request_class: RequestClass
+    page_hashes: tuple[BlockHash, ...]
     slot: int | None  # None: an attention-only model (no recurrent state)
     pages: list[int]
     logits: torch.Tensor | None
@@ -73,21 +70,26 @@ class TierLink:
         # One trace per spill (it belongs to no request): Register, Reserve and Commit are its children.
         with trace.get_tracer("ignis.engine").start_as_current_span(
                 "engine.spill", attributes={"ignis.hash": s.name.hex(), "ignis.tokens": s.tokens,
-                                            "ignis.kind": s.kind}) as span:
+                                            "ignis.kind": s.kind.value}) as span:
             spilled = self._spill(s)
             span.set_attribute("ignis.spilled", spilled)
             return spilled
 
     def _spill(self, s: Spillable) -> bool:
-        if not self.client.ensure(s.seed):
+        if not self.client.ensure(s.namespace):
             return False
         started = time.perf_counter()
         nbytes = self.codec.nbytes(s.tokens, s.logits is not None)
-        extent = self.client.reserve(s.name, nbytes, s.request_class)
-        if extent is None:
+        reserved = self.client.reserve(s.name, nbytes, request_class_pb(s.request_class))
+        if reserved is None:
             if self.client.last_code is grpc.StatusCode.ALREADY_EXISTS:
                 return True  # states are immutable: the store already holds this one
             self.spill_failures += 1  # no room, or the store is down
+            return False
+        extent = reserved.extent
+        if not self.client.same_instance(reserved.instance_id) and not self.client.ensure(s.namespace):
+            self.client.drop(s.name)  # the store restarted under us and cannot be mapped
+            self.spill_failures += 1
             return False
         arena = self.client.arena
         assert arena is not None
@@ -95,19 +97,20 @@ class TierLink:
         # Our own checksum: Commit rejects it if the bytes landed in a stale mapping (store restarted).
         digest = xxhash.xxh3_128_digest(self.client.arena_bytes(extent.offset, nbytes))
         meta = tierstore_pb2.StateMetadata(
-            namespace=s.seed, tokens=s.tokens, kind=_KINDS[s.kind], request_class=s.request_class,  # type: ignore[arg-type]
-            page_hashes=s.page_hashes, checksum=digest, nbytes=nbytes)
+            namespace=s.namespace, tokens=s.tokens, kind=reuse_kind_pb(s.kind),
+            request_class=request_class_pb(s.request_class), page_hashes=s.page_hashes, checksum=digest,
+            nbytes=nbytes)
         if not self.client.commit(s.name, meta):
             self.client.drop(s.name)  # abandon the reservation
             self.spill_failures += 1
             return False
         self.spills += 1
-        log_event(log, "ignis.request.spilled", hash=s.name.hex(), tokens=s.tokens, kind=s.kind, tier="ram",
+        log_event(log, "ignis.request.spilled", hash=s.name.hex(), tokens=s.tokens, kind=s.kind.value, tier="ram",
                   bytes=nbytes, ms=round((time.perf_counter() - started) * 1000, 3))
         return True
 
     # --- lookup --------------------------------------------------------------------------
-    def lookup(self, seed: bytes, page_hashes: list[BlockHash], tokens: list[int]) -> TierHit | None:
+    def find(self, namespace: BlockHash, page_hashes: list[BlockHash], tokens: list[int]) -> TierHit | None:
         """The longest usable state below the device for this prompt.
 
         Match resolves page-aligned names and the whole prompt's name (the tail); states
@@ -122,8 +125,8 @@ class TierLink:
         pages = list(page_hashes[:full])
         tail = None
         if n % self.page_size and len(page_hashes) >= n // self.page_size:
-            tail = state_name(seed, page_hashes, tokens, n, self.page_size)  # type: ignore[arg-type]
-        hits, candidates = self.client.match(seed, pages, tail)
+            tail = state_name(namespace, page_hashes, tokens, n, self.page_size)
+        hits, candidates = self.client.match(namespace, pages, tail)
         best: tierstore_pb2.MatchHit | None = None
         for hit in hits:
             if self._usable(hit, n) and (best is None or hit.tokens > best.tokens):
@@ -131,34 +134,33 @@ class TierLink:
         if best is None and hits and (tail is not None or pages):
             # The longest hit is the whole prompt without its logits: ask again one step shorter.
             shorter = pages if tail is not None else pages[:-1]
-            retry, _ = self.client.match(seed, shorter, None)
+            retry, _ = self.client.match(namespace, shorter, None)
             best = max((h for h in retry if self._usable(h, n)), key=lambda h: h.tokens, default=None)
         for c in candidates:  # longest first
             if best is not None and c.tokens <= best.tokens:
                 break
             m = c.tokens
-            if self._usable(c, n) and m // self.page_size <= len(page_hashes) and \
-                    bytes(c.hash) == state_name(seed, page_hashes, tokens, m, self.page_size):  # type: ignore[arg-type]
+            if self._usable(c, n) and state_matches(bytes(c.hash), m, namespace, page_hashes, tokens, self.page_size):
                 best = c
                 break
         if best is None:
             return None
-        return TierHit(bytes(best.state_hash or best.hash), best.tokens, _KIND_NAMES.get(best.kind, "checkpoint"),
-                       _TIERS.get(best.tier, "ram"))
+        return TierHit(bytes(best.state_hash or best.hash), best.tokens,
+                       reuse_kind(best.kind, ReuseKind.CHECKPOINT), reuse_tier(best.tier, ReuseTier.RAM))
 
     def _usable(self, hit: tierstore_pb2.MatchHit, n: int) -> bool:
         """A state ending before the prompt's end, or at it with its next-token logits stored."""
         return hit.tokens < n or (hit.tokens == n and self.codec.has_logits(hit.tokens, hit.nbytes))
 
     # --- up ------------------------------------------------------------------------------
-    def restore(self, seed: bytes, hit: TierHit, slot: int | None, pages: list[int]
-                ) -> tuple[str, torch.Tensor | None] | None:
+    def restore(self, namespace: BlockHash, hit: TierHit, slot: int | None, pages: list[int]
+                ) -> tuple[ReuseTier, torch.Tensor | None] | None:
         """Copy a stored state into `slot` and `pages`; (from tier, logits) or None if it failed.
 
         A hit of kind `pages` may be a page-aligned prefix of a longer attention-only
         state: its first len(pages) pages are copied (the whole blob is still checksummed).
         """
-        if not self.client.ensure(seed):
+        if not self.client.ensure(namespace):
             self.restore_failures += 1
             return None
         started = time.perf_counter()
@@ -166,21 +168,24 @@ class TierLink:
         if lease is None:
             self.restore_failures += 1
             return None
+        if not self.client.same_instance(lease.instance_id) and not self.client.ensure(namespace):
+            self.restore_failures += 1  # the store restarted under us and cannot be mapped
+            return None
         try:
             meta, ext = lease.metadata, lease.extent
             arena = self.client.arena
-            sliced = hit.kind == "pages" and hit.tokens <= meta.tokens and hit.tokens % self.page_size == 0
+            sliced = hit.kind is ReuseKind.PAGES and hit.tokens <= meta.tokens and hit.tokens % self.page_size == 0
             if (meta.tokens != hit.tokens and not sliced) or ext.length < meta.nbytes or arena is None or \
                     xxhash.xxh3_128_digest(self.client.arena_bytes(ext.offset, meta.nbytes)) != meta.checksum:
                 self.restore_failures += 1
                 log_event(log, "ignis.request.restore_rejected", logging.WARNING, hash=hit.state_hash.hex(),
-                          tokens=hit.tokens, kind=hit.kind, reason="metadata or checksum mismatch")
+                          tokens=hit.tokens, kind=hit.kind.value, reason="metadata or checksum mismatch")
                 return None
             logits = self.codec.unpack(arena, ext.offset, meta.tokens, meta.nbytes, slot, pages)
         finally:
             self.client.release(lease.lease_id)
-        tier = _TIERS.get(lease.from_tier, "ram")
+        tier = reuse_tier(lease.from_tier, ReuseTier.RAM)
         self.restores += 1
-        log_event(log, "ignis.request.restored", hash=hit.state_hash.hex(), tokens=hit.tokens, kind=hit.kind,
-                  tier=tier, bytes=meta.nbytes, ms=round((time.perf_counter() - started) * 1000, 3))
+        log_event(log, "ignis.request.restored", hash=hit.state_hash.hex(), tokens=hit.tokens, kind=hit.kind.value,
+                  tier=tier.value, bytes=meta.nbytes, ms=round((time.perf_counter() - started) * 1000, 3))
         return tier, logits

@@ -4,8 +4,9 @@
     h_i = xxh3_128(h_{i-1} || tokens of page i as little-endian uint32 || media digests)
     a state ending at n is named h_{n/P} when n is page-aligned, else xxh3_128(h_{n//P} || tail tokens)
 
-The namespace covers everything that makes state incompatible: model identity,
-adapter, KV dtype, page size, and the tenant's cache_salt.
+The namespace covers everything that makes state incompatible: model identity
+(config and weights), KV dtype, page size, and the tenant's cache_salt. (No LoRA
+adapters are served; when they are, the adapter's identity joins the namespace.)
 """
 
 from __future__ import annotations
@@ -23,15 +24,14 @@ BlockHash = NewType("BlockHash", bytes)  # always 16 bytes; never an int, never 
 @dataclass(frozen=True, slots=True)
 class Namespace:
     model_fingerprint: bytes
-    adapter: str
     kv_dtype: str
     page_size: int
     cache_salt: str = ""
 
-    def seed(self) -> BlockHash:
-        payload = json.dumps(
-            [self.model_fingerprint.hex(), self.adapter, self.kv_dtype, self.page_size, self.cache_salt]
-        ).encode()
+    def digest(self) -> BlockHash:
+        """h0, the root of every chain in this namespace."""
+        payload = json.dumps([self.model_fingerprint.hex(), self.kv_dtype, self.page_size, self.cache_salt],
+                             ensure_ascii=False).encode("utf-8", "surrogatepass")
         return BlockHash(xxhash.xxh3_128_digest(payload))
 
 
@@ -49,12 +49,12 @@ def chain(parent: BlockHash, page_tokens: bytes, media: bytes = b"") -> BlockHas
     return BlockHash(xxhash.xxh3_128_digest(parent + page_tokens + media))
 
 
-def page_hashes(seed: BlockHash, tokens: Sequence[int], page_size: int, start: int = 0,
+def page_hashes(namespace: BlockHash, tokens: Sequence[int], page_size: int, start: int = 0,
                 parent: BlockHash | None = None) -> list[BlockHash]:
     """Hashes of the full pages of `tokens` from page index `start` on (parent = hash before it)."""
     raw = token_bytes(tokens)
     width = 4 * page_size
-    h = seed if parent is None else parent
+    h = namespace if parent is None else parent
     out = []
     for i in range(start, len(tokens) // page_size):
         h = chain(h, raw[i * width : (i + 1) * width])
@@ -62,13 +62,13 @@ def page_hashes(seed: BlockHash, tokens: Sequence[int], page_size: int, start: i
     return out
 
 
-def extend_page_hashes(seed: BlockHash, hashes: list[BlockHash], tokens: Sequence[int], num_tokens: int,
+def extend_page_hashes(namespace: BlockHash, hashes: list[BlockHash], tokens: Sequence[int], num_tokens: int,
                        page_size: int) -> None:
     """Grow `hashes` in place to cover the full pages of tokens[:num_tokens] (generated tokens)."""
     full = num_tokens // page_size
     have = len(hashes)
     if full > have:
-        hashes.extend(page_hashes(seed, tokens[: full * page_size], page_size, start=have,
+        hashes.extend(page_hashes(namespace, tokens[: full * page_size], page_size, start=have,
                                   parent=hashes[-1] if have else None))
 
 
@@ -85,11 +85,20 @@ def common_pages(a: Sequence[BlockHash], b: Sequence[BlockHash], limit: int) -> 
     return lo
 
 
-def state_name(seed: BlockHash, hashes: Sequence[BlockHash], tokens: Sequence[int], n: int,
+def state_name(namespace: BlockHash, hashes: Sequence[BlockHash], tokens: Sequence[int], n: int,
                page_size: int) -> BlockHash:
     """The name of the state after the first n tokens, given the page hashes of `tokens`."""
     full = n // page_size
-    base = seed if full == 0 else hashes[full - 1]
+    base = namespace if full == 0 else hashes[full - 1]
     if n % page_size == 0:
         return base
     return BlockHash(xxhash.xxh3_128_digest(base + token_bytes(tokens[full * page_size : n])))
+
+
+def state_matches(name: bytes, num_tokens: int, namespace: BlockHash, hashes: Sequence[BlockHash],
+                  tokens: Sequence[int], page_size: int) -> bool:
+    """Whether a state of `num_tokens` named `name` is the state of these tokens' first
+    `num_tokens`: the one test before any retained state is claimed."""
+    if num_tokens > len(tokens) or num_tokens // page_size > len(hashes):
+        return False
+    return name == state_name(namespace, hashes, tokens, num_tokens, page_size)

@@ -1,9 +1,12 @@
-"""Between the gRPC messages and the engine's own records."""
+"""Between the protobuf messages and enums and the engine's own records: the one
+place engine code converts either way (the tier link and the gRPC servicer both
+use it)."""
 
 from __future__ import annotations
 
+from engine.facts import RequestClass, ReuseKind, ReuseTier
 from engine.outputs import RequestUpdate, TokenLogprob
-from engine.request import CommitPolicy, FinishReason, RequestClass
+from engine.request import CommitPolicy, FinishReason
 from engine.sampling.params import SamplingParams
 from engine.text.tokenizer import Tokenizer
 from ignis.v1 import common_pb2, engine_pb2
@@ -14,14 +17,40 @@ _FINISH = {
     FinishReason.LENGTH: engine_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: engine_pb2.FINISH_REASON_ABORT,
 }
-_TIERS = {"none": common_pb2.REUSE_TIER_NONE, "device": common_pb2.REUSE_TIER_DEVICE,
-          "ram": common_pb2.REUSE_TIER_RAM, "disk": common_pb2.REUSE_TIER_DISK}
-_KINDS = {"none": common_pb2.REUSE_KIND_NONE, "checkpoint": common_pb2.REUSE_KIND_CHECKPOINT,
-          "prefix": common_pb2.REUSE_KIND_PREFIX, "pages": common_pb2.REUSE_KIND_PAGES}
+_CLASS_PB = {RequestClass.INTERACTIVE: common_pb2.REQUEST_CLASS_INTERACTIVE,
+             RequestClass.AGENT: common_pb2.REQUEST_CLASS_AGENT}
+_TIER_PB = {ReuseTier.NONE: common_pb2.REUSE_TIER_NONE, ReuseTier.DEVICE: common_pb2.REUSE_TIER_DEVICE,
+            ReuseTier.HOST: common_pb2.REUSE_TIER_HOST, ReuseTier.RAM: common_pb2.REUSE_TIER_RAM,
+            ReuseTier.DISK: common_pb2.REUSE_TIER_DISK}
+_KIND_PB = {ReuseKind.NONE: common_pb2.REUSE_KIND_NONE, ReuseKind.CHECKPOINT: common_pb2.REUSE_KIND_CHECKPOINT,
+            ReuseKind.PREFIX: common_pb2.REUSE_KIND_PREFIX, ReuseKind.PAGES: common_pb2.REUSE_KIND_PAGES}
+_TIER_FROM_PB = {v: k for k, v in _TIER_PB.items()}
+_KIND_FROM_PB = {v: k for k, v in _KIND_PB.items()}
 
 
 def request_class(value: int) -> RequestClass:
+    """UNSPECIFIED (and anything unknown) is interactive."""
     return RequestClass.AGENT if value == common_pb2.REQUEST_CLASS_AGENT else RequestClass.INTERACTIVE
+
+
+def request_class_pb(value: RequestClass) -> common_pb2.RequestClass:
+    return _CLASS_PB[value]
+
+
+def reuse_tier_pb(tier: ReuseTier) -> common_pb2.ReuseTier:
+    return _TIER_PB[tier]
+
+
+def reuse_tier(value: int, default: ReuseTier = ReuseTier.NONE) -> ReuseTier:
+    return _TIER_FROM_PB.get(value, default)  # type: ignore[call-overload]
+
+
+def reuse_kind_pb(kind: ReuseKind) -> common_pb2.ReuseKind:
+    return _KIND_PB[kind]
+
+
+def reuse_kind(value: int, default: ReuseKind = ReuseKind.NONE) -> ReuseKind:
+    return _KIND_FROM_PB.get(value, default)  # type: ignore[call-overload]
 
 
 def commit_policy(value: int) -> CommitPolicy:
@@ -97,7 +126,7 @@ def update_messages(tokenizer: Tokenizer, update: RequestUpdate, prompt_ids: tup
         out[-1].usage.CopyFrom(engine_pb2.Usage(
             prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
             cached_tokens=u.cached_tokens, time_to_first_token_ms=u.time_to_first_token_ms,
-            reuse=engine_pb2.ReuseInfo(tier=_TIERS[u.reuse.tier], kind=_KINDS[u.reuse.kind],
+            reuse=engine_pb2.ReuseInfo(tier=reuse_tier_pb(u.reuse.tier), kind=reuse_kind_pb(u.reuse.kind),
                                        reused_tokens=u.reuse.reused_tokens),
         ))
     if out and prompt_ids is not None:

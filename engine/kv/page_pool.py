@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from engine.cache.chain_hash import BlockHash
+from engine.kv.chain_hash import BlockHash
 
 
 class PagePool:
@@ -20,7 +20,10 @@ class PagePool:
             raise ValueError(f"a page pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         self._refcount = [0] * num_pages
+        # Every free page, least recently freed first; `_blank` is the subset holding no findable
+        # content, handed out before any cached page is given up.
         self._free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages))
+        self._blank: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages))
         # Content-addressed pages: a full page whose KV is known to be the state of its
         # hash chain. Stays findable while free, until allocate() hands it out fresh.
         self._hash_of: dict[int, BlockHash] = {}
@@ -50,12 +53,17 @@ class PagePool:
         return n <= len(self._free)
 
     def allocate(self, n: int) -> list[int] | None:
-        """n fresh pages with refcount 1, or None when the pool cannot supply them."""
+        """n fresh pages with refcount 1, or None when the pool cannot supply them. Blank pages
+        go first; then cached ones, least recently freed first (their content is lost)."""
         if n > len(self._free):
             return None
         pages = []
         for _ in range(n):
-            page, _ = self._free.popitem(last=False)
+            if self._blank:
+                page, _ = self._blank.popitem(last=False)
+                del self._free[page]
+            else:
+                page, _ = self._free.popitem(last=False)
             page_hash = self._hash_of.get(page)
             if page_hash is not None and self.on_evict is not None:
                 self.on_evict(page, page_hash)
@@ -74,7 +82,7 @@ class PagePool:
         self._hash_of[page] = page_hash
         self._page_of[page_hash] = page
 
-    def lookup(self, page_hash: BlockHash) -> int | None:
+    def page_for(self, page_hash: BlockHash) -> int | None:
         return self._page_of.get(page_hash)
 
     def is_free(self, page: int) -> bool:
@@ -103,7 +111,9 @@ class PagePool:
             self._refcount[page] += 1
 
     def release(self, pages: list[int]) -> None:
-        for page in pages:
+        """Drop one reference to each page. A page table is freed tail first, so under pressure a
+        chain loses its last pages before its first ones (a lookup stops at the first miss)."""
+        for page in reversed(pages):
             count = self._refcount[page]
             if count <= 0:
                 raise RuntimeError(f"double free of page {page}: this is a bug")
@@ -112,6 +122,8 @@ class PagePool:
                 self._free[page] = None
                 if page in self._hash_of:
                     self._num_cached_free += 1
+                else:
+                    self._blank[page] = None
 
     def check_integrity(self) -> None:
         in_use = sum(1 for c in self._refcount if c > 0)
@@ -125,6 +137,8 @@ class PagePool:
         if len(self._hash_of) != len(self._page_of):
             raise AssertionError("page hash index is not a bijection")
         cached_free = sum(1 for p in self._free if p in self._hash_of)
+        if set(self._blank) != {p for p in self._free if p not in self._hash_of}:
+            raise AssertionError("blank free list out of step with the free pages")
         if cached_free != self._num_cached_free:
             raise AssertionError(f"cached free pages {cached_free} != counter {self._num_cached_free}")
 

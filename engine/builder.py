@@ -1,0 +1,77 @@
+"""Wiring: from an EngineConfig and a loaded model to the device cache, its pools,
+the reuse strategy and the tier link below it. Nothing here runs per step."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from engine.cache.page_reuse import PageReuse
+from engine.cache.retained import RetainedStateReuse
+from engine.cache.reuse import NoReuse, PromptReuse
+from engine.config import EngineConfig
+from engine.kv.device_cache import CacheGeometry, DeviceCache
+from engine.kv.page_pool import PagePool, SlotPool
+from engine.model.loader import LoadedModel
+from engine.tiers.client import TierClient
+from engine.tiers.codec import StateCodec
+from engine.tiers.link import TierLink
+
+log = logging.getLogger("ignis.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineParts:
+    cache: DeviceCache
+    pages: PagePool
+    slots: SlotPool | None  # live sequences' state slots (models with recurrent layers)
+    reuse: PromptReuse
+    tiers: TierLink | None
+    max_model_len: int
+
+
+def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
+    model_cfg = loaded.config
+    shape = model_cfg.state_shape()
+    dtype = loaded.model.dtype
+    page_bytes = shape.kv_bytes_per_page(config.page_size, dtype)
+    num_pages = max(1, config.kv_cache_bytes // page_bytes) if page_bytes else 1
+    recurrent = shape.has_recurrent_state
+    live_slots = config.max_num_seqs + 1 if recurrent else 0
+    retained_slots = config.retained_device if recurrent and config.reuse_prompt else 0
+    num_slots = live_slots + retained_slots
+    cache = DeviceCache(shape, CacheGeometry(config.page_size, num_pages, num_slots, dtype), loaded.model.device)
+    pages = PagePool(num_pages)
+    tiers = _tier_link(loaded, config, cache) if config.reuse_prompt else None
+    reuse: PromptReuse
+    if not config.reuse_prompt:
+        reuse = NoReuse()
+    elif recurrent:
+        reuse = RetainedStateReuse(cache, pages, live_slots, retained_slots, config.retained_interactive_ttl,
+                                   tiers=tiers, restore_floor=config.restore_floor)
+    else:
+        reuse = PageReuse(pages, config.page_size, tiers=tiers, restore_floor=config.restore_floor)
+    capacity = num_pages * config.page_size
+    limit = config.max_model_len or model_cfg.max_position_embeddings
+    max_model_len = min(limit, model_cfg.max_position_embeddings, capacity)
+    log.info(
+        "cache: %d pages x %d tokens (%.1f MiB), %d state slots (%.1f MiB); max_model_len %d",
+        num_pages, config.page_size, num_pages * page_bytes / 2**20, num_slots,
+        num_slots * shape.state_bytes_per_slot(dtype) / 2**20, max_model_len,
+    )
+    return EngineParts(cache, pages, SlotPool(live_slots) if recurrent else None, reuse, tiers, max_model_len)
+
+
+def _tier_link(loaded: LoadedModel, config: EngineConfig, cache: DeviceCache) -> TierLink | None:
+    """The tierstore below the device, if one is configured."""
+    if not config.tierstore_address:
+        return None
+    codec = StateCodec(cache, loaded.config.vocab_size)
+    client = TierClient(
+        config.tierstore_address, model=loaded.config.model_type, page_size=config.page_size,
+        layout=codec.layout(), kv_bytes_per_token=codec.kv_bytes_per_token,
+        fixed_state_bytes=codec.fixed_state_bytes, timeout=config.tier_timeout,
+        retry_seconds=config.tier_retry_seconds, pin=cache.kv.device.type == "cuda")
+    log.info("retained states spill to the tierstore at %s (restore floor %d tokens)",
+             config.tierstore_address, config.restore_floor)
+    return TierLink(client, codec)

@@ -1,0 +1,30 @@
+"""The engine core's configuration record (built from the settings by engine/__main__.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    page_size: int = 16
+    kv_cache_bytes: int = 512 << 20
+    max_num_seqs: int = 64
+    prefill_chunk_tokens: int = 2048  # engine.prefill_chunk_tokens: tokens per step, decodes and prefill chunks
+    max_queue: int = 256
+    max_model_len: int = 0  # 0: from the model config (and the cache's capacity)
+    reuse_prompt: bool = True  # reuse.prompt
+    retained_device: int = 8  # reuse.retained_device: retained-state slots reserved at load (hybrid models)
+    retained_interactive_ttl: float = 300.0  # reuse.retained_interactive_ttl
+    tierstore_address: str = ""  # tierstore.address; empty = device-only reuse
+    tier_restore_floor: int = -1  # a lower-tier match must beat the device match by more tokens; -1: two pages
+    tier_timeout: float = 2.0  # deadline of each tierstore call (seconds)
+    tier_retry_seconds: float = 5.0  # after the store fails, device-only this long before trying again
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.kv_cache_bytes <= 0 or self.max_queue <= 0:
+            raise ValueError(f"invalid engine config {self}")
+
+    @property
+    def restore_floor(self) -> int:
+        return 2 * self.page_size if self.tier_restore_floor < 0 else self.tier_restore_floor

@@ -1,0 +1,99 @@
+"""The tensors that hold sequence state on the device.
+
+- KV pages, page-major: kv[page] holds every attention layer's K and V for P
+  positions, so one page (and one retained state) is a contiguous block to copy.
+- State slots, slot-major: recurrent[slot] and conv[slot] hold every linear-attention
+  layer's state of one sequence, so cloning a slot is two strided copies, not one per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGeometry:
+    page_size: int
+    num_pages: int
+    num_slots: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.num_pages <= 0 or self.num_slots < 0:
+            raise ValueError(f"invalid cache geometry {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class StateShape:
+    """A model's per-sequence state, in the terms the cache needs (the model config builds it)."""
+
+    attention_layers: tuple[int, ...]  # model layer indices with KV
+    num_kv_heads: int
+    head_dim: int
+    linear_layers: tuple[int, ...] = ()  # model layer indices with recurrent state (Gated DeltaNet)
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    conv_dim: int = 0
+    conv_kernel: int = 0
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        return bool(self.linear_layers)
+
+    def kv_bytes_per_page(self, page_size: int, dtype: torch.dtype) -> int:
+        per_token = 2 * len(self.attention_layers) * self.num_kv_heads * self.head_dim
+        return per_token * page_size * _element_size(dtype)
+
+    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
+        n = len(self.linear_layers)
+        recurrent = n * self.linear_value_heads * self.linear_key_dim * self.linear_value_dim * 4  # fp32
+        conv = n * self.conv_dim * max(self.conv_kernel - 1, 0) * _element_size(dtype)
+        return recurrent + conv
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class DeviceCache:
+    def __init__(self, shape: StateShape, geometry: CacheGeometry, device: torch.device) -> None:
+        self.shape = shape
+        self.geometry = geometry
+        self.page_size = geometry.page_size
+        n_attn = len(shape.attention_layers)
+        # kv: [num_pages, L_attn, 2, P, Hkv, D]
+        self.kv = torch.zeros(
+            geometry.num_pages, n_attn, 2, geometry.page_size, shape.num_kv_heads, shape.head_dim,
+            dtype=geometry.dtype, device=device,
+        )
+        n_lin = len(shape.linear_layers)
+        slots = geometry.num_slots if n_lin else 0
+        # recurrent: [slots, L_lin, Hv, Dk, Dv] kept in fp32 (the delta rule accumulates in it)
+        self.recurrent = torch.zeros(
+            slots, n_lin, shape.linear_value_heads, shape.linear_key_dim, shape.linear_value_dim,
+            dtype=torch.float32, device=device,
+        )
+        # conv: [slots, L_lin, conv_dim, K-1]
+        self.conv = torch.zeros(
+            slots, n_lin, shape.conv_dim, max(shape.conv_kernel - 1, 0), dtype=geometry.dtype, device=device,
+        )
+        self._attn_index = {layer: i for i, layer in enumerate(shape.attention_layers)}
+        self._linear_index = {layer: i for i, layer in enumerate(shape.linear_layers)}
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        return self.kv[:, self._attn_index[layer], 0]  # [num_pages, P, Hkv, D] (strided view)
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        return self.kv[:, self._attn_index[layer], 1]
+
+    def linear_index(self, layer: int) -> int:
+        return self._linear_index[layer]
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Clone one sequence's recurrent state and conv taps: two copies for all layers."""
+        self.recurrent[dst].copy_(self.recurrent[src])
+        self.conv[dst].copy_(self.conv[src])

@@ -1,0 +1,169 @@
+"""From a step's sampled tokens to what each request's owner is told.
+
+The engine core runs the model and samples; this turns the result into
+per-request updates: stop conditions (EOS, stop token ids, stop strings, length),
+finishing a choice, usage when a request is over, prompt logprobs for echo, the
+`ignis.request.done` event and the request's trace spans.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from common.logs import log_event
+from engine.cache.reuse import PromptReuse
+from engine.facts import ReuseReport
+from engine.metrics import EngineMetrics, FinishedRequest, class_name
+from engine.outputs import ChoiceDelta, RequestUpdate, TokenLogprob, Usage
+from engine.request import EngineRequest, EngineSequence, FinishReason, SeqStatus
+from engine.runner import ChunkLogits
+from engine.sampling.sampler import SampleOutput
+from engine.scheduler import Scheduler
+from engine.tracing import emit_request_spans
+
+events = logging.getLogger("ignis.request")  # ignis.request.done, one JSON line per finished request
+
+Sink = Callable[[RequestUpdate], None]
+Deltas = dict[str, list[ChoiceDelta]]  # request id -> this step's deltas
+
+
+@dataclass
+class LiveRequest:
+    """A request between submit and its last update: its owner's sink and its choices."""
+
+    request: EngineRequest
+    sink: Sink
+    seqs: list[EngineSequence]
+    prompt_logprobs_sent: bool = False
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestTotals:
+    finished: int = 0
+    cancelled: int = 0
+    preempted: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, reuse: PromptReuse, eos_ids: frozenset[int], max_model_len: int,
+                 metrics: EngineMetrics, totals: RequestTotals) -> None:
+        self.scheduler = scheduler
+        self.reuse = reuse
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+        self.totals = totals
+
+    # --- per step -------------------------------------------------------------------------
+    def collect_prompt_logprobs(self, live: LiveRequest, res: ChunkLogits) -> None:
+        """Echo with logprobs: the logprob of each prompt token, from the chunk's logits."""
+        seq = res.seq
+        if seq.choice != 0 or res.prompt_logits is None:
+            return
+        logprobs = torch.log_softmax(res.prompt_logits.float(), dim=-1)  # [n, V]
+        start = seq.num_computed
+        top_n = seq.request.params.top_logprobs
+        if start == 0:
+            live.prompt_logprobs = [TokenLogprob(seq.token_ids[0], None)]  # nothing predicts the first token
+        for i in range(res.num_tokens):
+            pos = start + i + 1  # logits at position p predict token p+1
+            if pos >= seq.num_prompt:
+                break
+            token = seq.token_ids[pos]
+            row = logprobs[i]
+            top: tuple[tuple[int, float], ...] = ()
+            if top_n:
+                values, ids = torch.topk(row, top_n)
+                top = tuple(zip(ids.tolist(), values.tolist()))
+            live.prompt_logprobs.append(TokenLogprob(token, float(row[token]), top))
+
+    def append_sampled(self, seqs: list[EngineSequence], out: SampleOutput, deltas: Deltas) -> None:
+        """Append each sequence's sampled token and decide whether it ends the choice."""
+        for i, seq in enumerate(seqs):
+            token = out.token_ids[i]
+            seq.append_token(token)
+            self.totals.generated_tokens += 1
+            lp: tuple[TokenLogprob, ...] = ()
+            chosen = out.logprobs[i]
+            if seq.request.params.logprobs and chosen is not None:
+                lp = (TokenLogprob(token, chosen, tuple(out.top_logprobs[i])),)
+            params = seq.request.params
+            if token in self.eos_ids and not params.ignore_eos:
+                self.finish(seq, FinishReason.STOP, None, deltas, (token,), lp)
+                continue
+            if token in params.stop_token_ids:
+                self.finish(seq, FinishReason.STOP, token, deltas, (token,), lp)
+                continue
+            text, matched = seq.stream.push([token])
+            if matched is not None:
+                self.finish(seq, FinishReason.STOP, matched, deltas, (token,), lp, text)
+                continue
+            if seq.num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                self.finish(seq, FinishReason.LENGTH, None, deltas, (token,), lp, text)
+                continue
+            deltas.setdefault(seq.request.request_id, []).append(ChoiceDelta(seq.choice, (token,), text, lp))
+        self.metrics.on_tokens(seqs)
+
+    def finish(self, seq: EngineSequence, reason: FinishReason, stop: str | int | None, deltas: Deltas,
+               tokens: tuple[int, ...], lp: tuple[TokenLogprob, ...] = (), text: str = "") -> None:
+        if reason is not FinishReason.STOP or not isinstance(stop, str):
+            text += seq.stream.finish()  # flush text held back for a possible stop string
+        self.reuse.on_finish(seq)  # before its pages and slot are released
+        seq.finish(reason, stop)
+        self.scheduler.remove(seq)
+        for child in seq.unforked:  # max_tokens=0: choices never forked
+            child.finish(reason)
+        deltas.setdefault(seq.request.request_id, []).append(
+            ChoiceDelta(seq.choice, tokens, text, lp, reason, stop)
+        )
+
+    def emit(self, live_requests: dict[str, LiveRequest], deltas: Deltas) -> None:
+        """Hand each request its deltas; a request whose choices all finished gets its usage and leaves."""
+        for rid, items in deltas.items():
+            live = live_requests.get(rid)
+            if live is None:
+                continue
+            prompt_lp = None
+            if live.request.echo and not live.prompt_logprobs_sent:
+                live.prompt_logprobs_sent = True
+                prompt_lp = tuple(live.prompt_logprobs) if live.prompt_logprobs else None
+            usage = None
+            if all(s.status is SeqStatus.FINISHED for s in live.seqs):
+                live_requests.pop(rid, None)
+                self.totals.finished += 1
+                usage = self.usage(live)
+                reason = live.seqs[0].finish_reason if live.seqs else None
+                self.request_done(live, usage, reason.value if reason else "stop")
+            live.sink(RequestUpdate(rid, tuple(items), prompt_lp, usage))
+
+    # --- per request ---------------------------------------------------------------------
+    def usage(self, live: LiveRequest) -> Usage:
+        first = min((s.first_token_time for s in live.seqs if s.first_token_time), default=None)
+        ttft = (first - live.request.arrival) * 1000 if first else 0.0
+        head = live.seqs[0] if live.seqs else None
+        return Usage(
+            prompt_tokens=len(live.request.prompt_ids),
+            completion_tokens=sum(s.num_output for s in live.seqs),
+            cached_tokens=head.num_cached if head else 0,
+            time_to_first_token_ms=ttft,
+            reuse=head.reuse if head else ReuseReport(),
+        )
+
+    def request_done(self, live: LiveRequest, usage: Usage, finish_reason: str) -> None:
+        """The request is over: its ignis.request.done line, metrics and trace spans (before its owner is told)."""
+        emit_request_spans(live.request, live.seqs, finish_reason)
+        done = FinishedRequest(
+            request_id=live.request.request_id, request_class=class_name(live.request.request_class),
+            prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens, tier=usage.reuse.tier.value,
+            kind=usage.reuse.kind.value, ttft_ms=usage.time_to_first_token_ms, tokens_out=usage.completion_tokens,
+            finish_reason=finish_reason, duration_ms=(time.monotonic() - live.request.arrival) * 1000)
+        log_event(events, "ignis.request.done", **done.event_fields())
+        self.metrics.on_done(done, (s.seq_id for s in live.seqs))
