@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
+from engine.cache.reuse import ReuseCounters
 from engine.core import EngineCore
 from engine.facts import ReuseTier
 from engine.model.loader import LoadedModel, load_model
@@ -146,6 +147,13 @@ def same(got: Result, want: Result) -> None:
 TOPICS = ["tides", "glaciers", "volcanoes", "comets", "lichens"]
 
 
+def serve_topics(engine: Engine, oracle) -> ReuseCounters:  # type: ignore[no-untyped-def]
+    """One conversation per topic, each checked against a cold run; the reuse counters after."""
+    for topic in TOPICS:
+        same(engine.run(topic), oracle(topic))
+    return engine.core.reuse.counters
+
+
 def test_protected_states_keep_the_device_and_newcomers_go_straight_to_ram(tmp_path: Path, model, oracle) -> None:
     """Inside reuse.retained_interactive_ttl an interactive state is protected: a later interactive
     capture does not displace it from the device (the one eviction order) but is written to KV-RAM
@@ -153,9 +161,7 @@ def test_protected_states_keep_the_device_and_newcomers_go_straight_to_ram(tmp_p
     store = tierstore(tmp_path, arena=16 * MiB, disk=0)
     engine = Engine(*model, tierstore=store.address, interactive_ttl=300.0)
     try:
-        for topic in TOPICS:
-            same(engine.run(topic), oracle(topic))
-        counters = engine.core.reuse.counters
+        counters = serve_topics(engine, oracle)
         assert counters.evictions == 0  # nothing left the device
         assert counters.protected_skips == counters.captures_below == 2 * (len(TOPICS) - 1)
         assert engine.core.stats().retained_protected_skips == counters.protected_skips
@@ -178,9 +184,7 @@ def test_without_a_ttl_newcomers_displace_the_least_recent_state(tmp_path: Path,
     store = tierstore(tmp_path, arena=16 * MiB, disk=0)
     engine = Engine(*model, tierstore=store.address, interactive_ttl=0.0)
     try:
-        for topic in TOPICS:
-            same(engine.run(topic), oracle(topic))
-        counters = engine.core.reuse.counters
+        counters = serve_topics(engine, oracle)
         assert (counters.protected_skips, counters.captures_below) == (0, 0)
         assert counters.evictions == 2 * (len(TOPICS) - 1)
         got = engine.run(TOPICS[0])

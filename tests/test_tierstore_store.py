@@ -276,7 +276,7 @@ def test_protected_states_refuse_a_same_class_reserve_rather_than_be_dropped(tmp
         s = store.stats()
         assert (s.protected_refusals, s.evictions, s.spills, s.reservations_pending) == (1, 0, 2, 0)
         text = generate_latest(store_registry(store.stats)).decode()
-        assert "ignis_tierstore_protected_refusals_total 1.0" in text
+        assert "ignis_kv_protected_refusals_total 1.0" in text
         store.check_integrity()
         clock.t = 1300.5  # i1 (used at 1000) is past its TTL; i2, i3 and i4 are not
         assert store.reserve(h("i5"), SIZE, INTERACTIVE) is not None

@@ -3,7 +3,7 @@
 Gauges ``ignis_kv_ram_arena_bytes{kind="used|total"}``, ``ignis_kv_disk_bytes{kind="used|total"}``,
 ``ignis_kv_states{tier="ram|disk"}``, ``ignis_kv_leases_active``, ``ignis_kv_reservations_pending``;
 counters ``ignis_kv_spills_total``, ``ignis_kv_restores_total``, ``ignis_kv_evictions_total``,
-``ignis_kv_checksum_failures_total``, ``ignis_tierstore_protected_refusals_total``.
+``ignis_kv_checksum_failures_total``, ``ignis_kv_protected_refusals_total``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class StoreCollector(Collector):
             ("ignis_kv_evictions", "States dropped from their last tier to make room", s.evictions),
             ("ignis_kv_checksum_failures", "Blobs that failed their checksum (dropped, never served)",
              s.checksum_failures),
-            ("ignis_tierstore_protected_refusals",
+            ("ignis_kv_protected_refusals",
              "Reserves/Puts refused rather than drop a state they may not displace (protected, or of a higher class)",
              s.protected_refusals),
         ):

@@ -11,7 +11,7 @@ from ignis.v1 import common_pb2, tierstore_pb2
 from tierstore.errors import InvalidArgument
 
 HASH_BYTES = 16
-StateHash = NewType("StateHash", bytes)  # a 16-byte link of the chain hash (DESIGN.md "The key")
+StateHash = NewType("StateHash", bytes)  # a 16-byte link of the chain hash (docs/architecture.md "The key")
 
 _KINDS = (common_pb2.REUSE_KIND_CHECKPOINT, common_pb2.REUSE_KIND_PREFIX, common_pb2.REUSE_KIND_PAGES)
 _CLASSES = (common_pb2.REQUEST_CLASS_UNSPECIFIED, common_pb2.REQUEST_CLASS_INTERACTIVE, common_pb2.REQUEST_CLASS_AGENT)
