@@ -221,7 +221,7 @@ class EngineCore:
             return
         base = RequestSampler(request.params, request.prompt_ids, self.loaded.model.device)
         first = self._new_seq(request, 0, base)
-        first.unforked = [self._new_seq(request, i, base.fork(i)) for i in range(1, request.params.n)]
+        first.hold_forks([self._new_seq(request, i, base.fork(i)) for i in range(1, request.params.n)])
         if request.lookup and self.config.reuse_prompt:
             namespace = self.namespace_hash(request.cache_salt)
             hashes = page_hashes(namespace, request.prompt_ids, self.config.page_size)  # once per request

@@ -144,6 +144,14 @@ class EngineSequence:
     def name_pages(self, namespace: BlockHash, page_hashes: list[BlockHash]) -> None:
         self.namespace, self.page_hashes = namespace, page_hashes
 
+    def hold_forks(self, children: list[EngineSequence]) -> None:
+        """Choices 1..n-1 of its request, to fork from it once its prompt is computed."""
+        self.unforked = list(children)
+
+    def take_forks(self) -> list[EngineSequence]:
+        children, self.unforked = self.unforked, []
+        return children
+
     # --- cache state: the scheduler and the reuse strategies -----------------------------------
     def admit(self, slot: int | None) -> None:
         """Leaves the queue with its state slot (hybrid models)."""

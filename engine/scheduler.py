@@ -218,7 +218,7 @@ class Scheduler:
     def fork_children(self, parent: EngineSequence) -> list[EngineSequence]:
         """Choices 1..n-1 copy the parent's state once its prompt is computed; the ones
         that do not fit now wait and prefill the prompt themselves."""
-        children, parent.unforked = parent.unforked, []
+        children = parent.take_forks()
         forked = []
         page_size = self.limits.page_size
         for child in children:
