@@ -104,6 +104,7 @@ class EngineCore:
                 f"the prompt has {n} tokens and max_tokens is {request.params.max_tokens}, more than "
                 f"this model's context of {self.max_model_len} tokens"
             )
+        request.params.check_vocabulary(vocab)
 
     def submit(self, request: EngineRequest, sink: Sink) -> None:
         """Validate (ValueError) and queue a request (QueueFull, EngineStopped)."""
@@ -281,9 +282,34 @@ class EngineCore:
             to_sample.append((seq, res.next_token_logits))
             for child in self.scheduler.fork_children(seq):
                 to_sample.append((child, res.next_token_logits))
+        failed: dict[str, str] = {}
         if to_sample:
-            logits = torch.stack([row for _, row in to_sample])  # [B, V]
-            seqs = [seq for seq, _ in to_sample]
-            out = sample(logits, [s.sampler for s in seqs], self.eos_ids, [s.num_output for s in seqs])
-            self.outputs.append_sampled(seqs, out, deltas)
+            self._sample(to_sample, deltas, failed)
+        for rid, message in failed.items():
+            deltas.pop(rid, None)
+            self._fail(rid, message)
         self.outputs.emit(self._live, deltas)
+
+    def _sample(self, items: list[tuple[EngineSequence, torch.Tensor]], deltas: Deltas,
+                failed: dict[str, str]) -> None:
+        """Sample the batch in one call; if that raises, sample each sequence alone so that
+        one request's failure ends that request only (`failed`: request id -> why)."""
+        seqs = [seq for seq, _ in items]
+        # A draw advances a seeded generator: keep their states so a retry draws the same tokens.
+        states = [None if s.request.params.is_greedy else s.sampler.generator.get_state() for s in seqs]
+        try:
+            out = sample(torch.stack([row for _, row in items]), [s.sampler for s in seqs], self.eos_ids,
+                         [s.num_output for s in seqs])  # logits: [B, V]
+        except Exception:
+            for seq, state in zip(seqs, states):
+                if state is not None:
+                    seq.sampler.generator.set_state(state)
+            if len(items) == 1:
+                log.exception("sampling failed for request %s", seqs[0].request.request_id)
+                failed.setdefault(seqs[0].request.request_id, "sampling failed for this request (see the engine log)")
+                return
+            log.warning("batched sampling failed: sampling the %d sequences one by one", len(items))
+            for item in items:
+                self._sample([item], deltas, failed)
+            return
+        self.outputs.append_sampled(seqs, out, deltas, failed)

@@ -26,6 +26,7 @@ from engine.sampling.sampler import SampleOutput
 from engine.scheduler import Scheduler
 from engine.tracing import emit_request_spans
 
+log = logging.getLogger("ignis.engine")
 events = logging.getLogger("ignis.request")  # ignis.request.done, one JSON line per finished request
 
 Sink = Callable[[RequestUpdate], None]
@@ -85,32 +86,39 @@ class OutputProcessor:
                 top = tuple(zip(ids.tolist(), values.tolist()))
             live.prompt_logprobs.append(TokenLogprob(token, float(row[token]), top))
 
-    def append_sampled(self, seqs: list[EngineSequence], out: SampleOutput, deltas: Deltas) -> None:
-        """Append each sequence's sampled token and decide whether it ends the choice."""
+    def append_sampled(self, seqs: list[EngineSequence], out: SampleOutput, deltas: Deltas,
+                       failed: dict[str, str]) -> None:
+        """Append each sequence's sampled token and decide whether it ends the choice. A sequence
+        whose handling raises is recorded in `failed` (request id -> why); the others go on."""
         for i, seq in enumerate(seqs):
-            token = out.token_ids[i]
-            seq.append_token(token)
-            self.totals.generated_tokens += 1
-            lp: tuple[TokenLogprob, ...] = ()
-            chosen = out.logprobs[i]
-            if seq.request.params.logprobs and chosen is not None:
-                lp = (TokenLogprob(token, chosen, tuple(out.top_logprobs[i])),)
-            params = seq.request.params
-            if token in self.eos_ids and not params.ignore_eos:
-                self.finish(seq, FinishReason.STOP, None, deltas, (token,), lp)
-                continue
-            if token in params.stop_token_ids:
-                self.finish(seq, FinishReason.STOP, token, deltas, (token,), lp)
-                continue
+            try:
+                self._append(seq, out, i, deltas)
+            except Exception:
+                log.exception("handling the token of request %s failed", seq.request.request_id)
+                failed.setdefault(seq.request.request_id, "internal error on this request (see the engine log)")
+        self.metrics.on_tokens(seqs)
+
+    def _append(self, seq: EngineSequence, out: SampleOutput, i: int, deltas: Deltas) -> None:
+        token = out.token_ids[i]
+        seq.append_token(token)
+        self.totals.generated_tokens += 1
+        lp: tuple[TokenLogprob, ...] = ()
+        chosen = out.logprobs[i]
+        if seq.request.params.logprobs and chosen is not None:
+            lp = (TokenLogprob(token, chosen, tuple(out.top_logprobs[i])),)
+        params = seq.request.params
+        if token in self.eos_ids and not params.ignore_eos:
+            self.finish(seq, FinishReason.STOP, None, deltas, (token,), lp)
+        elif token in params.stop_token_ids:
+            self.finish(seq, FinishReason.STOP, token, deltas, (token,), lp)
+        else:
             text, matched = seq.stream.push([token])
             if matched is not None:
                 self.finish(seq, FinishReason.STOP, matched, deltas, (token,), lp, text)
-                continue
-            if seq.num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            elif seq.num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 self.finish(seq, FinishReason.LENGTH, None, deltas, (token,), lp, text)
-                continue
-            deltas.setdefault(seq.request.request_id, []).append(ChoiceDelta(seq.choice, (token,), text, lp))
-        self.metrics.on_tokens(seqs)
+            else:
+                deltas.setdefault(seq.request.request_id, []).append(ChoiceDelta(seq.choice, (token,), text, lp))
 
     def finish(self, seq: EngineSequence, reason: FinishReason, stop: str | int | None, deltas: Deltas,
                tokens: tuple[int, ...], lp: tuple[TokenLogprob, ...] = (), text: str = "") -> None:

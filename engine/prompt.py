@@ -11,6 +11,10 @@ from engine.text.tokenizer import Tokenizer
 from ignis.v1 import engine_pb2
 
 
+# Names the template call passes itself; a chat_template_kwargs key among them would clash.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
+
+
 @dataclass(frozen=True, slots=True)
 class RenderedPrompt:
     token_ids: tuple[int, ...]
@@ -25,6 +29,8 @@ def _json_field(raw: str, name: str, expect: type) -> Any:
         value = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{name} is nested too deeply") from None
     if not isinstance(value, expect):
         raise ValueError(f"{name} must be a JSON {expect.__name__}")
     return value
@@ -68,6 +74,9 @@ def render_chat(tokenizer: Tokenizer, chat: engine_pb2.ChatInput) -> RenderedPro
         raise ValueError("continue_final_message is not supported")
     tools = _json_field(chat.tools_json, "tools", list)
     kwargs = _json_field(chat.chat_template_kwargs_json, "chat_template_kwargs", dict) or {}
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields do")
     add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     messages = chat_messages(chat)
     text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
@@ -88,6 +97,34 @@ def _head_tokens(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: li
         return 0  # a template that cannot render the head alone has no publish point
     head_ids = tokenizer.encode(head_text, add_special_tokens=False)
     return len(head_ids) if tuple(head_ids) == ids[: len(head_ids)] else 0
+
+
+# No tokenizer makes fewer tokens than one per this many characters: text longer than
+# max_model_len * MAX_CHARS_PER_TOKEN cannot fit the context, whatever it says, and is
+# refused before anything renders or tokenizes it.
+MAX_CHARS_PER_TOKEN = 256
+
+
+def input_chars(request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest) -> int:
+    """Characters of text the request would render (messages, tools, raw text)."""
+    which = request.WhichOneof("input")
+    if which == "text":
+        return len(request.text)
+    if which != "chat":
+        return 0
+    chat = request.chat
+    n = len(chat.tools_json) + len(chat.chat_template_kwargs_json)
+    for msg in chat.messages:
+        n += len(msg.content) + sum(len(p.text) for p in msg.content_parts) + len(msg.reasoning_content)
+        n += sum(len(c.function.arguments) + len(c.function.name) for c in msg.tool_calls)
+    return n
+
+
+def check_input_size(request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest, max_model_len: int) -> None:
+    chars, limit = input_chars(request), max_model_len * MAX_CHARS_PER_TOKEN
+    if chars > limit:
+        raise ValueError(f"the input has {chars} characters: more than this model's context of "
+                         f"{max_model_len} tokens can hold")
 
 
 def render_input(tokenizer: Tokenizer, request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest) -> RenderedPrompt:

@@ -74,7 +74,7 @@ def sampling_params(msg: engine_pb2.SamplingParams, prompt_len: int, max_model_l
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
-        seed=msg.seed if msg.HasField("seed") else None,
+        seed=_signed_seed(msg.seed) if msg.HasField("seed") else None,
         max_tokens=max_tokens,
         min_tokens=msg.min_tokens,
         stop=tuple(msg.stop),
@@ -86,6 +86,11 @@ def sampling_params(msg: engine_pb2.SamplingParams, prompt_len: int, max_model_l
         skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
+
+
+def _signed_seed(value: int) -> int:
+    """The proto field is uint64: a client's negative seed arrives in two's complement."""
+    return value - 2**64 if value >= 2**63 else value
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 import grpc
@@ -17,13 +18,14 @@ from common.tracing import QUIET_METHODS, ServerTracingInterceptor
 from engine.proto_convert import commit_policy, request_class, sampling_params, update_messages
 from engine.core import EngineCore, EngineStopped, QueueFull
 from engine.outputs import RequestUpdate
-from engine.prompt import render_input
+from engine.prompt import RenderedPrompt, check_input_size, render_input
 from engine.request import EngineRequest
 from engine.tracing import capture_context
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("ignis.engine")
 SERVICE_NAME = "ignis.v1.Engine"
+PROMPT_WORKERS = 2  # threads rendering and tokenizing prompts (off the event loop)
 
 
 class EngineService(engine_pb2_grpc.EngineServicer):
@@ -33,6 +35,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self.created = int(time.time())
         self.accepting = True
         self._ids = itertools.count()
+        self._prompts = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="ignis-prompt")
 
     def attach(self, core: EngineCore) -> None:
         self._core = core
@@ -54,7 +57,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                        ) -> AsyncIterator[engine_pb2.GenerateResponse]:
         try:
             core = self.core
-            engine_request = self._engine_request(request, context)
+            engine_request = await self._engine_request(request, context)
         except _Abort as exc:
             await context.abort(exc.code, exc.message)
             return
@@ -93,12 +96,19 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             if not done:  # the client went away or passed its deadline: free the work now
                 core.abort(engine_request.request_id)
 
-    def _engine_request(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-                        ) -> EngineRequest:
+    async def _render(self, core: EngineCore, request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest
+                      ) -> RenderedPrompt:
+        """Template rendering and tokenizing run on a worker thread: a huge prompt must not
+        stall every stream and the health service on the event loop."""
+        check_input_size(request, core.max_model_len)
+        return await asyncio.get_running_loop().run_in_executor(self._prompts, render_input, core.tokenizer, request)
+
+    async def _engine_request(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                              ) -> EngineRequest:
         core = self.core
         self._check_model(request.model, context)
         try:
-            prompt = render_input(core.tokenizer, request)
+            prompt = await self._render(core, request)
             params = sampling_params(request.sampling, len(prompt.token_ids), core.max_model_len)
             engine_request = EngineRequest(
                 request_id=request.request_id or f"req-{next(self._ids)}",
@@ -121,7 +131,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         try:
             core = self.core
             self._check_model(request.model, context)
-            prompt = render_input(core.tokenizer, request)
+            prompt = await self._render(core, request)
         except _Abort as exc:
             await context.abort(exc.code, exc.message)
             raise  # unreachable: abort raises

@@ -9,6 +9,9 @@ MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound; -100 effectively bans a token, +100 forces it
+# Temperatures below this sample greedily (as vLLM does): dividing logits by a denormal
+# like 1e-45 overflows to inf, and the softmax of that is NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -91,8 +94,17 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """Temperature 0: take the argmax, draw nothing from the generator."""
-        return self.temperature == 0.0
+        """Temperature 0 (or below GREEDY_BELOW_TEMPERATURE): take the argmax, draw nothing."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """The token ids this request names must exist in the model (ValueError naming the field)."""
+        for i, t in enumerate(self.stop_token_ids):
+            if t >= vocab_size:
+                raise ValueError(f"stop_token_ids[{i}] = {t} is outside the vocabulary (0..{vocab_size - 1})")
+        for token_id, _ in self.logit_bias:
+            if token_id >= vocab_size:
+                raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab_size - 1})")
 
     @property
     def has_penalties(self) -> bool:

@@ -167,3 +167,5 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             # Templates reject bad conversations with raise_exception: a caller mistake.
             raise ValueError(f"the chat template rejected the request: {e}") from e
+        except RecursionError:
+            raise ValueError("the request's messages or tools are nested too deeply to render") from None
