@@ -127,7 +127,7 @@ class Driver:
         """Steps until `cond()`; returns how many ran."""
         steps = 0
         while not cond():
-            self.core._drain_inbox()
+            self.core.drain_inbox()
             if not self.core.scheduler.has_work():
                 raise RuntimeError("requests are unfinished but the engine has no work: this is a bug")
             self.core.step()
@@ -177,7 +177,7 @@ class Driver:
                                "every step (a sequence finished early: raise the slack)")
         for rid in rids:
             self.core.abort(rid)
-        self.core._drain_inbox()
+        self.core.drain_inbox()
         self.core.check_integrity()
         return Timed(wall, tokens, steps)
 

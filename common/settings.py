@@ -209,6 +209,9 @@ class EngineSettings(_Section):
     cpu_linear: str = setting("onednn", choice("onednn", "torch"),
                               doc="fp32 CPU linear layers: onednn (weights reordered once at load: faster "
                                   "decode, a copy of them in memory) or torch (MKL on the mapped file, no copy)")
+    spill_window_pages: int = setting(16, parse_int, minimum=1,
+                                      doc="KV pages of a live sequence moved down to KV-RAM per step when a "
+                                          "higher-ranked request needs its room")
 
 
 @dataclass(slots=True)

@@ -68,7 +68,7 @@ def build_core(model_path: Path, settings: Settings) -> EngineCore:
         prefill_chunk_tokens=e.prefill_chunk_tokens, max_queue=e.max_queue, max_model_len=e.max_model_len,
         reuse_prompt=settings.reuse.prompt, retained_device=settings.reuse.retained_device,
         retained_interactive_ttl=settings.reuse.retained_interactive_ttl,
-        tierstore_address=settings.tierstore.address,
+        tierstore_address=settings.tierstore.address, spill_window_pages=e.spill_window_pages,
     )
     return EngineCore(loaded, tokenizer, config)
 

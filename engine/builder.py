@@ -42,7 +42,7 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     num_slots = live_slots + retained_slots
     cache = DeviceCache(shape, CacheGeometry(config.page_size, num_pages, num_slots, dtype), loaded.model.device)
     pages = PagePool(num_pages)
-    tiers = _tier_link(loaded, config, cache) if config.reuse_prompt else None
+    tiers = _tier_link(loaded, config, cache)  # retained state spills there; live sequences move there
     reuse: PromptReuse
     if not config.reuse_prompt:
         reuse = NoReuse()

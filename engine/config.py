@@ -20,6 +20,7 @@ class EngineConfig:
     tier_restore_floor: int = -1  # a lower-tier match must beat the device match by more tokens; -1: two pages
     tier_timeout: float = 2.0  # deadline of each tierstore call (seconds)
     tier_retry_seconds: float = 5.0  # after the store fails, device-only this long before trying again
+    spill_window_pages: int = 16  # engine.spill_window_pages: pages of a live sequence moved down per step
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.kv_cache_bytes <= 0 or self.max_queue <= 0:

@@ -21,6 +21,7 @@ import xxhash
 from engine.builder import build_parts
 from engine.config import EngineConfig
 from engine.facts import RequestClass
+from engine.live_moves import LiveMoves
 from engine.kv.chain_hash import BlockHash, Namespace, model_fingerprint, page_hashes
 from engine.metrics import EngineMetrics
 from engine.model.loader import LoadedModel
@@ -56,9 +57,10 @@ class EngineCore:
         self.tiers = parts.tiers
         self.max_model_len = parts.max_model_len
         self.runner = ModelRunner(loaded.model, self.cache)
+        self.moves = LiveMoves(self.tiers, config.page_size, config.spill_window_pages)
         self.scheduler = Scheduler(
             SchedulerLimits(config.page_size, config.max_num_seqs, config.prefill_chunk_tokens),
-            self.pages, self.slots, reuse=self.reuse, fork_copy=self.runner.fork_state,
+            self.pages, self.slots, reuse=self.reuse, fork_copy=self.runner.fork_state, mover=self.moves,
         )
         self._fingerprint = model_fingerprint(loaded.config.fingerprint_fields(), loaded.weights_digest)
         self._namespaces: dict[bytes, BlockHash] = {}
@@ -178,6 +180,9 @@ class EngineCore:
             retained_slot_skips=rc.slot_skips,
             retained_protected_skips=rc.protected_skips,
             inflight_holds=rc.inflight_holds,
+            sequences_moved=dict(self.moves.counters.moved),
+            sequences_recomputed=t.preempted + self.moves.counters.restore_failures,
+            moving=len(self.moves.moving),
         )
 
     def check_integrity(self) -> None:
@@ -187,7 +192,7 @@ class EngineCore:
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while not self._stopping:
-            self._drain_inbox()
+            self.drain_inbox()
             if not self.scheduler.has_work():
                 self._wake.wait(0.5)
                 self._wake.clear()
@@ -201,7 +206,8 @@ class EngineCore:
         for rid in list(self._live):
             self._fail(rid, "the engine shut down")
 
-    def _drain_inbox(self) -> None:
+    def drain_inbox(self) -> None:
+        """Take in what submit and abort queued (the step thread does it; synchronous drivers call it before step())."""
         while self._inbox:
             kind, item = self._inbox.popleft()
             if kind == "add":
@@ -223,11 +229,13 @@ class EngineCore:
         base = RequestSampler(request.params, request.prompt_ids, self.loaded.model.device)
         first = self._new_seq(request, 0, base)
         first.hold_forks([self._new_seq(request, i, base.fork(i)) for i in range(1, request.params.n)])
-        if request.lookup and self.config.reuse_prompt:
-            namespace = self.namespace_hash(request.cache_salt)
-            hashes = page_hashes(namespace, request.prompt_ids, self.config.page_size)  # once per request
-            for seq in (first, *first.unforked):
-                seq.name_pages(namespace, list(hashes))
+        # The namespace names state below the device too (a live sequence moved down); page
+        # hashes only serve reuse.
+        namespace = self.namespace_hash(request.cache_salt)
+        reuses = request.lookup and self.config.reuse_prompt
+        hashes = page_hashes(namespace, request.prompt_ids, self.config.page_size) if reuses else []
+        for seq in (first, *first.unforked):
+            seq.name_pages(namespace, list(hashes))
         live.seqs = [first, *first.unforked]
         self.totals.prompt_tokens += len(request.prompt_ids)
         self.scheduler.add(first)

@@ -127,8 +127,16 @@ class EngineCollector(Collector):
             ("ignis_prompt_tokens", "Prompt tokens of admitted requests", s.prompt_tokens),
             ("ignis_generated_tokens", "Tokens generated (all choices)", s.generated_tokens),
             ("ignis_preemptions", "Sequences preempted to make room (recomputed later)", s.requests_preempted),
+            ("ignis_sequences_recomputed", "Live sequences that lost their state (no tier could hold it) and "
+             "prefilled it again", s.sequences_recomputed),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        moved = CounterMetricFamily("ignis_sequences_moved", "Live sequences moved down a tier to make room, "
+                                    "resumed from there", labels=["to"])
+        for tier, count in s.sequences_moved.items():
+            moved.add_metric([tier.value], count)
+        yield moved
+        yield GaugeMetricFamily("ignis_sequences_moving", "Live sequences being moved down a tier now", value=s.moving)
         reused = CounterMetricFamily("ignis_retained_reused_tokens", "Prompt tokens whose state was reused, by tier",
                                      labels=["tier"])
         for tier, tokens in s.reused_tokens.items():

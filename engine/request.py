@@ -27,6 +27,7 @@ class FinishReason(enum.Enum):
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    MOVING = "moving"  # its state is being written to a lower tier; it resumes from there
     FINISHED = "finished"
 
 
@@ -65,6 +66,14 @@ class EngineRequest:
         """Whether this request may start from retained state. Echo with logprobs needs the
         logits at every prompt position, which only a full prefill produces."""
         return self.lookup and not (self.echo and self.params.logprobs)
+
+
+@dataclass(frozen=True, slots=True)
+class MovedState:
+    """A live sequence's state, committed to a lower tier under a private name until it resumes."""
+
+    name: BlockHash
+    tokens: int  # its computed tokens when it moved
 
 
 @dataclass(slots=True)
@@ -119,6 +128,8 @@ class EngineSequence:
         self.lineage: int | None = None  # checkpoints of one conversation share a lineage
         self.pending_logits: torch.Tensor | None = None  # claimed with the state's next-token logits
         self.held_for_inflight = False  # was held at admission while another computed its reusable state
+        self.moved: MovedState | None = None  # where its state waits while it is moved down a tier
+        self.moves = 0
 
     @property
     def num_output(self) -> int:
@@ -223,6 +234,29 @@ class EngineSequence:
         self.sampler.observe(token)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+
+    def start_moving(self) -> None:
+        """Stops running while its state is written to a lower tier (it keeps its memory until then)."""
+        self.status = SeqStatus.MOVING
+
+    def moved_down(self, state: MovedState) -> None:
+        """Its state is committed below (its memory already released): it waits to resume from there."""
+        if self.page_table or self.slot is not None:
+            raise RuntimeError("moved down while still holding memory: this is a bug")
+        self.moved = state
+        self.status = SeqStatus.WAITING
+        self.moves += 1
+
+    def take_moved(self) -> MovedState | None:
+        moved, self.moved = self.moved, None
+        return moved
+
+    def lose_state(self) -> None:
+        """Its moved-down state could not be restored: prompt + output so far are prefilled again."""
+        self.num_computed = 0
+        self.num_registered = 0
+        self.pending_logits = None
+        self.preemptions += 1
 
     def reset_for_recompute(self) -> None:
         """After preemption (its memory already released): prompt + output so far are prefilled again."""

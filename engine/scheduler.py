@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from engine.cache.reuse import Claim, NoReuse, PromptReuse
 from engine.facts import RequestClass
 from engine.kv.page_pool import PagePool, SlotPool
-from engine.request import EngineSequence, SeqStatus
+from engine.live_moves import LiveMoves
+from engine.request import EngineSequence, MovedState, SeqStatus
 from engine.tracing import admission_stage
 
 # Copies a parent's computed state into a forked child: (parent, child, child's private last page or None).
@@ -33,7 +34,8 @@ class ScheduledChunk:
 @dataclass(slots=True)
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[EngineSequence] = field(default_factory=list)
+    preempted: list[EngineSequence] = field(default_factory=list)  # lost their state: recomputed later
+    moving: list[EngineSequence] = field(default_factory=list)  # started moving down a tier this step
 
     @property
     def empty(self) -> bool:
@@ -53,12 +55,14 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, pages: PagePool, slots: SlotPool | None,
-                 reuse: PromptReuse | None = None, fork_copy: ForkCopy | None = None) -> None:
+                 reuse: PromptReuse | None = None, fork_copy: ForkCopy | None = None,
+                 mover: LiveMoves | None = None) -> None:
         self.limits = limits
         self.pages = pages
         self.slots = slots
         self.reuse = reuse or NoReuse()
         self._fork_copy = fork_copy
+        self.mover = mover
         self.waiting: dict[RequestClass, deque[EngineSequence]] = {c: deque() for c in RequestClass}
         self.running: list[EngineSequence] = []
 
@@ -71,10 +75,12 @@ class Scheduler:
         return sum(len(q) for q in self.waiting.values())
 
     def has_work(self) -> bool:
-        return bool(self.running) or self.num_waiting > 0
+        return bool(self.running) or self.num_waiting > 0 or bool(self.mover and self.mover.moving)
 
     def remove(self, seq: EngineSequence) -> None:
-        """Drop a sequence (finished or cancelled) and free what it holds."""
+        """Drop a sequence (finished or cancelled) and free what it holds, in every tier."""
+        if self.mover is not None:
+            self.mover.cancel(seq)
         if seq in self.running:
             self.running.remove(seq)
         else:
@@ -103,12 +109,46 @@ class Scheduler:
         seq.grow(got)
         return True
 
-    def _preempt(self, victim: EngineSequence, plan: StepPlan) -> None:
+    def _displace(self, victim: EngineSequence, plan: StepPlan) -> None:
+        """Make room: move `victim` down a tier (its memory is freed once the bytes are
+        committed), or, when no tier can take it, drop its state to recompute it later."""
         self.running.remove(victim)
+        if self.mover is not None and self.mover.begin(victim):
+            plan.moving.append(victim)
+            return
         self._release(victim)
         victim.reset_for_recompute()
         self.waiting[victim.request.request_class].appendleft(victim)
         plan.preempted.append(victim)
+
+    def move_down(self, seq: EngineSequence) -> bool:
+        """Move a running sequence down a tier now (what pressure does; tests force it)."""
+        if seq not in self.running or self.mover is None or not self.mover.begin(seq):
+            return False
+        self.running.remove(seq)
+        return True
+
+    def _settle_moves(self, plan: StepPlan) -> None:
+        """Between decode rounds: write the next window of each move; free what is committed."""
+        if self.mover is None:
+            return
+        done, failed = self.mover.advance()
+        for seq, moved in done:
+            self._release(seq)
+            seq.moved_down(moved)
+            self.waiting[seq.request.request_class].appendleft(seq)
+        for seq in failed:  # the store went away mid-move: recompute instead
+            self._release(seq)
+            seq.reset_for_recompute()
+            self.waiting[seq.request.request_class].appendleft(seq)
+            plan.preempted.append(seq)
+
+    def _incoming(self) -> tuple[int, int]:
+        """(pages, slots) that moves in progress free once committed."""
+        if self.mover is None:
+            return 0, 0
+        pages = {p for p in self.mover.pages_in_flight() if self.pages.refcount(p) == 1}
+        return len(pages), sum(1 for s in self.mover.moving if s.slot is not None)
 
     def _lowest_running(self) -> EngineSequence | None:
         return max(self.running, key=lambda s: s.rank_key, default=None)
@@ -116,6 +156,7 @@ class Scheduler:
     # --- the step -------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        self._settle_moves(plan)
         self._admit(plan)
         budget = self.limits.step_token_budget
         decoding = [s for s in self.running if not s.in_prefill]
@@ -127,13 +168,17 @@ class Scheduler:
             if seq.num_pending == 0:  # claimed a state with its next-token logits: nothing to compute
                 plan.chunks.append(ScheduledChunk(seq, 0))
                 continue
+            waits = False
             while not self._grow(seq, seq.num_computed + 1):
+                if self._incoming()[0] >= seq.pages_needed(seq.num_computed + 1, self.limits.page_size):
+                    waits = True  # a move in progress frees the page: wait a round for it
+                    break
                 victim = self._lowest_running()
                 assert victim is not None
-                self._preempt(victim, plan)
+                self._displace(victim, plan)
                 if victim is seq:
                     break
-            if seq.status is SeqStatus.RUNNING and budget > 0:
+            if seq.status is SeqStatus.RUNNING and budget > 0 and not waits:
                 plan.chunks.append(ScheduledChunk(seq, 1))
                 budget -= 1
         # Prefills by class, then shortest remaining first: a short prompt that arrives
@@ -161,8 +206,8 @@ class Scheduler:
         for cls in RequestClass:
             queue = self.waiting[cls]
             for seq in list(queue):
-                claim = self._match(seq)
-                if self.reuse.in_flight(seq, claim, self.running) is not None:
+                claim = None if seq.moved is not None else self._match(seq)  # a moved one resumes its own
+                if seq.moved is None and self.reuse.in_flight(seq, claim, self.running) is not None:
                     if seq.hold_for_inflight():
                         self.reuse.counters.inflight_holds += 1
                     continue  # what it would claim is being computed now: wait for it; the rest may pass
@@ -174,17 +219,32 @@ class Scheduler:
                 self._start(seq, claim)
 
     def _start(self, seq: EngineSequence, claim: Claim | None) -> None:
+        first_admission = seq.times.admitted is None
         seq.admit(self.slots.allocate() if self.slots is not None else None)
-        if claim is not None:
+        moved = seq.take_moved()
+        if moved is not None:
+            self._resume(seq, moved)
+        elif claim is not None:
             with admission_stage(seq, "claim"):  # a restore's tierstore calls join the request's trace
                 self.reuse.apply(seq, claim)
-        if seq.preemptions == 0:
+        if first_admission:
             self.reuse.record(seq, claim)
         got = self.pages.allocate(seq.pages_needed(len(seq.token_ids), self.limits.page_size))
         assert got is not None, "admitted without its pages: this is a bug"
         seq.grow(got)
         seq.start_running()
         self.running.append(seq)
+
+    def _resume(self, seq: EngineSequence, moved: MovedState) -> None:
+        """Copy a moved-down sequence's state back; if that fails it is recomputed."""
+        assert self.mover is not None
+        got = self.pages.allocate(-(-moved.tokens // self.limits.page_size))
+        assert got is not None, "resumed without its pages: this is a bug"
+        if self.mover.restore(seq, moved, got):
+            seq.adopt(got, moved.tokens, seq.pending_logits)  # restored pages are published again
+        else:
+            self.pages.release(got)
+            seq.lose_state()
 
     def _match(self, seq: EngineSequence) -> Claim | None:
         with admission_stage(seq, "lookup"):  # the lookup's tierstore calls join the request's trace
@@ -198,21 +258,23 @@ class Scheduler:
             return total
         return total - claim.num_tokens // self.limits.page_size + self.reuse.revived_free_pages(claim)
 
-    def _fits(self, seq: EngineSequence, claim: Claim | None) -> bool:
+    def _fits(self, seq: EngineSequence, claim: Claim | None, incoming: tuple[int, int] = (0, 0)) -> bool:
+        """Whether `seq` fits now (with `incoming`: once the moves in progress have freed their room)."""
         if len(self.running) >= self.limits.max_num_seqs:
             return False
-        if self.slots is not None and self.slots.num_free == 0:
+        if self.slots is not None and self.slots.num_free + incoming[1] == 0:
             return False
-        return self.pages.can_allocate(self._pages_for(seq, claim))
+        return self.pages.can_allocate(self._pages_for(seq, claim) - incoming[0])
 
     def _make_room_for(self, seq: EngineSequence, claim: Claim | None, plan: StepPlan) -> bool:
-        """Preempt running sequences ranked below `seq` (agent work for interactive) until it fits."""
-        while not self._fits(seq, claim):
+        """Displace running sequences ranked below `seq` (agent work for interactive) until it fits:
+        moved down, the room comes back over the next steps, and `seq` waits for it at the head."""
+        while not self._fits(seq, claim, self._incoming()):
             victim = self._lowest_running()
             if victim is None or victim.rank_key[0] <= seq.rank_key[0]:
                 return False
-            self._preempt(victim, plan)
-        return True
+            self._displace(victim, plan)
+        return self._fits(seq, claim)
 
     # --- forks -------------------------------------------------------------------
     def fork_children(self, parent: EngineSequence) -> list[EngineSequence]:
@@ -250,6 +312,8 @@ class Scheduler:
             self.slots.check_integrity()
         held = {p for s in self.running for p in s.page_table}
         held |= self.reuse.held_pages()
+        if self.mover is not None:
+            held |= set(self.mover.pages_in_flight())
         if len(held) != self.pages.num_used:
             # Every page in use is held by a running sequence or a retained state; otherwise it leaked.
             raise AssertionError(f"{self.pages.num_used} pages used but {len(held)} are held")

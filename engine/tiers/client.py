@@ -204,9 +204,16 @@ class TierClient:
         self.same_instance(reply.instance_id)
         return list(reply.hits), list(reply.candidates)
 
-    def reserve(self, hash: bytes, nbytes: int, request_class: int) -> tierstore_pb2.ReserveResponse | None:
+    @property
+    def instance_id(self) -> str:
+        """The store instance whose arena is mapped now ("" when none is)."""
+        return self._instance
+
+    def reserve(self, hash: bytes, nbytes: int, request_class: int, protect_seconds: float = 0.0
+                ) -> tierstore_pb2.ReserveResponse | None:
         return self._call(lambda s: s.Reserve(tierstore_pb2.ReserveRequest(
-            hash=hash, nbytes=nbytes, request_class=request_class), timeout=self.timeout),  # type: ignore[arg-type]
+            hash=hash, nbytes=nbytes, request_class=request_class,  # type: ignore[arg-type]
+            protect_seconds=protect_seconds), timeout=self.timeout),
             quiet=(grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED))
 
     def commit(self, hash: bytes, metadata: tierstore_pb2.StateMetadata) -> bool:

@@ -86,24 +86,36 @@ class StateCodec:
     def pack(self, arena: torch.Tensor, offset: int, tokens: int, slot: int | None, pages: list[int],
              logits: torch.Tensor | None) -> None:
         """Copy a state (device slot + its pages + logits) into the arena at `offset`."""
-        c, s = self.cache, self.sections(tokens)
         if len(pages) != -(-tokens // self.page_size):
             raise ValueError(f"{len(pages)} pages do not hold {tokens} tokens")
-        if slot is None and self.fixed_state_bytes:
-            raise ValueError("a model with recurrent state needs its slot")
-        if self.recurrent_bytes:
-            self._view(arena, offset + s.recurrent, c.recurrent[slot]).copy_(c.recurrent[slot])
-        if self.conv_bytes:
-            self._view(arena, offset + s.conv, c.conv[slot]).copy_(c.conv[slot])
+        self.pack_window(arena, offset, tokens, slot, pages, 0)
+        if logits is not None:
+            s = self.sections(tokens)
+            self._view(arena, offset + s.logits, logits.float()).copy_(logits.float())
+
+    def pack_window(self, arena: torch.Tensor, offset: int, tokens: int, slot: int | None, pages: list[int],
+                    first: int) -> None:
+        """Copy part of a state into the arena at `offset`: its pages `pages` (the state's pages
+        first .. first+len-1) and, with the first window (first == 0), its slot. A live sequence
+        moves down a few pages per step this way; the whole state ends up as `pack` writes it."""
+        c, s = self.cache, self.sections(tokens)
+        if first + len(pages) > -(-tokens // self.page_size):
+            raise ValueError(f"pages {first}..{first + len(pages) - 1} are past the {tokens} tokens of the state")
+        if first == 0:
+            if slot is None and self.fixed_state_bytes:
+                raise ValueError("a model with recurrent state needs its slot")
+            if self.recurrent_bytes:
+                self._view(arena, offset + s.recurrent, c.recurrent[slot]).copy_(c.recurrent[slot])
+            if self.conv_bytes:
+                self._view(arena, offset + s.conv, c.conv[slot]).copy_(c.conv[slot])
         if pages:
-            dst = self._view(arena, offset + s.kv, c.kv[0], len(pages))
+            start = offset + s.kv + first * self.page_bytes
+            dst = self._view(arena, start, c.kv[0], len(pages))
             idx = torch.tensor(pages, dtype=torch.long, device=c.kv.device)
             if c.kv.device.type == "cpu":
-                torch.index_select(c.kv, 0, idx, out=dst)  # gather straight into the arena
+                torch.index_select(c.kv, 0, idx, out=dst)
             else:
                 dst.copy_(c.kv.index_select(0, idx))
-        if logits is not None:
-            self._view(arena, offset + s.logits, logits.float()).copy_(logits.float())
 
     def unpack(self, arena: torch.Tensor, offset: int, tokens: int, nbytes: int, slot: int | None,
                pages: list[int]) -> torch.Tensor | None:

@@ -52,6 +52,17 @@ class Spillable:
     logits: torch.Tensor | None
 
 
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """An arena extent reserved for a state being written."""
+
+    name: BlockHash
+    namespace: BlockHash
+    offset: int
+    nbytes: int
+    instance: str  # the store instance whose arena holds the extent
+
+
 class TierLink:
     def __init__(self, client: TierClient, codec: StateCodec) -> None:
         self.client = client
@@ -76,38 +87,66 @@ class TierLink:
             return spilled
 
     def _spill(self, s: Spillable) -> bool:
-        if not self.client.ensure(s.namespace):
-            return False
         started = time.perf_counter()
         nbytes = self.codec.nbytes(s.tokens, s.logits is not None)
-        reserved = self.client.reserve(s.name, nbytes, request_class_pb(s.request_class))
-        if reserved is None:
-            if self.client.last_code is grpc.StatusCode.ALREADY_EXISTS:
-                return True  # states are immutable: the store already holds this one
-            self.spill_failures += 1  # no room, or the store is down
-            return False
-        extent = reserved.extent
-        if not self.client.same_instance(reserved.instance_id) and not self.client.ensure(s.namespace):
-            self.client.drop(s.name)  # the store restarted under us and cannot be mapped
-            self.spill_failures += 1
-            return False
+        reservation = self.reserve(s.name, s.namespace, nbytes, s.request_class)
+        if reservation is None:
+            # ALREADY_EXISTS: states are immutable, the store already holds this one.
+            return self.client.last_code is grpc.StatusCode.ALREADY_EXISTS
         arena = self.client.arena
         assert arena is not None
-        self.codec.pack(arena, extent.offset, s.tokens, s.slot, s.pages, s.logits)
-        # Our own checksum: Commit rejects it if the bytes landed in a stale mapping (store restarted).
-        digest = xxhash.xxh3_128_digest(self.client.arena_bytes(extent.offset, nbytes))
-        meta = tierstore_pb2.StateMetadata(
-            namespace=s.namespace, tokens=s.tokens, kind=reuse_kind_pb(s.kind),
-            request_class=request_class_pb(s.request_class), page_hashes=s.page_hashes, checksum=digest,
-            nbytes=nbytes)
-        if not self.client.commit(s.name, meta):
-            self.client.drop(s.name)  # abandon the reservation
-            self.spill_failures += 1
+        self.codec.pack(arena, reservation.offset, s.tokens, s.slot, s.pages, s.logits)
+        if not self.commit(reservation, s.tokens, s.kind, s.request_class, s.page_hashes):
             return False
-        self.spills += 1
         log_event(log, "ignis.request.spilled", hash=s.name.hex(), tokens=s.tokens, kind=s.kind.value, tier="ram",
                   bytes=nbytes, ms=round((time.perf_counter() - started) * 1000, 3))
         return True
+
+    def reserve(self, name: BlockHash, namespace: BlockHash, nbytes: int, request_class: RequestClass,
+                protect_seconds: float = 0.0) -> Reservation | None:
+        """An arena extent to write a state into, in the arena mapped now; None (counted as a
+        failed spill unless the state exists already) when the store is down or has no room."""
+        if not self.client.ensure(namespace):
+            return None
+        reply = self.client.reserve(name, nbytes, request_class_pb(request_class), protect_seconds)
+        if reply is None:
+            if self.client.last_code is not grpc.StatusCode.ALREADY_EXISTS:
+                self.spill_failures += 1  # no room, or the store is down
+            return None
+        if not self.client.same_instance(reply.instance_id) and not self.client.ensure(namespace):
+            self.client.drop(name)  # the store restarted under us and cannot be mapped
+            self.spill_failures += 1
+            return None
+        return Reservation(name, namespace, reply.extent.offset, nbytes, reply.instance_id)
+
+    def still_mapped(self, reservation: Reservation) -> bool:
+        """Whether the reservation's arena is the one mapped now (a store restart voids it)."""
+        return self.client.arena is not None and self.client.instance_id == reservation.instance
+
+    def commit(self, reservation: Reservation, tokens: int, kind: ReuseKind, request_class: RequestClass,
+               page_hashes: tuple[BlockHash, ...] = ()) -> bool:
+        """Publish a written reservation; on failure the reservation is abandoned."""
+        r = reservation
+        if not self.still_mapped(r):
+            self.client.drop(r.name)
+            self.spill_failures += 1
+            return False
+        # Our own checksum: Commit rejects it if the bytes landed in a stale mapping (store restarted).
+        digest = xxhash.xxh3_128_digest(self.client.arena_bytes(r.offset, r.nbytes))
+        meta = tierstore_pb2.StateMetadata(
+            namespace=r.namespace, tokens=tokens, kind=reuse_kind_pb(kind), request_class=request_class_pb(request_class),
+            page_hashes=page_hashes, checksum=digest, nbytes=r.nbytes)
+        if not self.client.commit(r.name, meta):
+            self.client.drop(r.name)  # abandon the reservation
+            self.spill_failures += 1
+            return False
+        self.spills += 1
+        return True
+
+    def drop(self, name: BlockHash) -> None:
+        """Remove a state from every tier (a live sequence's, once it is restored or cancelled)."""
+        if self.client.available:
+            self.client.drop(name)
 
     # --- lookup --------------------------------------------------------------------------
     def find(self, namespace: BlockHash, page_hashes: list[BlockHash], tokens: list[int]) -> TierHit | None:
@@ -153,7 +192,7 @@ class TierLink:
         return hit.tokens < n or (hit.tokens == n and self.codec.has_logits(hit.tokens, hit.nbytes))
 
     # --- up ------------------------------------------------------------------------------
-    def restore(self, namespace: BlockHash, hit: TierHit, slot: int | None, pages: list[int]
+    def restore(self, namespace: BlockHash, hit: TierHit, slot: int | None, pages: list[int], request_id: str = ""
                 ) -> tuple[ReuseTier, torch.Tensor | None] | None:
         """Copy a stored state into `slot` and `pages`; (from tier, logits) or None if it failed.
 
@@ -186,6 +225,7 @@ class TierLink:
             self.client.release(lease.lease_id)
         tier = reuse_tier(lease.from_tier, ReuseTier.RAM)
         self.restores += 1
-        log_event(log, "ignis.request.restored", hash=hit.state_hash.hex(), tokens=hit.tokens, kind=hit.kind.value,
-                  tier=tier.value, bytes=meta.nbytes, ms=round((time.perf_counter() - started) * 1000, 3))
+        ids = {"request_id": request_id} if request_id else {}
+        log_event(log, "ignis.request.restored", **ids, hash=hit.state_hash.hex(), tokens=hit.tokens,
+                  kind=hit.kind.value, tier=tier.value, bytes=meta.nbytes, ms=round((time.perf_counter() - started) * 1000, 3))
         return tier, logits

@@ -1,0 +1,283 @@
+"""Live sequences move down a tier and resume bit-exact (issue 15).
+
+An EngineCore is stepped by hand against a real tierstore process. A sequence is
+moved down at a chosen point (mid-decode, at a prefill chunk boundary, across a
+stop string) and must then produce the same tokens and logprobs as the same
+request run without interruption, sampler state and stop-string buffer included.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.facts import RequestClass, ReuseTier
+from engine.model.loader import LoadedModel, load_model
+from engine.outputs import RequestUpdate
+from engine.request import EngineRequest, EngineSequence, SeqStatus
+from engine.sampling.params import SamplingParams
+from engine.text.tokenizer import Tokenizer
+from services import RunningService, start_tierstore
+from tierstore.client import TierStoreClient
+
+P = 16
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module", params=["hybrid", "dense"])
+def model(request: pytest.FixtureRequest, tiny_model_dir: Path, dense_chat_model_dir: Path
+          ) -> tuple[str, LoadedModel, Tokenizer]:
+    path = tiny_model_dir if request.param == "hybrid" else dense_chat_model_dir
+    return request.param, load_model(path), Tokenizer.from_dir(path)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[RunningService]:
+    service = start_tierstore(tmp_path / "ts", ["--kv-host-pool-bytes", str(32 * MiB), "--kv-disk-bytes", "0"])
+    yield service
+    service.stop()
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    logprobs: list[float]
+    text: str
+    finish: str | None
+    error: str | None
+
+
+class Driver:
+    """An EngineCore stepped on the test thread."""
+
+    def __init__(self, model: tuple[str, LoadedModel, Tokenizer], tierstore: str = "", pages: int = 64,
+                 **config: object) -> None:
+        _, loaded, tokenizer = model
+        page_bytes = loaded.config.state_shape().kv_bytes_per_page(P, loaded.model.dtype)
+        settings: dict[str, object] = {"max_num_seqs": 8, "spill_window_pages": 2, **config}
+        self.core = EngineCore(loaded, tokenizer, EngineConfig(
+            page_size=P, kv_cache_bytes=pages * page_bytes, tierstore_address=tierstore, **settings))  # type: ignore[arg-type]
+        self.updates: dict[str, list[RequestUpdate]] = {}
+
+    def submit(self, request: EngineRequest) -> None:
+        self.updates[request.request_id] = []
+        self.core.submit(request, self.updates[request.request_id].append)
+        self.core.drain_inbox()
+
+    def done(self, rid: str) -> bool:
+        return bool(self.updates[rid]) and self.updates[rid][-1].done
+
+    def step_until(self, cond: Callable[[], bool], limit: int = 2000) -> None:
+        for _ in range(limit):
+            if cond():
+                return
+            self.core.drain_inbox()
+            self.core.step()
+        raise AssertionError("the condition never came")
+
+    def running(self, rid: str) -> EngineSequence | None:
+        found = [s for s in self.core.scheduler.running if s.request.request_id == rid]
+        assert len(found) <= 1
+        return found[0] if found else None
+
+    def seq(self, rid: str) -> EngineSequence:
+        seq = self.running(rid)
+        assert seq is not None, f"{rid} is not running"
+        return seq
+
+    def running_and(self, rid: str, when: Callable[[EngineSequence], bool]) -> bool:
+        seq = self.running(rid)
+        return seq is not None and when(seq)
+
+    def result(self, rid: str) -> Result:
+        updates = self.updates[rid]
+        deltas = [d for u in updates for d in u.deltas]
+        return Result([t for d in deltas for t in d.token_ids],
+                      [lp.logprob or 0.0 for d in deltas for lp in d.logprobs], "".join(d.text for d in deltas),
+                      next((d.finish_reason.value for d in deltas if d.finish_reason), None), updates[-1].error)
+
+    def run(self, request: EngineRequest) -> Result:
+        self.submit(request)
+        self.step_until(lambda: self.done(request.request_id))
+        return self.result(request.request_id)
+
+    def close(self) -> None:
+        self.core.stop()
+
+
+def make_prompt(n: int, seed: int) -> tuple[int, ...]:
+    return tuple(torch.randint(10, 4000, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
+
+
+def make_request(rid: str, prompt: tuple[int, ...], max_tokens: int = 24, seeded: bool = False,
+                 cls: RequestClass = RequestClass.INTERACTIVE, **params: object) -> EngineRequest:
+    sampling = SamplingParams(temperature=0.9 if seeded else 0.0, seed=11 if seeded else None,
+                              max_tokens=max_tokens, ignore_eos=True, logprobs=True, **params)  # type: ignore[arg-type]
+    return EngineRequest(rid, prompt, sampling, cls)
+
+
+def same(got: Result, want: Result) -> None:
+    assert got.error is None and want.error is None
+    assert (got.tokens, got.text, got.finish) == (want.tokens, want.text, want.finish)
+    assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) <= 1e-5
+
+
+def stored_states(store: RunningService) -> int:
+    stats = TierStoreClient(store.address, timeout=10).stats()
+    return stats.states_ram + stats.states_disk
+
+
+def move_at(driver: Driver, rid: str, when: Callable[[EngineSequence], bool]) -> None:
+    """Step until `when(seq)`, then move the sequence down; it must stop running until it resumes."""
+    driver.step_until(lambda: driver.running_and(rid, when))
+    seq = driver.seq(rid)
+    assert driver.core.scheduler.move_down(seq)
+    assert seq.status is SeqStatus.MOVING
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["cold", "claimed"])
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_moved_mid_decode_resumes_bit_exact(model, store: RunningService, seeded: bool, reuse: bool) -> None:  # type: ignore[no-untyped-def]
+    """With reuse on, the moved request starts from the first one's retained state (or pages)."""
+    prompt = make_prompt(40, seed=1)
+    driver = Driver(model, store.address, reuse_prompt=reuse)
+    try:
+        want = driver.run(make_request("alone", prompt, seeded=seeded))
+        driver.submit(make_request("moved", prompt, seeded=seeded))
+        move_at(driver, "moved", lambda s: s.num_output == 7)
+        driver.step_until(lambda: driver.done("moved"))
+        same(driver.result("moved"), want)
+        stats = driver.core.stats()
+        assert stats.sequences_moved[ReuseTier.RAM] == 1 and stats.sequences_recomputed == 0
+        driver.core.check_integrity()
+        if not reuse:
+            assert stored_states(store) == 0  # the live state is dropped once restored
+    finally:
+        driver.close()
+
+
+def test_moved_at_a_prefill_chunk_boundary_resumes_bit_exact(model, store: RunningService) -> None:  # type: ignore[no-untyped-def]
+    prompt = make_prompt(70, seed=2)
+    driver = Driver(model, store.address, prefill_chunk_tokens=32, reuse_prompt=False)
+    try:
+        want = driver.run(make_request("alone", prompt, seeded=True, max_tokens=10))
+        driver.submit(make_request("moved", prompt, seeded=True, max_tokens=10))
+        move_at(driver, "moved", lambda s: s.num_computed == 32 and s.num_output == 0)
+        driver.step_until(lambda: driver.done("moved"))
+        same(driver.result("moved"), want)
+        driver.core.check_integrity()
+        assert stored_states(store) == 0
+    finally:
+        driver.close()
+
+
+def test_moved_with_a_stop_string_half_matched_resumes_bit_exact(model, store: RunningService) -> None:  # type: ignore[no-untyped-def]
+    """The text a possible stop string holds back travels with the sequence object: a stop
+    string half matched when the sequence moves down still ends it, at the same token."""
+    prompt = make_prompt(30, seed=3)
+    driver = Driver(model, store.address, reuse_prompt=False)
+    try:
+        free = driver.run(make_request("free", prompt))
+        pieces = [driver.core.tokenizer.decode([t]) for t in free.tokens]
+        k = next(i for i in range(4, len(pieces) - 1) if pieces[i].strip() and pieces[i + 1].strip())
+        stop = pieces[k] + pieces[k + 1][:1]  # starts in token k, completes in token k+1
+        want = driver.run(make_request("alone", prompt, stop=(stop,)))
+        assert want.finish == "stop"
+        driver.submit(make_request("moved", prompt, stop=(stop,)))
+        move_at(driver, "moved", lambda s: s.num_output == k + 1)  # token k's text is held back now
+        driver.step_until(lambda: driver.done("moved"))
+        same(driver.result("moved"), want)
+        driver.core.check_integrity()
+    finally:
+        driver.close()
+
+
+def test_interactive_request_moves_agents_down_and_nobody_is_recomputed(model, store: RunningService) -> None:  # type: ignore[no-untyped-def]
+    prompts = [make_prompt(40, seed=10 + i) for i in range(3)]
+    ask = make_prompt(40, seed=20)
+    reference = Driver(model, pages=64)
+    try:
+        want_agents = [reference.run(make_request(f"a{i}", p, max_tokens=20)) for i, p in enumerate(prompts)]
+        want_ask = reference.run(make_request("ask", ask, max_tokens=8))
+    finally:
+        reference.close()
+    # 3 agents of 40 + 20 tokens need 4 pages each: 12 pages leave no room for the interactive one.
+    driver = Driver(model, store.address, pages=12, reuse_prompt=False)
+    try:
+        for i, p in enumerate(prompts):
+            driver.submit(make_request(f"a{i}", p, max_tokens=20, cls=RequestClass.AGENT))
+        driver.step_until(lambda: all(driver.running_and(f"a{i}", lambda s: s.num_output >= 3) for i in range(3)))
+        driver.submit(make_request("ask", ask, max_tokens=8))
+        driver.step_until(lambda: driver.done("ask"))
+        same(driver.result("ask"), want_ask)
+        driver.step_until(lambda: all(driver.done(f"a{i}") for i in range(3)))
+        for i in range(3):
+            same(driver.result(f"a{i}"), want_agents[i])
+        stats = driver.core.stats()
+        assert stats.sequences_moved[ReuseTier.RAM] >= 1 and stats.sequences_recomputed == 0
+        assert stats.requests_preempted == 0
+        driver.core.check_integrity()
+        assert stored_states(store) == 0
+    finally:
+        driver.close()
+
+
+def test_a_cancelled_moved_sequence_leaves_nothing_in_any_tier(model, store: RunningService) -> None:  # type: ignore[no-untyped-def]
+    """Cancelled while its state waits below (a blocker holds the only running place), and
+    cancelled halfway through its move: either way no state and no reservation is left."""
+    driver = Driver(model, store.address, reuse_prompt=False, max_num_seqs=1)
+    try:
+        driver.submit(make_request("gone", make_prompt(40, seed=4)))
+        move_at(driver, "gone", lambda s: s.num_output == 2)
+        driver.submit(make_request("blocker", make_prompt(50, seed=5), max_tokens=40))
+        driver.step_until(lambda: driver.core.stats().moving == 0)  # committed below, waiting to resume
+        assert driver.running("gone") is None and stored_states(store) == 1
+        driver.core.abort("gone")
+        driver.step_until(lambda: driver.done("gone"))
+        assert stored_states(store) == 0
+        move_at(driver, "blocker", lambda s: True)  # 4 pages at 2 a step
+        driver.core.step()  # the first window is written
+        assert TierStoreClient(store.address, timeout=10).stats().reservations_pending == 1
+        driver.core.abort("blocker")
+        driver.step_until(lambda: driver.done("blocker"))
+        stats = TierStoreClient(store.address, timeout=10).stats()
+        assert (stats.states_ram + stats.states_disk, stats.reservations_pending) == (0, 0)
+        driver.core.check_integrity()
+        assert driver.core.pages.num_free == driver.core.pages.num_pages
+    finally:
+        driver.close()
+
+
+def test_tierstore_killed_during_a_move_falls_back_to_recompute(model, store: RunningService) -> None:  # type: ignore[no-untyped-def]
+    prompt = make_prompt(60, seed=5)
+    driver = Driver(model, store.address, reuse_prompt=False)
+    try:
+        want = driver.run(make_request("alone", prompt))
+        driver.submit(make_request("moved", prompt))
+        move_at(driver, "moved", lambda s: s.num_output == 4)  # 4 pages, 2 per step: the move takes two steps
+        store.process.send_signal(signal.SIGKILL)
+        store.process.wait()
+        driver.step_until(lambda: driver.done("moved"))
+        same(driver.result("moved"), want)
+        stats = driver.core.stats()
+        assert stats.sequences_recomputed == 1 and stats.sequences_moved[ReuseTier.RAM] == 0
+        driver.core.check_integrity()
+    finally:
+        driver.close()
+
+
+def test_without_a_tierstore_pressure_recomputes_and_counts_it(model) -> None:  # type: ignore[no-untyped-def]
+    driver = Driver(model, reuse_prompt=False)
+    try:
+        driver.submit(make_request("r", make_prompt(30, seed=6)))
+        driver.step_until(lambda: driver.running_and("r", lambda s: s.num_output == 2))
+        assert not driver.core.scheduler.move_down(driver.seq("r"))  # no tier can take it
+    finally:
+        driver.close()
