@@ -35,11 +35,17 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     shape = model_cfg.state_shape()
     dtype = loaded.model.dtype
     page_bytes = shape.kv_bytes_per_page(config.page_size, dtype)
-    num_pages = max(1, config.kv_cache_bytes // page_bytes) if page_bytes else 1
     recurrent = shape.has_recurrent_state
     live_slots = config.max_num_seqs + 1 if recurrent else 0
     retained_slots = config.retained_device if recurrent and config.reuse_prompt else 0
     num_slots = live_slots + retained_slots
+    if page_bytes:
+        num_pages = max(1, config.kv_cache_bytes // page_bytes)
+    else:
+        # Every layer is linear attention: pages hold no bytes, only positions. Enough of them
+        # for every live and retained sequence to reach the model's full context.
+        context_pages = -(-model_cfg.max_position_embeddings // config.page_size)
+        num_pages = context_pages * max(1, num_slots)
     cache = DeviceCache(shape, CacheGeometry(config.page_size, num_pages, num_slots, dtype), loaded.model.device)
     pages = PagePool(num_pages)
     tiers = _tier_link(loaded, config, cache)  # retained state spills there; live sequences move there

@@ -61,14 +61,14 @@ def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module
         config = tf.Qwen3Config(**kwargs, **overrides)
         cls = tf.Qwen3ForCausalLM
     elif name == "Qwen3_5ForCausalLM":
-        config = tf.Qwen3_5TextConfig(**kwargs, **_HYBRID, **overrides)
+        config = tf.Qwen3_5TextConfig(**{**_HYBRID, **kwargs})  # the caller's layer_types win
         cls = tf.Qwen3_5ForCausalLM
     elif name == "Qwen3NextForCausalLM":
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                    shared_expert_intermediate_size=64, decoder_sparse_step=1)
         if not arch.endswith("-moe"):
             moe = dict(num_experts=0)
-        config = tf.Qwen3NextConfig(**kwargs, **_HYBRID, **moe, **overrides)
+        config = tf.Qwen3NextConfig(**{**_HYBRID, **kwargs}, **moe)
         cls = tf.Qwen3NextForCausalLM
     else:
         raise ValueError(arch)
