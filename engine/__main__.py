@@ -67,6 +67,7 @@ def build_core(model_path: Path, settings: Settings) -> EngineCore:
         page_size=e.page_size, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,
         prefill_chunk_tokens=e.prefill_chunk_tokens, max_queue=e.max_queue, max_model_len=e.max_model_len,
         reuse_prompt=settings.reuse.prompt, retained_device=settings.reuse.retained_device,
+        retained_host=settings.reuse.retained_host, retained_host_tokens=settings.reuse.retained_host_tokens,
         retained_interactive_ttl=settings.reuse.retained_interactive_ttl,
         tierstore_address=settings.tierstore.address, spill_window_pages=e.spill_window_pages,
     )

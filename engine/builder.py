@@ -11,6 +11,7 @@ from engine.cache.retained import RetainedStateReuse
 from engine.cache.reuse import NoReuse, PromptReuse
 from engine.config import EngineConfig
 from engine.kv.device_cache import CacheGeometry, DeviceCache
+from engine.kv.host_slots import HostSlots
 from engine.kv.page_pool import PagePool, SlotPool
 from engine.model.loader import LoadedModel
 from engine.tiers.client import TierClient
@@ -53,8 +54,11 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     if not config.reuse_prompt:
         reuse = NoReuse()
     elif recurrent:
+        codec = StateCodec(cache, model_cfg.vocab_size)
+        host = _host_slots(config, codec, min(model_cfg.max_position_embeddings, num_pages * config.page_size),
+                           pin=cache.kv.device.type == "cuda")
         reuse = RetainedStateReuse(cache, pages, live_slots, retained_slots, config.retained_interactive_ttl,
-                                   tiers=tiers, restore_floor=config.restore_floor)
+                                   tiers=tiers, restore_floor=config.restore_floor, host=host, codec=codec)
     else:
         reuse = PageReuse(pages, config.page_size, tiers=tiers, restore_floor=config.restore_floor)
     capacity = num_pages * config.page_size
@@ -66,6 +70,17 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         num_slots * shape.state_bytes_per_slot(dtype) / 2**20, max_model_len,
     )
     return EngineParts(cache, pages, SlotPool(live_slots) if recurrent else None, reuse, tiers, max_model_len)
+
+
+def _host_slots(config: EngineConfig, codec: StateCodec, context: int, pin: bool) -> HostSlots | None:
+    """`reuse.retained_host` slots, each sized for a state of `reuse.retained_host_tokens` (the context)."""
+    if config.retained_host <= 0:
+        return None
+    tokens = min(config.retained_host_tokens or context, context)
+    host = HostSlots(config.retained_host, codec.nbytes(tokens, with_logits=True), pin=pin)
+    log.info("retained states: %d host slots of up to %d tokens (%.1f MiB each, %.1f MiB in all)",
+             host.num_slots, tokens, host.slot_bytes / 2**20, host.num_slots * host.slot_bytes / 2**20)
+    return host
 
 
 def _tier_link(loaded: LoadedModel, config: EngineConfig, cache: DeviceCache) -> TierLink | None:

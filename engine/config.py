@@ -15,6 +15,8 @@ class EngineConfig:
     max_model_len: int = 0  # 0: from the model config (and the cache's capacity)
     reuse_prompt: bool = True  # reuse.prompt
     retained_device: int = 8  # reuse.retained_device: retained-state slots reserved at load (hybrid models)
+    retained_host: int = 0  # reuse.retained_host: retained-state slots in one host block (hybrid models)
+    retained_host_tokens: int = 0  # reuse.retained_host_tokens: the longest state a host slot holds; 0: the context
     retained_interactive_ttl: float = 300.0  # reuse.retained_interactive_ttl
     tierstore_address: str = ""  # tierstore.address; empty = device-only reuse
     tier_restore_floor: int = -1  # a lower-tier match must beat the device match by more tokens; -1: two pages

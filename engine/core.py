@@ -153,6 +153,7 @@ class EngineCore:
         running = list(self.scheduler.running)
         live_pages, cached_pages = self._page_use()
         retained_total, retained_used = self.reuse.retained_slots
+        host_total, host_used = self.reuse.host_slots
         rc = self.reuse.counters
         t = self.totals
         return EngineStats(
@@ -173,6 +174,8 @@ class EngineCore:
             generated_tokens=t.generated_tokens,
             retained_slots_total=retained_total,
             retained_slots_used=retained_used,
+            retained_host_slots_total=host_total,
+            retained_host_slots_used=host_used,
             retained_hits=rc.hits,
             retained_misses=rc.misses,
             reused_tokens=dict(rc.reused_tokens),

@@ -156,6 +156,8 @@ class EngineCollector(Collector):
              s.used_slots),
             ("ignis_retained_slots", "Retained-state slots reserved at load (reuse.retained_device)",
              s.retained_slots_total, s.retained_slots_used),
+            ("ignis_retained_host_slots", "Retained-state slots in the host block (reuse.retained_host)",
+             s.retained_host_slots_total, s.retained_host_slots_used),
         ):
             yield labelled_gauge(name, doc, "kind", {"total": total, "used": used})
         link = self._tiers()

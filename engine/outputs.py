@@ -66,6 +66,8 @@ class EngineStats:  # noqa: D101 - a snapshot for GetStats and /metrics
     generated_tokens: int
     retained_slots_total: int = 0
     retained_slots_used: int = 0
+    retained_host_slots_total: int = 0
+    retained_host_slots_used: int = 0
     retained_hits: int = 0
     retained_misses: int = 0
     reused_tokens: dict[ReuseTier, int] = field(default_factory=dict)  # by the tier they came from

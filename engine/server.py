@@ -174,6 +174,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                                                cached_pages=s.cached_pages, page_size=s.page_size),
             state_slots=engine_pb2.SlotStats(total=s.total_slots, used=s.used_slots),
             retained_device_slots=engine_pb2.SlotStats(total=s.retained_slots_total, used=s.retained_slots_used),
+            retained_host_slots=engine_pb2.SlotStats(total=s.retained_host_slots_total, used=s.retained_host_slots_used),
             counters=engine_pb2.EngineCounters(
                 requests_finished=s.requests_finished, requests_cancelled=s.requests_cancelled,
                 requests_preempted=s.requests_preempted, prompt_tokens=s.prompt_tokens,

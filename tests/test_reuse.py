@@ -38,16 +38,18 @@ class Result:
     cached: int
     kind: str
     text: str
+    tier: str = "none"
 
 
 class Harness:
     """One EngineCore driven synchronously from the test thread."""
 
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, reuse: bool, retained_device: int = 8,
-                 start: bool = True) -> None:
+                 start: bool = True, **config: object) -> None:
         self.tokenizer = tokenizer
-        self.core = EngineCore(loaded, tokenizer, EngineConfig(page_size=P, kv_cache_bytes=64 << 20, max_num_seqs=8,
-                                                               reuse_prompt=reuse, retained_device=retained_device))
+        self.core = EngineCore(loaded, tokenizer, EngineConfig(
+            page_size=P, kv_cache_bytes=64 << 20, max_num_seqs=8, reuse_prompt=reuse,
+            retained_device=retained_device, **config))  # type: ignore[arg-type]
         self.started = start
         if start:
             self.core.start()
@@ -84,7 +86,8 @@ class Harness:
             usage = updates[-1].usage
             assert usage is not None
             out.append(Result([t for d in deltas for t in d.token_ids], [lp.logprob for d in deltas for lp in d.logprobs],
-                              usage.cached_tokens, usage.reuse.kind.value, "".join(d.text for d in deltas)))
+                              usage.cached_tokens, usage.reuse.kind.value, "".join(d.text for d in deltas),
+                              usage.reuse.tier.value))
         return out
 
     def check(self) -> None:

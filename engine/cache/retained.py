@@ -26,14 +26,16 @@ import torch
 
 from common.eviction import EvictionOrder
 from common.logs import log_event
-from engine.cache.reuse import Claim, DeviceState
+from engine.cache.reuse import Claim, HeldState
 from engine.cache.retained_state import RetainedState
 from engine.cache.tier_claims import LowerTierClaims, TieredReuse
-from engine.facts import RequestClass, ReuseKind
+from engine.facts import RequestClass, ReuseKind, ReuseTier
 from engine.kv.chain_hash import BlockHash, extend_page_hashes, state_matches, state_name
 from engine.kv.device_cache import DeviceCache
+from engine.kv.host_slots import HostSlots
 from engine.kv.page_pool import PagePool
 from engine.request import CommitPolicy, EngineSequence
+from engine.tiers.codec import StateCodec
 from engine.tiers.link import Spillable, TierLink
 
 log = logging.getLogger("ignis.request")
@@ -42,8 +44,11 @@ log = logging.getLogger("ignis.request")
 class RetainedStateReuse(TieredReuse):
     def __init__(self, cache: DeviceCache, pages: PagePool, first_slot: int, num_slots: int,
                  interactive_ttl: float, max_per_lineage: int = 2, tiers: TierLink | None = None,
-                 restore_floor: int = 32) -> None:
+                 restore_floor: int = 32, host: HostSlots | None = None, codec: StateCodec | None = None) -> None:
         super().__init__()
+        if host is not None and codec is None:
+            raise ValueError("host slots need the state codec: this is a bug")
+        self.host, self.codec = host, codec
         self.cache = cache
         self.pages = pages
         self.page_size = cache.page_size
@@ -80,12 +85,37 @@ class RetainedStateReuse(TieredReuse):
                         state_matches(state.name, m, seq.namespace, seq.page_hashes, seq.token_ids, self.page_size):
                     best = state
             if best is not None:
-                return Claim(best.num_tokens, best.kind, DeviceState(best))
+                return Claim(best.num_tokens, best.kind, HeldState(best))
         return None
 
+    def device_revived_pages(self, claim: Claim) -> int:
+        """A host state's pages are all fresh device pages (like a restored one's)."""
+        assert isinstance(claim.source, HeldState)
+        return claim.num_tokens // self.page_size if claim.source.state.tier is ReuseTier.HOST else 0
+
     def apply_device(self, seq: EngineSequence, claim: Claim) -> None:
-        assert isinstance(claim.source, DeviceState) and seq.slot is not None
+        assert isinstance(claim.source, HeldState) and seq.slot is not None
         state = claim.source.state
+        if state.tier is ReuseTier.HOST:
+            self._claim_from_host(seq, state)
+        else:
+            self._claim_from_device(seq, state)
+        if state.kind is ReuseKind.CHECKPOINT and state.lineage is not None:
+            seq.join_lineage(state.lineage)
+        state.last_used = time.monotonic()
+
+    def _claim_from_host(self, seq: EngineSequence, state: RetainedState) -> None:
+        """One host-to-device copy: the slot, then fresh pages."""
+        assert self.host is not None and self.codec is not None and seq.slot is not None
+        got = self.pages.allocate(-(-state.num_tokens // self.page_size))
+        if got is None:
+            raise RuntimeError("host claim admitted without its pages: this is a bug")
+        nbytes = self.codec.nbytes(state.num_tokens, state.logits is not None)
+        self.codec.unpack(self.host.block, self.host.offset(state.slot), state.num_tokens, nbytes, seq.slot, got)
+        seq.adopt(got, state.num_tokens, state.logits)
+
+    def _claim_from_device(self, seq: EngineSequence, state: RetainedState) -> None:
+        assert seq.slot is not None
         full = state.num_tokens // self.page_size
         shared = state.pages[:full]
         self.pages.share(shared)
@@ -98,9 +128,6 @@ class RetainedStateReuse(TieredReuse):
             table.append(got[0])
         self.cache.copy_slot(state.slot, seq.slot)
         seq.adopt(table, state.num_tokens, state.logits)
-        if state.kind is ReuseKind.CHECKPOINT and state.lineage is not None:
-            seq.join_lineage(state.lineage)
-        state.last_used = time.monotonic()
 
     def in_flight(self, seq: EngineSequence, claim: Claim | None,
                   running: list[EngineSequence]) -> EngineSequence | None:
@@ -171,8 +198,13 @@ class RetainedStateReuse(TieredReuse):
             return
         if seq.slot is None:
             return
-        if not self._free_slots and not self._displace_for(seq.request.request_class, time.monotonic()):
-            self._capture_below(seq, name, m, kind, logits)  # no device slot it may take: straight down a tier
+        now = time.monotonic()
+        if self.host is not None and m <= self.host_capacity_tokens and \
+                (self.host.num_free or self._displace_for(seq.request.request_class, now, ReuseTier.HOST)):
+            self._capture_to_host(seq, name, m, kind, logits)
+            return
+        if not self._free_slots and not self._displace_for(seq.request.request_class, now, ReuseTier.DEVICE):
+            self._capture_below(seq, name, m, kind, logits)  # no slot it may take: straight down a tier
             return
         full = m // self.page_size
         private: list[int] = []
@@ -189,17 +221,45 @@ class RetainedStateReuse(TieredReuse):
         self.pages.share(shared)
         slot = self._free_slots.popleft()
         self.cache.copy_slot(seq.slot, slot)
-        lineage = None
-        if kind is ReuseKind.CHECKPOINT:
-            if seq.lineage is None:
-                seq.join_lineage(next(self._lineage_ids))
-            lineage = seq.lineage
-        state = RetainedState(
+        self._index(RetainedState(
             name=name, anchor=seq.page_hashes[full - 1] if full else seq.namespace, num_tokens=m, kind=kind,
-            slot=slot, pages=shared + private, request_class=seq.request.request_class, lineage=lineage,
-            logits=None if logits is None else logits.clone(), namespace=seq.namespace,
-            page_hashes=tuple(seq.page_hashes[:full]),
-        )
+            tier=ReuseTier.DEVICE, slot=slot, pages=shared + private, request_class=seq.request.request_class,
+            lineage=self._lineage_for(seq, kind), logits=None if logits is None else logits.clone(),
+            namespace=seq.namespace, page_hashes=tuple(seq.page_hashes[:full]),
+        ))
+
+    @property
+    def host_capacity_tokens(self) -> int:
+        """The longest state a host slot holds."""
+        if self.host is None or self.codec is None:
+            return 0
+        return self.codec.tokens_fitting(self.host.slot_bytes)
+
+    def _capture_to_host(self, seq: EngineSequence, name: BlockHash, m: int, kind: ReuseKind,
+                         logits: torch.Tensor | None) -> None:
+        """The whole state (slot, pages, logits) into one host slot: no device page or slot kept."""
+        assert self.host is not None and self.codec is not None
+        slot = self.host.allocate()
+        assert slot is not None, "captured to a full host block: this is a bug"
+        full = m // self.page_size
+        self.codec.pack(self.host.block, self.host.offset(slot), m, seq.slot, seq.page_table[:-(-m // self.page_size)],
+                        logits)
+        self._index(RetainedState(
+            name=name, anchor=seq.page_hashes[full - 1] if full else seq.namespace, num_tokens=m, kind=kind,
+            tier=ReuseTier.HOST, slot=slot, pages=[], request_class=seq.request.request_class,
+            lineage=self._lineage_for(seq, kind), logits=None if logits is None else logits.clone(),
+            namespace=seq.namespace, page_hashes=tuple(seq.page_hashes[:full]),
+        ))
+
+    def _lineage_for(self, seq: EngineSequence, kind: ReuseKind) -> int | None:
+        if kind is not ReuseKind.CHECKPOINT:
+            return None
+        if seq.lineage is None:
+            seq.join_lineage(next(self._lineage_ids))
+        return seq.lineage
+
+    def _index(self, state: RetainedState) -> None:
+        name, lineage = state.name, state.lineage
         self._by_name[name] = state
         self._by_anchor.setdefault(state.anchor, []).append(state)
         self.counters.captures += 1
@@ -224,15 +284,15 @@ class RetainedStateReuse(TieredReuse):
             self.counters.slot_skips += 1
 
     # --- eviction -------------------------------------------------------------
-    def eviction_order(self, now: float | None = None) -> list[RetainedState]:
-        """Every retained state, the first to leave first."""
-        return self.order.order(self._by_name.values(), time.monotonic() if now is None else now,
-                                RetainedState.resident)
+    def eviction_order(self, now: float | None = None, tier: ReuseTier | None = None) -> list[RetainedState]:
+        """Every retained state (of `tier`, if given), the first to leave first."""
+        states = [s for s in self._by_name.values() if tier is None or s.tier is tier]
+        return self.order.order(states, time.monotonic() if now is None else now, RetainedState.resident)
 
-    def _displace_for(self, newcomer: RequestClass, now: float) -> bool:
-        """Free a slot for a new capture by evicting the lowest-ranked state, if the order lets
-        the newcomer displace it; False (skip the capture) otherwise."""
-        ranked = self.eviction_order(now)
+    def _displace_for(self, newcomer: RequestClass, now: float, tier: ReuseTier) -> bool:
+        """Free a slot of `tier` for a new capture by evicting its lowest-ranked state, if the
+        order lets the newcomer displace it; False (no slot there) otherwise."""
+        ranked = self.eviction_order(now, tier)
         if not ranked:
             return False
         victim = ranked[0]
@@ -244,8 +304,8 @@ class RetainedStateReuse(TieredReuse):
         return True
 
     def reclaim(self, pages_needed: int, keep: Claim | None = None) -> bool:
-        kept = keep.source.state if keep is not None and isinstance(keep.source, DeviceState) else None
-        for victim in self.eviction_order():
+        kept = keep.source.state if keep is not None and isinstance(keep.source, HeldState) else None
+        for victim in self.eviction_order(tier=ReuseTier.DEVICE):  # host states hold no device pages
             if self.pages.num_free >= pages_needed:
                 break
             if victim is not kept:
@@ -253,15 +313,24 @@ class RetainedStateReuse(TieredReuse):
         return self.pages.num_free >= pages_needed
 
     def _evict(self, state: RetainedState) -> None:
-        """The device needs the room: move the state down a tier if there is one, then free it."""
-        spilled = self.tiers is not None and self.tiers.spill(Spillable(
-            state.name, state.namespace, state.num_tokens, state.kind, state.request_class,
-            state.page_hashes, state.slot, state.pages, state.logits))
+        """Its slot (or pages) are needed: move the state down a tier if there is one, then free it."""
+        spilled = self.tiers is not None and self._spill(state)
         if not spilled:
             log_event(log, "ignis.request.evicted", hash=state.name.hex(), tokens=state.num_tokens,
                       kind=state.kind.value, tier="device")
         self._drop(state)
         self.counters.evictions += 1
+
+    def _spill(self, state: RetainedState) -> bool:
+        assert self.tiers is not None
+        if state.tier is ReuseTier.HOST:  # already in the arena's layout: one copy
+            assert self.host is not None and self.codec is not None
+            nbytes = self.codec.nbytes(state.num_tokens, state.logits is not None)
+            return self.tiers.spill_bytes(state.name, state.namespace, state.num_tokens, state.kind,
+                                          state.request_class, state.page_hashes, self.host.view(state.slot, nbytes))
+        return self.tiers.spill(Spillable(
+            state.name, state.namespace, state.num_tokens, state.kind, state.request_class,
+            state.page_hashes, state.slot, state.pages, state.logits))
 
     def _drop(self, state: RetainedState) -> None:
         if self._by_name.pop(state.name, None) is None:
@@ -276,8 +345,12 @@ class RetainedStateReuse(TieredReuse):
                 chain.remove(state)
                 if not chain:
                     del self._lineages[state.lineage]
-        self.pages.release(state.pages)
-        self._free_slots.append(state.slot)
+        if state.tier is ReuseTier.HOST:
+            assert self.host is not None
+            self.host.release(state.slot)
+        else:
+            self.pages.release(state.pages)
+            self._free_slots.append(state.slot)
 
     # --- introspection ------------------------------------------------------------
     def held_pages(self) -> set[int]:
@@ -287,16 +360,27 @@ class RetainedStateReuse(TieredReuse):
     def retained_slots(self) -> tuple[int, int]:
         return (self.num_slots, self.num_slots - len(self._free_slots))
 
+    @property
+    def host_slots(self) -> tuple[int, int]:
+        """(total, used) retained-state slots on the host."""
+        return (self.host.num_slots, self.host.num_used) if self.host is not None else (0, 0)
+
     def check_integrity(self) -> None:
-        used = {s.slot for s in self._by_name.values()}
-        if len(used) != len(self._by_name) or used & set(self._free_slots):
+        on_host = [s for s in self._by_name.values() if s.tier is ReuseTier.HOST]
+        if self.host is not None:
+            self.host.check_integrity({s.slot for s in on_host})
+        elif on_host:
+            raise AssertionError("host states without host slots")
+        device = [s for s in self._by_name.values() if s.tier is ReuseTier.DEVICE]
+        used = {s.slot for s in device}
+        if len(used) != len(device) or used & set(self._free_slots):
             raise AssertionError("retained slots are double-booked")
         if len(used) + len(self._free_slots) != self.num_slots:
             raise AssertionError("retained slots leaked")
         indexed = sum(len(v) for v in self._by_anchor.values())
         if indexed != len(self._by_name):
             raise AssertionError("anchor index out of step with the name index")
-        for state in self._by_name.values():
+        for state in device:
             for page in state.pages:
                 if self.pages.refcount(page) <= 0:
                     raise AssertionError(f"retained state holds free page {page}")

@@ -8,22 +8,24 @@ from dataclasses import dataclass, field
 import torch
 
 from common.eviction import Resident
-from engine.facts import RequestClass, ReuseKind
+from engine.facts import RequestClass, ReuseKind, ReuseTier
 from engine.kv.chain_hash import BlockHash
 
 
 @dataclass(eq=False)
 class RetainedState:
-    """The whole sequence state at one position: its recurrent state and conv taps in a
-    slot reserved at load, and its KV pages (full pages shared, a partial last page private).
-    Immutable once captured: a claim copies it."""
+    """The whole sequence state at one position. On the device: its recurrent state and conv
+    taps in a slot reserved at load, and its KV pages (full pages shared, a partial last page
+    private). On the host: all of it, and its logits, in one host slot. Immutable once
+    captured: a claim copies it."""
 
     name: BlockHash
     anchor: BlockHash  # hash of the last full page at or before the end (the index key)
     num_tokens: int
     kind: ReuseKind  # CHECKPOINT | PREFIX
-    slot: int
-    pages: list[int]
+    tier: ReuseTier  # DEVICE: a device slot and device pages; HOST: one host slot holds it all
+    slot: int  # device slot, or host slot
+    pages: list[int]  # device pages (none for a host state)
     request_class: RequestClass
     lineage: int | None
     logits: torch.Tensor | None  # next-token logits at the end (opener checkpoints): a retry prefills nothing

@@ -27,8 +27,8 @@ class DevicePages:
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceState:
-    """A retained state on the device (models with recurrent layers)."""
+class HeldState:
+    """A retained state the engine holds, in a device or a host slot (models with recurrent layers)."""
 
     state: RetainedState
 
@@ -40,7 +40,7 @@ class LowerTier:
     hit: TierHit
 
 
-ClaimSource = DevicePages | DeviceState | LowerTier
+ClaimSource = DevicePages | HeldState | LowerTier
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +53,9 @@ class Claim:
 
     @property
     def tier(self) -> ReuseTier:
-        return self.source.hit.tier if isinstance(self.source, LowerTier) else ReuseTier.DEVICE
+        if isinstance(self.source, LowerTier):
+            return self.source.hit.tier
+        return self.source.state.tier if isinstance(self.source, HeldState) else ReuseTier.DEVICE
 
 
 def _per_tier() -> dict[ReuseTier, int]:
@@ -126,7 +128,7 @@ class PromptReuse(ABC):
         if claim is None:
             self.counters.misses += 1
         else:
-            self.counters.count_hit(seq, claim, ReuseTier.DEVICE)
+            self.counters.count_hit(seq, claim, claim.tier)
 
     def held_pages(self) -> set[int]:
         """Pages kept in use by retained state (not by any live sequence)."""
@@ -135,6 +137,11 @@ class PromptReuse(ABC):
     @property
     def retained_slots(self) -> tuple[int, int]:
         """(total, used) retained-state slots on the device."""
+        return (0, 0)
+
+    @property
+    def host_slots(self) -> tuple[int, int]:
+        """(total, used) retained-state slots on the host."""
         return (0, 0)
 
     def check_integrity(self) -> None:

@@ -74,6 +74,16 @@ class StateCodec:
         s = self.sections(tokens)
         return s.end if with_logits else s.logits
 
+    def tokens_fitting(self, nbytes: int) -> int:
+        """The most tokens whose whole state (logits included) fits in `nbytes`."""
+        empty = self.sections(0).end
+        if not self.page_bytes:
+            return 1 << 30 if empty <= nbytes else 0  # no KV: a state of any length has the same size
+        pages = max(0, (nbytes - empty) // self.page_bytes) + 1  # at most a few over: alignment
+        while pages and self.sections(pages * self.page_size).end > nbytes:
+            pages -= 1
+        return pages * self.page_size
+
     def has_logits(self, tokens: int, nbytes: int) -> bool:
         return nbytes == self.sections(tokens).end
 

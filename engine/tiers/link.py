@@ -102,6 +102,22 @@ class TierLink:
                   bytes=nbytes, ms=round((time.perf_counter() - started) * 1000, 3))
         return True
 
+    def spill_bytes(self, name: BlockHash, namespace: BlockHash, tokens: int, kind: ReuseKind,
+                    request_class: RequestClass, page_hashes: tuple[BlockHash, ...], data: memoryview) -> bool:
+        """Write a state already in the arena's byte layout (a host slot) into KV-RAM: one copy."""
+        if not self.client.available:
+            return False
+        started = time.perf_counter()
+        reservation = self.reserve(name, namespace, len(data), request_class)
+        if reservation is None:
+            return self.client.last_code is grpc.StatusCode.ALREADY_EXISTS
+        self.client.arena_bytes(reservation.offset, len(data))[:] = data
+        if not self.commit(reservation, tokens, kind, request_class, page_hashes):
+            return False
+        log_event(log, "ignis.request.spilled", hash=name.hex(), tokens=tokens, kind=kind.value, tier="ram",
+                  bytes=len(data), ms=round((time.perf_counter() - started) * 1000, 3), source="host")
+        return True
+
     def reserve(self, name: BlockHash, namespace: BlockHash, nbytes: int, request_class: RequestClass,
                 protect_seconds: float = 0.0) -> Reservation | None:
         """An arena extent to write a state into, in the arena mapped now; None (counted as a

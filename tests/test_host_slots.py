@@ -1,0 +1,75 @@
+"""Retained slots on the host (`reuse.retained_host`, issue 15): with no device slots, later turns
+and subagents still hit, from the host tier, with outputs equal to a cold run; a full host block
+moves its lowest-ranked state down to KV-RAM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from engine.facts import RequestClass, ReuseTier
+from engine.model.loader import LoadedModel, load_model
+from engine.text.tokenizer import Tokenizer
+from services import RunningService, start_tierstore
+from test_reuse import TOOLS, Harness, conversation, same
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_model_dir: Path) -> tuple[LoadedModel, Tokenizer]:
+    return load_model(tiny_model_dir), Tokenizer.from_dir(tiny_model_dir)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[RunningService]:
+    service = start_tierstore(tmp_path / "ts", ["--kv-host-pool-bytes", str(32 * MiB), "--kv-disk-bytes", "0"])
+    yield service
+    service.stop()
+
+
+def test_later_turns_and_subagents_hit_host_slots(hybrid: tuple[LoadedModel, Tokenizer]) -> None:
+    loaded, tokenizer = hybrid
+    warm = Harness(loaded, tokenizer, reuse=True, retained_device=0, retained_host=4)
+    cold = Harness(loaded, tokenizer, reuse=False)
+    try:
+        assert warm.core.reuse.retained_slots == (0, 0) and warm.core.reuse.host_slots == (4, 0)
+        task = conversation("Find the flaky test.")
+        first = warm.run(warm.request(task, tools=TOOLS))[0]
+        same(first, cold.run(cold.request(task, tools=TOOLS))[0])
+        again = warm.run(warm.request(task, tools=TOOLS))[0]  # an exact retry: the opener checkpoint
+        same(again, cold.run(cold.request(task, tools=TOOLS))[0])
+        assert (again.kind, again.tier) == ("checkpoint", "host")
+        other = conversation("Read the changelog.")
+        sub = warm.run(warm.request(other, tools=TOOLS))[0]  # a subagent: the system+tools prefix
+        same(sub, cold.run(cold.request(other, tools=TOOLS))[0])
+        assert (sub.kind, sub.tier) == ("prefix", "host") and sub.cached > 0
+        stats = warm.core.stats()
+        assert stats.retained_host_slots_used >= 2 and stats.reused_tokens[ReuseTier.HOST] > 0
+        assert warm.core.pages.num_used == 0  # retained state keeps no device pages
+        warm.core.check_integrity()
+    finally:
+        warm.close()
+        cold.close()
+
+
+def test_a_full_host_block_moves_its_lowest_state_down_to_ram(hybrid: tuple[LoadedModel, Tokenizer],
+                                                              store: RunningService) -> None:
+    loaded, tokenizer = hybrid
+    warm = Harness(loaded, tokenizer, reuse=True, retained_device=0, retained_host=2,
+                   tierstore_address=store.address, retained_interactive_ttl=0.0)
+    cold = Harness(loaded, tokenizer, reuse=False)
+    try:
+        topics = ["tides", "glaciers", "volcanoes"]
+        for t in topics:  # each conversation's opener and reply checkpoints: the host block overflows
+            warm.run(warm.request(conversation(f"Tell me about {t}."), cls=RequestClass.AGENT))
+        assert warm.core.reuse.counters.evictions >= 2
+        back = warm.run(warm.request(conversation("Tell me about tides."), cls=RequestClass.AGENT))[0]
+        same(back, cold.run(cold.request(conversation("Tell me about tides.")))[0])
+        assert back.tier == "ram" and back.cached > 0
+        warm.core.check_integrity()
+    finally:
+        warm.close()
+        cold.close()
