@@ -1,16 +1,23 @@
 """Start the services as processes on free loopback ports for a benchmark, and stop them.
 
 Each service is told ``--port 0 --port-file F``; readiness is polled (the port
-file, then gRPC health or HTTP /health), never slept for.
+file, then gRPC health or HTTP /health), never slept for. The tierstore serves a
+Unix socket instead (its link is private: tierstore/auth.py): it is told
+``--socket S --ready-file F``, S in a 0700 folder of the workdir (the same S for the
+same workdir, so a restarted tierstore is found where the last one was), and its
+``address`` is ``unix:S``; a ``--port`` in its args adds TCP (give it a ``--secret-file``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +28,8 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
+SOCKET_SERVICES = {"tierstore"}  # modules served on a Unix socket rather than a port
+_MAX_SOCKET_PATH = 100  # of sun_path's 107 bytes, with room to spare
 
 
 @dataclass
@@ -30,10 +39,11 @@ class Service:
     port: int
     log_path: Path
     extra: dict[str, int] = field(default_factory=dict)  # other ports it listens on (e.g. metrics)
+    socket: Path | None = None  # a Unix socket service's socket (its port, if any, is TCP)
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"unix:{self.socket}" if self.socket is not None else f"127.0.0.1:{self.port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -57,28 +67,54 @@ def launch(name: str, module: str, args: list[str], workdir: Path, ready: Callab
     `append_log` keeps an earlier log in the same workdir (a restart of the same service).
     """
     workdir.mkdir(parents=True, exist_ok=True)
-    port_file = workdir / f"{name}.port"
+    on_socket = module in SOCKET_SERVICES
+    port_file = workdir / f"{name}.{'ready' if on_socket else 'port'}"
     port_file.unlink(missing_ok=True)
     log_path = workdir / f"{name}.log"
+    flags = ["--socket", str(socket_path(workdir, name)), "--ready-file", str(port_file)] if on_socket else \
+        ["--port", "0", "--port-file", str(port_file)]
     with log_path.open("ab" if append_log else "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", "--port-file", str(port_file), *args],
+        proc = subprocess.Popen([sys.executable, "-m", module, *flags, *args],
                                 cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
     service = Service(name, proc, 0, log_path, dict(extra or {}))
+    announced = False
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with {proc.returncode}:\n{service.log()}")
-        if not service.port and port_file.exists() and port_file.read_text().strip():
-            service.port = int(port_file.read_text())
-        if service.port and ready(service.port):
+        if not announced and port_file.exists() and (text := port_file.read_text().strip()):
+            announced = True
+            if on_socket:
+                info = json.loads(text)
+                service.socket = Path(info["socket"]) if info["socket"] else None
+                service.port = info["port"] or 0
+            else:
+                service.port = int(text)
+        if announced and (grpc_serving(service.address) if on_socket else ready(service.port)):
             return service
         time.sleep(0.05)
     service.stop()
     raise TimeoutError(f"{name} was not ready within {timeout:.0f}s:\n{service.log()}")
 
 
-def grpc_serving(port: int) -> bool:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+def socket_path(workdir: Path, name: str) -> Path:
+    """Where a socket service of `workdir` listens: in a 0700 folder of it, or, when that path is
+    too long for a Unix socket, in a 0700 folder of the temp dir named after it."""
+    path = workdir / "run" / f"{name}.sock"
+    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+        digest = hashlib.sha256(os.fsencode(workdir.resolve())).hexdigest()[:16]
+        base = Path(tempfile.gettempdir()) / f"ignis-{os.getuid()}-launch"
+        base.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(base, 0o700)
+        path = base / digest / f"{name}.sock"
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)  # the tierstore refuses a folder others may enter
+    return path
+
+
+def grpc_serving(port: int | str) -> bool:
+    """SERVING from the gRPC health service at `port` on loopback, or at an address (``unix:/path``)."""
+    with grpc.insecure_channel(port if isinstance(port, str) else f"127.0.0.1:{port}") as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
         except grpc.RpcError:

@@ -27,6 +27,7 @@ import argparse
 import difflib
 import math
 import os
+import tempfile
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -212,17 +213,42 @@ class EngineSettings(_Section):
     cpu_linear: str = setting("onednn", choice("onednn", "torch"),
                               doc="fp32 CPU linear layers: onednn (weights reordered once at load: faster "
                                   "decode, a copy of them in memory) or torch (MKL on the mapped file, no copy)")
+    integrity_key_file: str = setting("~/.cache/ignis/engine-integrity.key", parse_path,
+                                      doc="the engine's key for the integrity tag on state it writes to the tierstore "
+                                          "(made 0600 on first start; states tagged with another key are never served)")
     spill_window_pages: int = setting(16, parse_int, minimum=1,
                                       doc="KV pages of a live sequence moved down to KV-RAM per step when a "
                                           "higher-ranked request needs its room")
 
 
+def runtime_dir() -> str:
+    """Where a service keeps its sockets: ``$XDG_RUNTIME_DIR/ignis``, else ``<tmp>/ignis-<uid>`` (made 0700 by its user)."""
+    base = os.environ.get("XDG_RUNTIME_DIR", "")
+    if base and os.path.isabs(base) and os.path.isdir(base):
+        return os.path.join(base, "ignis")
+    return os.path.join(tempfile.gettempdir(), f"ignis-{os.getuid()}")
+
+
+def default_tierstore_socket() -> str:
+    return os.path.join(runtime_dir(), "tierstore.sock")
+
+
 @dataclass(slots=True)
 class TierstoreSettings(_Section):
-    """[tierstore]: where the engine finds its tierstore."""
+    """[tierstore]: how the engine and its tierstore reach each other."""
 
     NAME: ClassVar[str] = "tierstore"
-    address: str = setting("", parse_str, doc="gRPC address (host:port) of the tierstore; empty = none")
+    address: str = setting("", parse_str, doc="the engine's tierstore: unix:/path (one host) or host:port (TCP, "
+                                              "with tierstore.secret_file); empty = none")
+    socket: str = setting(default_tierstore_socket(), parse_path,
+                          doc="Unix socket the tierstore listens on (0600, in a 0700 folder); empty = none")
+    secret_file: str = setting("", parse_path, doc="file holding the shared secret of TCP calls (the tierstore "
+                                                   "creates it, 0600, if missing); required for TCP")
+
+    def check(self) -> None:
+        if self.address.startswith("unix:") and not os.path.isabs(self.address.removeprefix("unix:")):
+            detail = f"a Unix socket address needs an absolute path (unix:/path), got {self.address!r}"
+            raise SettingsError(f"tierstore.address: {detail}", key="tierstore.address", detail=detail)
 
 
 _SECTIONS: dict[str, type[_Section]] = {

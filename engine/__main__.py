@@ -70,6 +70,7 @@ def build_core(model_path: Path, settings: Settings) -> EngineCore:
         retained_host=settings.reuse.retained_host, retained_host_tokens=settings.reuse.retained_host_tokens,
         retained_interactive_ttl=settings.reuse.retained_interactive_ttl,
         tierstore_address=settings.tierstore.address, spill_window_pages=e.spill_window_pages,
+        integrity_key_file=e.integrity_key_file, tierstore_secret_file=settings.tierstore.secret_file,
     )
     return EngineCore(loaded, tokenizer, config)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from engine.cache.page_reuse import PageReuse
 from engine.cache.retained import RetainedStateReuse
 from engine.cache.reuse import NoReuse, PromptReuse
+from engine.cache.staging import StagingRing
 from engine.config import EngineConfig
 from engine.kv.device_cache import CacheGeometry, DeviceCache
 from engine.kv.host_slots import HostSlots
@@ -16,6 +17,7 @@ from engine.kv.page_pool import PagePool, SlotPool
 from engine.model.loader import LoadedModel
 from engine.tiers.client import TierClient
 from engine.tiers.codec import StateCodec
+from engine.tiers.integrity import IntegrityKey
 from engine.tiers.link import TierLink
 
 log = logging.getLogger("ignis.engine")
@@ -57,8 +59,11 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         codec = StateCodec(cache, model_cfg.vocab_size)
         host = _host_slots(config, codec, min(model_cfg.max_position_embeddings, num_pages * config.page_size),
                            pin=cache.kv.device.type == "cuda")
+        # The ring stages the slot and one page; the worker copies the rest into the host slot.
+        ring = StagingRing(codec.sections(config.page_size).logits, pin=cache.kv.device.type == "cuda") \
+            if host is not None and config.staging_ring else None
         reuse = RetainedStateReuse(cache, pages, live_slots, retained_slots, config.retained_interactive_ttl,
-                                   tiers=tiers, restore_floor=config.restore_floor, host=host, codec=codec)
+                                   tiers=tiers, restore_floor=config.restore_floor, host=host, codec=codec, ring=ring)
     else:
         reuse = PageReuse(pages, config.page_size, tiers=tiers, restore_floor=config.restore_floor)
     capacity = num_pages * config.page_size
@@ -92,7 +97,10 @@ def _tier_link(loaded: LoadedModel, config: EngineConfig, cache: DeviceCache) ->
         config.tierstore_address, model=loaded.config.model_type, page_size=config.page_size,
         layout=codec.layout(), kv_bytes_per_token=codec.kv_bytes_per_token,
         fixed_state_bytes=codec.fixed_state_bytes, timeout=config.tier_timeout,
-        retry_seconds=config.tier_retry_seconds, pin=cache.kv.device.type == "cuda")
+        retry_seconds=config.tier_retry_seconds, pin=cache.kv.device.type == "cuda",
+        # tierstore.secret_file, for a TCP address; EngineConfig.tierstore_secret_file once the config carries it
+        secret_file=config.tierstore_secret_file)
     log.info("retained states spill to the tierstore at %s (restore floor %d tokens)",
              config.tierstore_address, config.restore_floor)
-    return TierLink(client, codec)
+    key = IntegrityKey.from_file(config.integrity_key_file) if config.integrity_key_file else IntegrityKey.ephemeral()
+    return TierLink(client, codec, key)

@@ -122,6 +122,8 @@ class EngineCollector(Collector):
              s.retained_slot_skips),
             ("ignis_retained_protected_skips", "Captures skipped because the state they would displace is protected",
              s.retained_protected_skips),
+            ("ignis_retained_staging_skips", "Host captures skipped because both staging buffers were busy",
+             s.retained_staging_skips),
             ("ignis_reuse_inflight_holds", "Admissions held while a running request computed the state they reuse",
              s.inflight_holds),
             ("ignis_prompt_tokens", "Prompt tokens of admitted requests", s.prompt_tokens),
@@ -169,6 +171,9 @@ def _tier_metrics(link: TierLink) -> Iterator[Metric]:
     """The engine's side of the tierstore (only when one is configured)."""
     yield GaugeMetricFamily("ignis_tierstore_up", "1 when the engine's last call reached the tierstore, "
                             "0 from a failure until a call succeeds again", value=int(link.client.up))
+    yield GaugeMetricFamily("ignis_tierstore_usable", "1 when the lower tiers can take and serve state now: the "
+                            "store answers, the namespace is registered (not refused) and its arena is mapped whole",
+                            value=int(link.client.usable))
     for name, doc, value in (
         ("ignis_tier_spills", "States the engine wrote to KV-RAM as they left the device", link.spills),
         ("ignis_tier_spill_failures", "Spills that failed (no room, store down): the state was lost",
@@ -176,6 +181,8 @@ def _tier_metrics(link: TierLink) -> Iterator[Metric]:
         ("ignis_tier_restores", "States restored from KV-RAM or KV-disk into the device", link.restores),
         ("ignis_tier_restore_failures", "Restores that failed (gone, corrupt, store down): served cold",
          link.restore_failures),
+        ("ignis_tier_restores_rejected", "Restores refused because the bytes or metadata are not what this engine "
+         "wrote (its integrity tag did not verify): served cold", link.rejected),
         ("ignis_tierstore_outages", "Times the tierstore went from usable to unavailable",
          link.client.unavailable_events),
         ("ignis_tierstore_errors", "Tierstore calls answered with nothing (down, slow, refused)",

@@ -2,17 +2,25 @@
 print how to talk to them, and stop all three cleanly on Ctrl-C.
 
     python scripts/run_all.py [--model DIR|ignis-tiny] [--config ignis.toml] [--set reuse.retained_device=16]
-                              [--gateway-port 8000] [--engine-port 50051] [--tierstore-port 50061]
+                              [--gateway-port 8000] [--engine-port 50051] [--tierstore-port PORT]
                               [--no-tierstore] [-- EXTRA ENGINE FLAGS]
 
 Settings (`--config`, `--set`, and IGNIS_SECTION__KEY variables) reach the engine and the
 tierstore alike. `make run ARGS="..."` passes its ARGS here; `MODEL=DIR make run` serves DIR.
+
+The engine reaches the tierstore over its Unix socket (`tierstore.socket`, by default
+`$XDG_RUNTIME_DIR/ignis/tierstore.sock` or `/tmp/ignis-<uid>/tierstore.sock`). With
+`--tierstore-port`, the tierstore also serves TCP, every call authenticated with the secret in
+`tierstore.secret_file` (a new one in the run's scratch folder unless `--set` names one).
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,8 +52,26 @@ def wait_ready(child: Child, timeout: float) -> None:
         time.sleep(0.1)
 
 
-def arenas() -> set[Path]:
-    return set(SHM_DIR.glob(ARENA_PREFIX + "*")) if SHM_DIR.is_dir() else set()
+def remove_arenas_of(pid: int) -> list[Path]:
+    """The arena files of the tierstore `pid` (named ignis-tierstore-<pid>-<instance>: it may have
+    recreated its arena) that nobody holds any more: what it could not remove itself. Other stacks'
+    arenas are never touched."""
+    removed = []
+    for path in SHM_DIR.glob(f"{ARENA_PREFIX}{pid}-*") if SHM_DIR.is_dir() else ():
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live tierstore holds its arena's lock
+        except BlockingIOError:
+            continue
+        else:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,7 +83,9 @@ def parse_args() -> argparse.Namespace:
                         help="a setting for the engine and the tierstore (repeatable)")
     parser.add_argument("--gateway-port", type=int, default=8000)
     parser.add_argument("--engine-port", type=int, default=50051)
-    parser.add_argument("--tierstore-port", type=int, default=50061)
+    parser.add_argument("--tierstore-port", type=int, default=None,
+                        help="also serve the tierstore over TCP here (secret in tierstore.secret_file); "
+                             "default: its Unix socket only")
     parser.add_argument("--engine-metrics-port", type=int, default=9400)
     parser.add_argument("--tierstore-metrics-port", type=int, default=9401)
     parser.add_argument("--no-tierstore", action="store_true", help="device-only reuse: do not start the tierstore")
@@ -69,13 +97,13 @@ def main() -> int:
     args = parse_args()
     settings = (["--config", args.config] if args.config else []) + [f for s in args.set for f in ("--set", s)]
     scratch = Path(tempfile.mkdtemp(prefix="ignis-run-"))
-    arenas_before = arenas()
     children: list[Child] = []
 
     def start(name: str, module: str, flags: list[str]) -> Child:
-        ready = scratch / f"{name}.port"
+        ready = scratch / f"{name}.{'ready' if module == 'tierstore' else 'port'}"
+        announce = "--ready-file" if module == "tierstore" else "--port-file"
         # A session of its own: Ctrl-C reaches only us, and we stop the services in order.
-        proc = subprocess.Popen([sys.executable, "-m", module, *flags, "--port-file", str(ready)], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", module, *flags, announce, str(ready)], cwd=ROOT,
                                 start_new_session=True)
         child = Child(name, proc, ready)
         children.append(child)
@@ -91,28 +119,37 @@ def main() -> int:
                 print(f"{child.name} did not stop in 30 s: killed", flush=True)
                 child.process.kill()
                 child.process.wait()
-        for leftover in arenas() - arenas_before:  # only if the tierstore could not remove its own
-            leftover.unlink(missing_ok=True)
-            print(f"removed {leftover}", flush=True)
+        for child in children:  # only if the tierstore could not remove its own (it was killed)
+            if child.name == "tierstore":
+                for leftover in remove_arenas_of(child.process.pid):
+                    print(f"removed {leftover}", flush=True)
+        shutil.rmtree(scratch, ignore_errors=True)  # port files, and the TCP secret if there was one
         print("\nall services stopped", flush=True)
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    tierstore = f"127.0.0.1:{args.tierstore_port}"
+    tierstore = ""
+    tcp: list[str] = []
     try:
         if not args.no_tierstore:
-            wait_ready(start("tierstore", "tierstore", [
-                "--port", str(args.tierstore_port), "--metrics-port", str(args.tierstore_metrics_port),
-                *settings]), 120)
+            tcp = [] if args.tierstore_port is None else \
+                ["--port", str(args.tierstore_port), "--set", f"tierstore.secret_file={scratch / 'tierstore.secret'}"]
+            # The user's --set come later: a tierstore.secret_file among them wins.
+            child = start("tierstore", "tierstore", ["--metrics-port", str(args.tierstore_metrics_port), *tcp,
+                                                     *settings])
+            wait_ready(child, 120)
+            tierstore = json.loads(child.ready_file.read_text())["address"]
         print(f"starting the engine ({args.model}); the first run generates ignis-tiny ...", flush=True)
+        # The engine uses the tierstore's socket (no secret), or its TCP port if tierstore.socket is "".
+        secret = tcp[2:] if tierstore and not tierstore.startswith("unix:") else []
         engine_flags = ["--model", args.model, "--port", str(args.engine_port),
-                        "--metrics-port", str(args.engine_metrics_port), *settings]
+                        "--metrics-port", str(args.engine_metrics_port), *secret, *settings]
         if not args.no_tierstore:
             engine_flags += ["--tierstore", tierstore]
         wait_ready(start("engine", "engine", engine_flags + args.engine_args), 1800)
         wait_ready(start("gateway", "gateway", [
             "--host", "127.0.0.1", "--port", str(args.gateway_port),
             "--engine", f"127.0.0.1:{args.engine_port}"]), 120)
-        print_banner(args)
+        print_banner(args, tierstore)
         while all(c.process.poll() is None for c in children):
             time.sleep(0.5)
         dead = [c.name for c in children if c.process.poll() is not None]
@@ -124,7 +161,7 @@ def main() -> int:
         stop_all()
 
 
-def print_banner(args: argparse.Namespace) -> None:
+def print_banner(args: argparse.Namespace, tierstore: str) -> None:
     model_id = "ignis-tiny" if args.model == "ignis-tiny" else Path(args.model).name
     url = f"http://127.0.0.1:{args.gateway_port}"
     lines = [
@@ -133,7 +170,8 @@ def print_banner(args: argparse.Namespace) -> None:
         f"engine    (gRPC)        127.0.0.1:{args.engine_port}     metrics http://127.0.0.1:{args.engine_metrics_port}/metrics",
     ]
     if not args.no_tierstore:
-        lines.append(f"tierstore (gRPC)        127.0.0.1:{args.tierstore_port}     "
+        tcp = f" and 127.0.0.1:{args.tierstore_port} (secret)" if args.tierstore_port is not None else ""
+        lines.append(f"tierstore (gRPC)        {tierstore}{tcp}     "
                      f"metrics http://127.0.0.1:{args.tierstore_metrics_port}/metrics")
     lines += [
         "",

@@ -38,11 +38,13 @@ def start_gateway(workdir: Path, engines: list[str], args: list[str] | None = No
 
 def start_tierstore(workdir: Path, args: list[str] | None = None, env: dict[str, str] | None = None,
                     metrics: bool = False, timeout: float = 60.0) -> RunningService:
-    """`python -m tierstore` on a free port; ready once gRPC health says SERVING.
+    """`python -m tierstore` on a Unix socket of its own (``address`` is ``unix:...``, the same for the
+    same workdir); ready once gRPC health says SERVING.
 
     Pass the tier sizes in ``args`` (``--kv-host-pool-bytes``, ``--kv-disk-path``,
-    ``--kv-disk-bytes``). With ``metrics``, /metrics listens on ``extra["metrics"]``.
-    The log is appended: a restart on the same workdir keeps the earlier log.
+    ``--kv-disk-bytes``); ``--port`` and ``--secret-file`` add TCP (``port``). With ``metrics``,
+    /metrics listens on ``extra["metrics"]``. The log is appended: a restart on the same
+    workdir keeps the earlier log.
     """
     extra: dict[str, int] = {}
     flags = ["--host", "127.0.0.1"]

@@ -1,4 +1,5 @@
-"""`make run` (scripts/run_all.py): three services up and answering, then Ctrl-C leaves nothing behind."""
+"""`make run` (scripts/run_all.py): three services up and answering, the engine on the tierstore's Unix
+socket, then Ctrl-C leaves nothing of its own behind and touches nothing of anyone else's."""
 
 from __future__ import annotations
 
@@ -37,19 +38,29 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def arenas() -> set[Path]:
-    return set(Path("/dev/shm").glob("ignis-tierstore-*"))
+def arenas_of(pid: int) -> set[Path]:
+    return set(Path("/dev/shm").glob(f"ignis-tierstore-{pid}-*"))
+
+
+def module_of(pid: int) -> str:
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return args[args.index(b"-m") + 1].decode()
 
 
 def test_make_run_serves_then_ctrl_c_stops_all_three_and_removes_the_arena(tiny_model_dir: Path,
                                                                            tmp_path: Path) -> None:
-    ports = {name: free_port() for name in ("gateway", "engine", "tierstore", "engine-metrics",
-                                            "tierstore-metrics")}
-    before = arenas()
+    ports = {name: free_port() for name in ("gateway", "engine", "engine-metrics", "tierstore-metrics")}
+    sockets = tmp_path / "run"
+    sockets.mkdir(mode=0o700)
+    socket = sockets / "ts.sock"  # not the default runtime path: other stacks may be running on this host
+    # Another stack's arena, made after ours started and not yet locked (its tierstore is starting):
+    # the old shutdown removed every arena newer than itself.
+    foreign = Path("/dev/shm") / f"ignis-tierstore-{os.getpid()}-another-stack"
     with (tmp_path / "run.log").open("wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "scripts/run_all.py", "--model", str(tiny_model_dir),
              "--set", "reuse.kv_host_pool_bytes=16MiB", "--set", f"kv_disk.path={tmp_path / 'kv-disk'}",
+             "--set", f"tierstore.socket={socket}",
              *[f for name, port in ports.items() for f in (f"--{name}-port", str(port))]],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "IGNIS_LOG_LEVEL": "WARNING"})
     try:
@@ -60,6 +71,8 @@ def test_make_run_serves_then_ctrl_c_stops_all_three_and_removes_the_arena(tiny_
             time.sleep(0.2)
         text = output.decode()
         assert f"http://127.0.0.1:{ports['gateway']}/v1" in text and "grpcurl" in text and "from openai" in text
+        assert f"tierstore (gRPC)        unix:{socket}" in text  # the engine's link: the socket, no TCP
+        foreign.write_bytes(b"")
 
         base = f"http://127.0.0.1:{ports['gateway']}"
         model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
@@ -68,17 +81,46 @@ def test_make_run_serves_then_ctrl_c_stops_all_three_and_removes_the_arena(tiny_
         assert first.status_code == 200, first.text
         for name in ("engine-metrics", "tierstore-metrics"):
             assert httpx.get(f"http://127.0.0.1:{ports[name]}/metrics").status_code == 200
-        new_arenas = arenas() - before
-        assert len(new_arenas) == 1  # the tierstore's shared-memory file, while it runs
         services = children_of(proc.pid)
         assert len(services) == 3
+        [tierstore] = [pid for pid in services if module_of(pid) == "tierstore"]
+        assert len(arenas_of(tierstore)) == 1  # its shared-memory file, while it runs
+        engine_args = Path(f"/proc/{[p for p in services if module_of(p) == 'engine'][0]}/cmdline").read_bytes()
+        assert f"unix:{socket}".encode() in engine_args
 
         proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers to the foreground process
         assert proc.wait(60) == 0, (tmp_path / "run.log").read_text()
         assert "all services stopped" in (tmp_path / "run.log").read_text()
         assert not [pid for pid in services if alive(pid)]  # no orphans
-        assert not (arenas() - before)  # the arena file is gone
+        assert not arenas_of(tierstore) and not socket.exists()  # its arena file and its socket are gone
+        assert foreign.exists()  # and nobody else's
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        foreign.unlink(missing_ok=True)
+
+
+def test_after_a_killed_tierstore_only_its_own_unheld_arenas_are_removed(tmp_path: Path) -> None:
+    import fcntl
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_all", ROOT / "scripts" / "run_all.py")
+    assert spec is not None and spec.loader is not None
+    run_all = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("run_all", run_all)  # its dataclasses look their module up there
+    spec.loader.exec_module(run_all)
+    shm = Path("/dev/shm")
+    ours = [shm / f"ignis-tierstore-{os.getpid()}-{name}" for name in ("first", "recreated", "held")]
+    theirs = shm / f"ignis-tierstore-{os.getppid()}-theirs"
+    for path in (*ours, theirs):
+        path.write_bytes(b"")
+    held = os.open(ours[2], os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a live tierstore holds its arena's lock
+        assert sorted(run_all.remove_arenas_of(os.getpid())) == sorted(ours[:2])
+        assert ours[2].exists() and theirs.exists()
+    finally:
+        os.close(held)
+        for path in (*ours, theirs):
+            path.unlink(missing_ok=True)

@@ -70,7 +70,7 @@ def test_as_dict_is_plain_nested_dict() -> None:
     d = load_settings(None, {}, {"tierstore.address": "127.0.0.1:50052"}).as_dict()
     assert list(d) == ["reuse", "kv_disk", "engine", "tierstore"]
     assert d["reuse"]["retained_device"] == 8
-    assert d["tierstore"] == {"address": "127.0.0.1:50052"}
+    assert d["tierstore"]["address"] == "127.0.0.1:50052"
     assert [f"{sec}.{key}" for sec, keys in d.items() for key in keys] == setting_keys()
 
 

@@ -1,16 +1,23 @@
-"""KV-disk: blob files + LMDB index, crash windows, checksums, the hard budget."""
+"""KV-disk: blob files + LMDB index, crash windows, checksums, the hard budget, the blob format, modes.
+
+Faults (a failing or truncated disk) are in test_tierstore_faults.py.
+"""
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
+import lmdb
 import pytest
 
 from ignis.v1 import common_pb2
-from tierstore.disk import DiskRecord, DiskTier, blob_size
+from tierstore.blob import BLOB_MAGIC
+from tierstore.disk import DiskIO, DiskRecord, DiskTier
 from tierstore.errors import DataLoss
+from tierstore.index import Index
 from tierstore.state import StateHash, StateInfo, checksum
 
 NS = bytes(range(16))
@@ -28,8 +35,12 @@ def make_data(i: int, n: int = 10_000) -> bytes:
 def make_record(i: int, data: bytes, *, pages: int = 2, sliceable: bool = False, used: float = 1.0) -> DiskRecord:
     info = StateInfo(make_hash(i), NS, pages * 16, common_pb2.REUSE_KIND_CHECKPOINT,
                      common_pb2.REQUEST_CLASS_INTERACTIVE, tuple(make_hash(1000 * i + p) for p in range(pages)),
-                     checksum(data), len(data), 16, sliceable)
+                     checksum(data), len(data), 16, sliceable, engine_tag=b"tag-%d" % i)
     return DiskRecord(info, used)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
 
 
 def test_put_read_and_reopen(tmp_path: Path) -> None:
@@ -37,14 +48,17 @@ def test_put_read_and_reopen(tmp_path: Path) -> None:
     data = make_data(1)
     rec = make_record(1, data)
     assert disk.put(rec, data)
-    assert (tmp_path / "blobs" / make_hash(1).hex()).read_bytes() == data  # named by the hex of its hash
-    assert disk.used_bytes == blob_size(len(data)) == 3 * K
+    placed = disk.get(make_hash(1))
+    assert placed is not None and placed.info == rec.info and placed.data_offset > 0
+    raw = (tmp_path / "blobs" / make_hash(1).hex()).read_bytes()  # named by the hex of its hash
+    assert raw.startswith(BLOB_MAGIC) and raw[placed.data_offset:] == data  # a header, then the bytes
+    assert disk.used_bytes == disk.cost(rec.info) == placed.blob_bytes == 3 * K  # the header fits the last block
     assert disk.read(make_hash(1)) == data
     disk.check_integrity()
     disk.close()
 
     again = DiskTier(tmp_path, 1 << 20)  # survivors are served after a restart
-    assert again.get(make_hash(1)) == rec
+    assert again.get(make_hash(1)) == placed and placed.info.engine_tag == b"tag-1"
     assert again.read(make_hash(1)) == data
     assert again.last_reconcile.states == 1 and again.last_reconcile.entries_dropped == 0
     again.check_integrity()
@@ -72,12 +86,14 @@ def test_page_index_maps_every_page_of_sliceable_states(tmp_path: Path) -> None:
 
 
 def test_budget_is_hard(tmp_path: Path) -> None:
+    d1, d2 = make_data(1, 2 * K + 1), make_data(2, K)  # with their headers: 3 blocks + 2 blocks
+    r1, r2 = make_record(1, d1), make_record(2, d2)
     disk = DiskTier(tmp_path, 5 * K)
-    d1, d2 = make_data(1, 2 * K + 1), make_data(2, 2 * K)  # 3 blocks + 2 blocks = the whole budget
-    assert disk.put(make_record(1, d1), d1)
-    assert disk.put(make_record(2, d2), d2)
+    assert (disk.cost(r1.info), disk.cost(r2.info)) == (3 * K, 2 * K)
+    assert disk.put(r1, d1)
+    assert disk.put(r2, d2)
     d3 = make_data(3, 1)
-    assert disk.put(make_record(3, d3), d3) is False  # one more byte is one block too many
+    assert disk.put(make_record(3, d3), d3) is False  # one more byte (and its header) is one block too many
     assert disk.used_bytes == 5 * K and not (tmp_path / "blobs" / make_hash(3).hex()).exists()
     disk.check_integrity()
     disk.close()
@@ -135,7 +151,7 @@ def test_start_removes_temp_files_and_orphans_and_drops_entries_without_blobs(tm
     assert again.states_with_page(make_hash(2000)) == [] and again.states_with_page(make_hash(1000)) == [make_hash(1)]
     (blobs / "README").unlink()
     again.check_integrity()
-    assert again.used_bytes == blob_size(len(make_data(1)))
+    assert again.used_bytes == again.cost(make_record(1, make_data(1)).info)
     again.close()
 
 
@@ -150,9 +166,16 @@ def test_namespaces_persist(tmp_path: Path) -> None:
 
 def test_writes_fsync_before_they_become_visible(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The order of a crash-safe write: data fsync, rename, directory fsync, then the index."""
-    disk = DiskTier(tmp_path, 1 << 20)
     events: list[str] = []
-    real_fsync, real_rename, real_txn = os.fsync, os.rename, disk._txn_write
+
+    class Recording(DiskIO):
+        def commit(self, index: Index, fn: Callable[[lmdb.Transaction], object]) -> None:
+            events.append("index")
+            super().commit(index, fn)
+
+    disk = DiskTier(tmp_path, 1 << 20, io=Recording())
+    events.clear()  # the start-up reconcile
+    real_fsync, real_rename = os.fsync, os.rename
 
     def fsync(fd: int) -> None:
         events.append("fsync")
@@ -162,14 +185,53 @@ def test_writes_fsync_before_they_become_visible(tmp_path: Path, monkeypatch: py
         events.append("rename")
         real_rename(a, b)
 
-    def txn(fn: Callable[[object], object]) -> None:
-        events.append("index")
-        real_txn(fn)
-
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
-    monkeypatch.setattr(disk, "_txn_write", txn)
     data = make_data(1)
     disk.put(make_record(1, data), data)
     assert events == ["fsync", "rename", "fsync", "index"]
     disk.close()
+
+
+def test_blobs_and_index_are_private_and_old_modes_are_fixed_at_start(tmp_path: Path) -> None:
+    old = os.umask(0o022)  # a permissive umask: the modes must not depend on it
+    try:
+        disk = DiskTier(tmp_path / "kv", 1 << 20)
+        data = make_data(1)
+        disk.put(make_record(1, data), data)
+        disk.close()
+    finally:
+        os.umask(old)
+    kv = tmp_path / "kv"
+    blob = kv / "blobs" / make_hash(1).hex()
+    assert [mode(p) for p in (kv, kv / "blobs", kv / "index")] == [0o700] * 3
+    assert [mode(p) for p in (blob, kv / "index" / "data.mdb", kv / "index" / "lock.mdb")] == [0o600] * 3
+    # What an older tierstore left: 0755 folders, 0644 files.
+    for p in (kv, kv / "blobs", kv / "index"):
+        os.chmod(p, 0o755)
+    for p in (blob, kv / "index" / "data.mdb"):
+        os.chmod(p, 0o644)
+    again = DiskTier(kv, 1 << 20)
+    assert [mode(p) for p in (kv, kv / "blobs", kv / "index")] == [0o700] * 3
+    assert [mode(p) for p in (blob, kv / "index" / "data.mdb")] == [0o600] * 2
+    again.check_integrity()
+    again.close()
+
+
+def test_format_1_blobs_stay_readable_and_are_never_taken_for_format_2(tmp_path: Path) -> None:
+    """A blob written before blobs had headers: its index record says so (version 1)."""
+    data = BLOB_MAGIC + make_data(1)  # even state bytes that begin like a header
+    rec = make_record(1, data)
+    assert rec.data_offset == 0 and rec.encode()[4:6] == (1).to_bytes(2, "little")
+    disk = DiskTier(tmp_path, 1 << 20)
+    disk.close()
+    (tmp_path / "blobs" / make_hash(1).hex()).write_bytes(data)
+    env = lmdb.open(str(tmp_path / "index"), max_dbs=4)
+    with env.begin(write=True) as txn:
+        txn.put(make_hash(1), rec.encode(), db=env.open_db(b"states", txn=txn))
+    env.close()
+    again = DiskTier(tmp_path, 1 << 20)
+    assert again.get(make_hash(1)) == rec and again.read(make_hash(1)) == data
+    assert again.used_bytes == 3 * K
+    again.check_integrity()
+    again.close()

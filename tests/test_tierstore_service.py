@@ -93,7 +93,7 @@ def test_status_codes(start: Start) -> None:
     ts = start(ram="64KiB")
     with TierStoreClient(ts.address) as c:
         c.register(NS, page_size=16, layout="a")
-        assert code_of(lambda: c.register(NS, page_size=16, layout="b")) == grpc.StatusCode.FAILED_PRECONDITION
+        c.register(NS, page_size=16, layout="b")  # nothing stored under "a": "b" replaces it (registry.py)
         assert code_of(lambda: c.register(b"x", page_size=16)) == grpc.StatusCode.INVALID_ARGUMENT
         assert code_of(lambda: c.reserve(b"short", 10)) == grpc.StatusCode.INVALID_ARGUMENT
         assert code_of(lambda: c.match(NS, [b"x" * 17])) == grpc.StatusCode.INVALID_ARGUMENT
@@ -106,6 +106,9 @@ def test_status_codes(start: Start) -> None:
         assert code_of(lambda: c.put(h(1), make_data(1, 1000), make_meta(1, 1000))) == grpc.StatusCode.ALREADY_EXISTS
         assert code_of(lambda: c.put(h(2), b"abc", make_meta(2, 4))) == grpc.StatusCode.INVALID_ARGUMENT
         assert c.stats().reservations_pending == 0  # the failed Put left nothing behind
+        c.store(h(3), make_data(3, 61 * KiB), make_meta(3, 61 * KiB))  # h(1) moves down to disk
+        assert c.stats().states_disk == 1
+        assert code_of(lambda: c.register(NS, page_size=16, layout="a")) == grpc.StatusCode.FAILED_PRECONDITION
         assert c.drop(h(1)) and not c.drop(h(1))
 
 
@@ -131,13 +134,13 @@ def test_tiny_arena_spills_to_disk_and_acquire_restores_bit_exact(start: Start) 
 
 
 def test_disk_budget_full_drops_states_and_keeps_answering(start: Start) -> None:
-    ts = start(ram="512KiB", disk="1MiB")
+    ts = start(ram="512KiB", disk="1040KiB")  # 4 blobs of 256 KiB, each with its 4 KiB header block
     with TierStoreClient(ts.address) as c:
         c.register(NS, page_size=16)
         for i in range(1, 13):
             c.store(h(i), make_data(i), make_meta(i))
             stats = c.stats()
-            assert stats.disk_bytes_used <= stats.disk_bytes_total == 1 << 20
+            assert stats.disk_bytes_used <= stats.disk_bytes_total == 1040 * KiB
         stats = c.stats()
         assert (stats.states_ram, stats.states_disk, stats.evictions) == (2, 4, 6)
         assert c.match(NS, [h(1)]) == []  # the oldest went first

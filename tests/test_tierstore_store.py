@@ -21,6 +21,7 @@ CHECKPOINT, PREFIX = common_pb2.REUSE_KIND_CHECKPOINT, common_pb2.REUSE_KIND_PRE
 NS = b"N" * 16  # attention-only namespace (registered below)
 NS_HYBRID = b"H" * 16
 SIZE = 3 * 4096  # every state in these tests: 12 KiB
+DISK_SLOT = SIZE + 4096  # what one takes on disk: its bytes and the block of its blob header
 
 
 class Clock:
@@ -41,7 +42,7 @@ def make_data(name: str, n: int = SIZE) -> bytes:
 
 
 def make_store(tmp_path: Path, clock: Clock, *, ram: int = 3, disk: int = 10, ttl: float = 0.0) -> TierStore:
-    return TierStore(StoreConfig(ram * SIZE, str(tmp_path / "kv-disk"), disk * SIZE, interactive_ttl=ttl,
+    return TierStore(StoreConfig(ram * SIZE, str(tmp_path / "kv-disk"), disk * DISK_SLOT, interactive_ttl=ttl,
                                  lease_seconds=30, reservation_seconds=60), clock=clock)
 
 
@@ -140,9 +141,56 @@ def test_refusals(store: TierStore) -> None:
         store.acquire(h("nope"))
     with pytest.raises(NotFound):
         store.release(12345)
+    long_tag = make_meta("b")
+    long_tag.engine_tag = b"t" * 65
+    with pytest.raises(InvalidArgument, match="engine_tag"):
+        store.commit(h("b"), long_tag)
     assert store.drop(h("b")) and not store.drop(h("b"))  # abandons the reservation
+
+
+def test_the_engine_tag_is_kept_verbatim_in_every_tier_and_across_a_restart(tmp_path: Path, clock: Clock) -> None:
+    store = make_store(tmp_path, clock, ram=1)
+    tag = bytes(range(32))  # a keyed BLAKE3 the store cannot check or make
+    meta = make_meta("a")
+    meta.engine_tag = tag
+    extent = store.reserve(h("a"), SIZE, AGENT)
+    assert extent is not None
+    store.arena.slice(extent.offset, SIZE)[:] = make_data("a")
+    store.commit(h("a"), meta)
+    clock.t += 1
+    put(store, "b")  # a moves down to disk
+    lease = store.acquire(h("a"))
+    assert lease is not None and lease.from_tier == DISK and lease.info.to_proto().engine_tag == tag
+    store.release(lease.lease_id)
+    store.close()
+    again = make_store(tmp_path, clock, ram=1)
+    try:
+        assert again.open_read(h("a"))[0].to_proto().engine_tag == tag
+    finally:
+        again.close()
+
+
+def test_another_layout_replaces_a_registration_with_nothing_on_disk(store: TierStore, clock: Clock) -> None:
+    """A registration is never a lock: the first registrant (a squatter, an engine since upgraded) cannot
+    keep the owner out while nothing is stored under it; the states in RAM under the old layout go."""
+    put(store, "a")
+    put(store, "other", ns=NS_HYBRID)
+    squatter = Registration(NS, "squatter", 16, "layout-b", 1, 0)
+    store.register(squatter)
+    assert where(store) == {"other": "ram"} and store._registry.get(NS) == squatter
+    owner = Registration(NS, "m", 16, "layout-a", 1024, 0)
+    store.register(owner)  # and back: again nothing on disk under "layout-b"
+    assert store._registry.get(NS) == owner
+    store.register(owner)  # the same layout again changes nothing
+    assert store.drop(h("other"))
+    for name in ("b", "c", "d", "e"):
+        clock.t += 1
+        put(store, name)
+    assert where(store)["b"] == "disk"
     with pytest.raises(FailedPrecondition, match="another state layout"):
-        store.register(Registration(NS, "m", 16, "layout-b", 1024, 0))
+        store.register(squatter)  # states on disk were written under the owner's layout: they stay readable
+    assert store._registry.get(NS) == owner and where(store)["b"] == "disk"
+    store.register(Registration(NS_HYBRID, "x", 16, "layout-x", 1, 4096))  # NS_HYBRID has nothing on disk
 
 
 def test_ram_pressure_spills_in_the_one_eviction_order(store: TierStore, clock: Clock) -> None:
@@ -234,7 +282,7 @@ def test_disk_pressure_drops_lower_ranked_states_and_keeps_the_budget(tmp_path: 
         put(store, "d", cls=AGENT)  # c comes down; the disk drops a (ranked below c)
         assert where(store) == {"b": "disk", "c": "disk", "d": "ram"}
         s = store.stats()
-        assert (s.spills, s.evictions, s.disk_bytes_used, s.disk_bytes_total) == (3, 1, 2 * SIZE, 2 * SIZE)
+        assert (s.spills, s.evictions, s.disk_bytes_used, s.disk_bytes_total) == (3, 1, 2 * DISK_SLOT, 2 * DISK_SLOT)
         store.check_integrity()
     finally:
         store.close()
@@ -251,7 +299,7 @@ def test_a_spill_that_ranks_below_the_whole_disk_is_dropped(tmp_path: Path, cloc
         put(store, "a2", cls=AGENT)  # a1 ranks below both disk states: it is dropped, they stay
         assert where(store) == {"i1": "disk", "i2": "disk", "a2": "ram"}
         s = store.stats()
-        assert (s.evictions, s.disk_bytes_used) == (1, 2 * SIZE)
+        assert (s.evictions, s.disk_bytes_used) == (1, 2 * DISK_SLOT)
         assert match_hits(store, NS, [h("a1")]) == []
         store.check_integrity()
     finally:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
+import json
 import logging
 import os
 import signal
@@ -12,11 +14,12 @@ import sys
 from pathlib import Path
 
 from common.logs import configure_logging
-from common.settings import Settings, parse_service_args
+from common.settings import Settings, default_tierstore_socket, parse_service_args
 from common.tracing import run_traced
 from common.metrics import serve_metrics
+from tierstore.auth import SocketLock, load_secret, private_dir
 from tierstore.metrics import store_registry
-from tierstore.server import TierStoreService, create_server, set_serving
+from tierstore.server import TierStoreService, create_server, set_serving, set_tier_health
 from tierstore.store import StoreConfig, TierStore
 
 log = logging.getLogger("ignis.tierstore")
@@ -26,15 +29,21 @@ _SETTING_FLAGS = {
     "kv_host_pool_bytes": "reuse.kv_host_pool_bytes",
     "kv_disk_path": "kv_disk.path",
     "kv_disk_bytes": "kv_disk.bytes",
+    "socket": "tierstore.socket",
+    "secret_file": "tierstore.secret_file",
 }
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     parser = argparse.ArgumentParser(prog="ignis-tierstore",
                                      description="Serve the KV-RAM arena and KV-disk tier (ignis.v1.TierStore).")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    parser.add_argument("--port", type=int, default=50061, help="gRPC port (0 picks a free one)")
-    parser.add_argument("--port-file", default=None, help="write the bound port here once serving (for tests)")
+    parser.add_argument("--host", default="127.0.0.1", help="TCP bind address, with --port (default: loopback)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="also serve gRPC over TCP on this port (0 picks a free one), every call but health "
+                             "checks authenticated with the secret in --secret-file; default: the Unix socket only")
+    parser.add_argument("--port-file", default=None, help="write the bound TCP port here once serving")
+    parser.add_argument("--ready-file", default=None,
+                        help="write JSON {address, socket, port, arena, pid} here once serving (for launchers)")
     parser.add_argument("--metrics-port", type=int, default=0, help="HTTP port of /metrics (0: off)")
     parser.add_argument("--grace", type=float, default=5.0, help="seconds to finish in-flight calls on shutdown")
     parser.add_argument("--lease-seconds", type=float, default=60.0,
@@ -44,7 +53,42 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     return parse_service_args(parser, _SETTING_FLAGS, argv)
 
 
+def listeners(args: argparse.Namespace, settings: Settings) -> tuple[list[str], SocketLock | None, bytes | None]:
+    """(addresses to bind, the socket's lock, the TCP secret); OSError (AccessError) if they cannot be private."""
+    addresses: list[str] = []
+    lock = secret = None
+    if settings.tierstore.socket:
+        path = Path(settings.tierstore.socket)
+        # Our own runtime folder is made private; a folder someone chose must already be.
+        private_dir(path.parent, fix=str(path.parent) == os.path.dirname(default_tierstore_socket()))
+        lock = SocketLock(path)
+        addresses.append(f"unix:{path}")
+    if args.port is not None:
+        if not settings.tierstore.secret_file:
+            raise OSError("--port (TCP) needs a shared secret: set tierstore.secret_file (--secret-file); "
+                          "it is created with a random secret if missing")
+        secret = load_secret(settings.tierstore.secret_file, create=True)
+        addresses.append(f"{args.host}:{args.port}")
+    if not addresses:
+        raise OSError("nothing to serve on: tierstore.socket is empty and no --port is given")
+    return addresses, lock, secret
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Written whole, then renamed: a poller never reads half of it."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = False) -> int:
+    os.umask(0o077)  # everything the tierstore creates is its own: arena, socket, blobs, index
+    faulthandler.enable()  # a SIGBUS (a file truncated under a mapping) leaves a traceback, not silence
+    try:
+        addresses, lock, secret = listeners(args, settings)
+    except OSError as exc:
+        log.error("cannot start the tierstore: %s", exc)
+        return 2
     config = StoreConfig(arena_bytes=settings.reuse.kv_host_pool_bytes, disk_path=settings.kv_disk.path,
                          disk_bytes=settings.kv_disk.bytes,
                          interactive_ttl=settings.reuse.retained_interactive_ttl,
@@ -53,31 +97,56 @@ async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = Fa
         store = await asyncio.to_thread(TierStore, config)  # reconciles the disk tier: may take a moment
     except (OSError, ValueError) as exc:
         log.error("cannot start the tierstore: %s", exc)
+        if lock is not None:
+            lock.close()
         return 2
     stats = store.stats()
-    log.info("arena %s (%d bytes); kv-disk %s: %d states, %d of %d bytes", store.arena.path,
+    log.info("arena %s (%d bytes); kv-disk %s: %d states, %d of %d bytes", store.arena.path.name,
              stats.arena_bytes_total, config.disk_path if config.disk_bytes else "off", stats.states_disk,
              stats.disk_bytes_used, stats.disk_bytes_total)
-    metrics = serve_metrics(args.host, args.metrics_port, store_registry(store.stats)) if args.metrics_port else None
+    try:
+        metrics = serve_metrics(args.host, args.metrics_port, store_registry(store.stats)) if args.metrics_port else None
+    except OSError as exc:  # the port is taken: say so instead of a traceback
+        log.error("cannot serve /metrics on %s:%d: %s", args.host, args.metrics_port, exc)
+        store.close()
+        if lock is not None:
+            lock.close()
+        return 2
 
-    server, port, health = create_server(TierStoreService(store), f"{args.host}:{args.port}", tracing)
+    try:
+        server, port, health = create_server(TierStoreService(store), addresses, tracing, secret)
+    except OSError as exc:
+        log.error("cannot start the tierstore: %s", exc)
+        store.close()
+        if lock is not None:
+            lock.close()
+        return 2
+    if lock is not None:
+        lock.bound()
     await server.start()
     await set_serving(health, True)
-    log.info("tierstore serving on %s:%d", args.host, port)
-    if args.port_file:  # written whole, then renamed: a poller never reads half a number
-        tmp = Path(f"{args.port_file}.tmp")
-        tmp.write_text(str(port))
-        os.replace(tmp, args.port_file)
+    await set_tier_health(health, store.stats())
+    served = [a for a in addresses if a.startswith("unix:")] + ([f"{args.host}:{port} (TCP, secret required)"]
+                                                                 if args.port is not None else [])
+    log.info("tierstore serving on %s", " and ".join(served))
+    if args.port_file and args.port is not None:
+        write_atomically(args.port_file, str(port))
+    if args.ready_file:
+        write_atomically(args.ready_file, json.dumps({
+            "address": addresses[0] if lock is not None else f"{args.host}:{port}",
+            "socket": str(lock.path) if lock is not None else None, "port": port if args.port is not None else None,
+            "arena": str(store.arena.path), "pid": os.getpid()}))
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    async def sweep() -> None:  # leases and reservations run out even when nobody calls
+    async def sweep() -> None:  # leases and reservations run out, faults are found, even when nobody calls
         while True:
             await asyncio.sleep(1.0)
             await asyncio.to_thread(store.expire)
+            await set_tier_health(health, await asyncio.to_thread(store.stats))  # the lock may wait on I/O
 
     sweeper = asyncio.ensure_future(sweep())
     await stop.wait()
@@ -91,6 +160,8 @@ async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = Fa
         metrics.shutdown()
         metrics.server_close()
     store.close()  # removes the shared-memory file
+    if lock is not None:
+        lock.close()  # and the socket
     log.info("tierstore stopped")
     return 0
 

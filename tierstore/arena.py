@@ -134,9 +134,11 @@ class Arena:
             os.close(fd)
             raise
         self._lock_fd = fd
+        self._inode = os.fstat(fd).st_ino
         self.size = size
         self.view = memoryview(self._mmap)
         self.allocator = ExtentAllocator(size)
+        self.instance_id = instance_id or ""
 
     def allocate(self, nbytes: int) -> Extent | None:
         return self.allocator.allocate(nbytes)
@@ -153,6 +155,30 @@ class Arena:
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
 
+    def fault(self) -> str | None:
+        """Why the file can no longer serve as the arena, or None.
+
+        Truncated: a copy into the missing pages would be SIGBUS, in the store and in
+        every engine mapping it. Deleted or replaced: an engine that maps it again by
+        path gets another file (or none). Both mean a new arena (store.py).
+        """
+        try:
+            st = os.fstat(self._lock_fd)
+        except OSError as exc:
+            return f"cannot stat it ({exc})"
+        if st.st_size < self.size:
+            return f"truncated to {st.st_size} of {self.size} bytes"
+        if st.st_nlink == 0:
+            return "deleted"
+        try:
+            if os.stat(self.path).st_ino != self._inode:
+                return "replaced by another file"
+        except FileNotFoundError:
+            return "deleted"
+        except OSError as exc:
+            return f"cannot stat its path ({exc})"
+        return None
+
     def close(self) -> None:
         """Unmaps and removes the file. Engines that still map it keep their mapping until they unmap."""
         try:
@@ -160,7 +186,11 @@ class Arena:
             self._mmap.close()
         except BufferError:  # a slice is still exported (an in-flight Get): the unlink below still happens
             log.warning("arena still referenced at close; unmapped at exit")
-        self.path.unlink(missing_ok=True)
+        try:
+            if os.stat(self.path).st_ino == self._inode:  # never another tierstore's file of that name
+                self.path.unlink()
+        except FileNotFoundError:
+            pass
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
@@ -194,7 +224,7 @@ def reap_stale_arenas(directory: Path = SHM_DIR, min_age: float = 10.0) -> list[
                 os.close(fd)
         except OSError:
             continue
-        log.info("removed the arena %s of a tierstore that is gone", path)
+        log.info("removed the arena %s of a tierstore that is gone", path.name)
         removed.append(path)
     return removed
 

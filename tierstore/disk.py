@@ -1,19 +1,28 @@
-"""KV-disk: one blob file per state, indexed in LMDB.
+"""KV-disk: one self-describing blob file per state, indexed in LMDB.
 
-Layout under ``kv_disk.path``::
+Layout under ``kv_disk.path`` (folders 0700, files 0600)::
 
-    blobs/<32 hex digits>        a state's bytes, named by its 16-byte chain hash
+    blobs/<32 hex digits>        a state: a header describing it, then its bytes (tierstore/blob.py)
     blobs/<32 hex digits>.tmp    a write in progress (removed at start)
-    index/                       LMDB: states (hash -> record), pages (page hash
-                                 -> state hashes, sliceable states only),
-                                 namespaces (h0 -> registration)
+    index/                       LMDB (tierstore/index.py)
+    index.damaged-<time>/        an index found unreadable, moved aside; a new one was rebuilt from the blobs
 
 A write is crash-safe: temp file, fsync, rename, fsync of the folder, and only
 then the LMDB transaction that makes it visible. A crash before the commit
 leaves an orphan file, removed at the next start; an index entry is never
 written before its blob is durable. Each blob's xxh3_128 (in the index) is
 checked on every read: a blob that fails is dropped and counted, never served.
-``kv_disk.bytes`` is a hard budget, counted in 4 KiB blocks.
+``kv_disk.bytes`` is a hard budget, counted in 4 KiB blocks, headers included.
+
+A removal is transactional: the record leaves the in-memory index at once (it is
+never served again) but its bytes stay counted against the budget until both
+the LMDB delete and the unlink have succeeded; a removal that fails (read-only
+or failing disk) is retried (``retry``), so a fault never leaks budget. A blob
+deleted behind our back is found on read, counted (``blobs_missing``) and its
+record removed. Filesystem and index errors raise DiskFault, are counted
+(``errors``), logged at most once per ERROR_LOG_INTERVAL, and make the tier
+``usable == False`` until an operation succeeds again; ``writable_now`` tells the
+store whether to try one (at most every RETRY_SECONDS while it fails).
 """
 
 from __future__ import annotations
@@ -22,51 +31,78 @@ import errno
 import logging
 import os
 import struct
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import lmdb
 import xxhash
 
-from ignis.v1 import tierstore_pb2
-from tierstore.arena import align_up
+from tierstore.auth import private_dir
+from tierstore.blob import BadBlob, DiskRecord, blob_cost, read_header, with_header
 from tierstore.errors import DataLoss
-from tierstore.state import StateHash, StateInfo
+from tierstore.index import Index, IndexDamaged, move_aside
+from tierstore.state import StateInfo, short
 
 log = logging.getLogger("ignis.tierstore")
+T = TypeVar("T")
 
-_HEADER = struct.Struct("<4sHBxIdd")  # magic, version, flags, page_size, last_used, protect_until
-_MAGIC, _VERSION = b"IGTS", 1
-_SLICEABLE = 1
 _CHUNK = 8 << 20  # bytes per write/hash step: large sequential I/O without a second full copy
 _TMP = ".tmp"
+ERROR_LOG_INTERVAL = 30.0  # seconds between two log lines about a failing disk
+RETRY_SECONDS = 5.0  # while the disk fails, the store tries it again this often
+_FAULTS = (OSError, lmdb.Error, IndexDamaged)
+# What LMDB raises for a file that is not a sound index (as opposed to one it may not open: a
+# permission or a read-only disk, which must stop the start rather than move a good index aside).
+_DAMAGE = (IndexDamaged, lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError,
+           lmdb.VersionMismatchError, lmdb.IncompatibleError, lmdb.BadValsizeError)
+
+__all__ = ["DiskFault", "DiskIO", "DiskRecord", "DiskTier", "ReconcileReport"]
 
 
-@dataclass(frozen=True, slots=True)
-class DiskRecord:
-    """A state on disk: its metadata and what the eviction order needs across restarts."""
+class DiskFault(Exception):
+    """The filesystem or the index failed (read-only, full, I/O error). Counted and logged by the
+    disk tier; nothing was stored, and a removal is pending (its bytes still counted)."""
 
-    info: StateInfo
-    last_used: float
-    protect_until: float = 0.0
 
-    def encode(self) -> bytes:
-        i = self.info
-        header = _HEADER.pack(_MAGIC, _VERSION, _SLICEABLE if i.sliceable else 0, i.page_size, self.last_used,
-                              self.protect_until)
-        return header + i.to_proto().SerializeToString()
+class DiskIO:
+    """The disk tier's writes to the filesystem and the index, in one place.
 
-    @classmethod
-    def decode(cls, hash: bytes, raw: bytes) -> DiskRecord:
-        magic, version, flags, page_size, last_used, protect_until = _HEADER.unpack_from(raw)
-        if magic != _MAGIC or version != _VERSION:
-            raise ValueError(f"unknown index record format {magic!r} v{version}")
-        meta = tierstore_pb2.StateMetadata.FromString(raw[_HEADER.size:])
-        info = StateInfo(StateHash(hash), bytes(meta.namespace), meta.tokens, meta.kind, meta.request_class,
-                         tuple(bytes(p) for p in meta.page_hashes), bytes(meta.checksum), meta.nbytes,
-                         page_size, bool(flags & _SLICEABLE))
-        return cls(info, last_used, protect_until)
+    Tests replace a method to make it fail as a read-only or full disk does
+    (``OSError(EROFS)``, ``lmdb.Error``) where no such filesystem can be mounted, or
+    where only one of the two may fail (a bind mount cannot be turned read-only
+    while LMDB holds its files open for writing).
+    """
+
+    def write_file(self, path: Path, header: bytes, data: memoryview | bytes) -> bytes:
+        """Writes ``header`` then ``data`` to ``path`` (0600) and fsyncs; returns the xxh3_128 of ``data``."""
+        view = memoryview(data).cast("B")
+        hasher = xxhash.xxh3_128()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _write_all(fd, memoryview(header))
+            for pos in range(0, len(view), _CHUNK):
+                chunk = view[pos:pos + _CHUNK]
+                hasher.update(chunk)
+                _write_all(fd, chunk)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return hasher.digest()
+
+    def rename(self, src: Path, dst: Path) -> None:
+        os.rename(src, dst)
+
+    def unlink(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+
+    def fsync_dir(self, path: Path) -> None:
+        _fsync_dir(path)
+
+    def commit(self, index: Index, fn: Callable[[lmdb.Transaction], object]) -> None:
+        index.write(fn)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,30 +113,68 @@ class ReconcileReport:
     orphan_files_removed: int
     entries_dropped: int
     states: int
-
-
-def blob_size(nbytes: int) -> int:
-    """Bytes a blob counts against the budget: whole 4 KiB blocks, as the filesystem stores it."""
-    return align_up(nbytes)
+    rebuilt: str = ""  # why the index was rebuilt from the blobs ("" when it was fine)
+    unreadable_blobs_removed: int = 0  # at a rebuild: blobs without a format-2 header of their own name
 
 
 class DiskTier:
-    def __init__(self, path: str | os.PathLike[str], budget: int, *, map_size: int = 1 << 30) -> None:
+    def __init__(self, path: str | os.PathLike[str], budget: int, *, map_size: int = 1 << 30,
+                 io: DiskIO | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         if budget <= 0:
             raise ValueError(f"kv_disk.bytes must be > 0 for a disk tier, got {budget}")
         self.path = Path(path)
         self.budget = budget
         self.blobs = self.path / "blobs"
-        self.blobs.mkdir(parents=True, exist_ok=True)
-        # max_spare_txns/lock defaults suit one writer process; the store serializes writers.
-        self._env = lmdb.open(str(self.path / "index"), map_size=map_size, max_dbs=4, subdir=True)
-        self._states = self._env.open_db(b"states")
-        self._pages = self._env.open_db(b"pages", dupsort=True)
-        self._namespaces = self._env.open_db(b"namespaces")
+        self._map_size = map_size
+        self._io = io or DiskIO()
+        self._clock = clock
+        private_dir(self.path, fix=True)
+        private_dir(self.blobs, fix=True)
         self._records: dict[bytes, DiskRecord] = {}
+        self._pending: dict[bytes, DiskRecord] = {}  # removals not finished: bytes still counted
+        self._namespaces: dict[bytes, bytes] = {}
+        self._unsaved: set[bytes] = set()  # namespaces whose LMDB write failed
         self.used_bytes = 0
         self.checksum_failures = 0
-        self.last_reconcile = self._reconcile()
+        self.blobs_missing = 0
+        self.errors = 0
+        self._fault: str | None = None
+        self._retry_at = 0.0
+        self._logged_at = -ERROR_LOG_INTERVAL
+        self._index, stored, damaged = self._open_index()
+        self.last_reconcile = self._rebuild(damaged) if damaged else self._reconcile(stored)
+
+    # ------------------------------------------------------------ health
+
+    @property
+    def usable(self) -> bool:
+        """False from a failed operation until one succeeds again."""
+        return self._fault is None
+
+    @property
+    def fault(self) -> str | None:
+        return self._fault
+
+    def writable_now(self) -> bool:
+        """Whether to try a write: the tier works, or it failed and a retry is due."""
+        return self._fault is None or self._clock() >= self._retry_at
+
+    def _failed(self, what: str, exc: BaseException) -> DiskFault:
+        self.errors += 1
+        now = self._clock()
+        self._fault = f"{what}: {exc}"
+        self._retry_at = now + RETRY_SECONDS
+        if now - self._logged_at >= ERROR_LOG_INTERVAL:
+            self._logged_at = now
+            log.error("kv-disk %s failed (%s); RAM keeps serving, spills skip the disk, retrying every %.0fs "
+                      "(%d disk errors so far; logged at most every %.0fs)", what, exc, RETRY_SECONDS, self.errors,
+                      ERROR_LOG_INTERVAL)
+        return DiskFault(self._fault)
+
+    def _worked(self) -> None:
+        if self._fault is not None:
+            log.warning("kv-disk works again (after %d disk errors)", self.errors)
+            self._fault = None
 
     # ------------------------------------------------------------ queries
 
@@ -117,62 +191,122 @@ class DiskTier:
         return iter(list(self._records.values()))
 
     def states_with_page(self, page_hash: bytes) -> list[bytes]:
-        """Sliceable states whose pages include ``page_hash`` (from the LMDB page index)."""
-        with self._env.begin(db=self._pages) as txn:
-            cursor = txn.cursor()
+        """Sliceable states whose pages include ``page_hash`` (from the LMDB page index); [] if it fails."""
+        def read(txn: lmdb.Transaction) -> list[bytes]:
+            cursor = txn.cursor(db=self._index.pages)
             if not cursor.set_key(page_hash):
                 return []
             return [bytes(v) for v in cursor.iternext_dup()]
 
+        try:
+            found = self._index_read(read)
+        except _FAULTS as exc:
+            self._failed("reading the index", exc)
+            return []
+        return [h for h in found if h in self._records]
+
     def free_bytes(self) -> int:
         return self.budget - self.used_bytes
 
+    def cost(self, info: StateInfo, registration: bytes = b"") -> int:
+        """The budget ``put(info's record, ..., registration)`` would take."""
+        return blob_cost(info, registration)
+
     # ------------------------------------------------------------ writes
 
-    def put(self, record: DiskRecord, data: memoryview | bytes) -> bool:
+    def put(self, record: DiskRecord, data: memoryview | bytes, registration: bytes = b"") -> bool:
         """Writes a state durably; False (nothing written) if it would pass the budget.
 
-        Raises DataLoss (counted) when ``data`` does not match the record's
+        ``registration`` is its namespace's (a rebuilt index gets it back from the
+        blob). Raises DataLoss (counted) when ``data`` does not match the record's
         checksum: the source was corrupted after commit, so nothing is stored.
+        Raises DiskFault when the disk fails: nothing is stored.
         """
         info = record.info
         if len(data) != info.nbytes:
             raise ValueError(f"{len(data)} bytes given for a {info.nbytes}-byte state: this is a bug")
         if info.hash in self._records:
-            raise RuntimeError(f"state {info.hash.hex()} is already on disk: this is a bug")
-        size = blob_size(info.nbytes)
+            raise RuntimeError(f"state {short(info.hash)} is already on disk: this is a bug")
+        if info.hash in self._pending:  # its old blob must be gone before a new one takes the name
+            self._finish(info.hash)
+        placed, header = with_header(record, registration)
+        size = placed.blob_bytes
         if self.used_bytes + size > self.budget:
             return False  # capacity is a return value, not an error
         final = self._blob_path(info.hash)
         tmp = final.with_name(final.name + _TMP)
-        digest = self._write_file(tmp, data)
+        try:
+            digest = self._io.write_file(tmp, header, data)
+        except OSError as exc:
+            self._discard(tmp)
+            raise self._failed("writing a blob", exc) from None
         if digest != info.checksum:
-            tmp.unlink(missing_ok=True)
+            self._discard(tmp)
             self.checksum_failures += 1
-            raise DataLoss(f"state {info.hash.hex()} changed in the arena after commit; not written")
-        os.rename(tmp, final)
-        _fsync_dir(self.blobs)
-        self._txn_write(lambda txn: self._index_put(txn, record))
-        self._records[info.hash] = record
+            raise DataLoss(f"state {short(info.hash)} changed in the arena after commit; not written")
+        try:
+            self._io.rename(tmp, final)
+            self._io.fsync_dir(self.blobs)
+            self._commit(lambda txn: self._index_put(txn, placed))
+        except _FAULTS as exc:  # never indexed: the blob goes (or waits for a retry, counted)
+            self._discard(tmp)
+            self._pending[info.hash] = placed
+            self.used_bytes += size
+            fault = self._failed("storing a blob", exc)
+            self._try_finish(info.hash)
+            raise fault from None
+        self._records[info.hash] = placed
         self.used_bytes += size
+        self._worked()
         return True
 
     def remove(self, hash: bytes) -> bool:
-        """Drops a state: index first, then the file (a crash between leaves an orphan, removed at start)."""
+        """Drops a state: at once from what is served, and from the index and the files when both succeed.
+
+        False if it was not on disk. A removal the disk refuses stays pending, its
+        bytes counted, and is retried by ``retry`` (DiskFault is not raised: the
+        failure is counted and logged here).
+        """
         record = self._records.pop(hash, None)
         if record is None:
             return False
-        self._txn_write(lambda txn: self._index_delete(txn, record.info))
-        self._blob_path(hash).unlink(missing_ok=True)
-        self.used_bytes -= blob_size(record.info.nbytes)
+        self._pending[hash] = record
+        self._try_finish(hash)
         return True
 
+    def retry(self) -> None:
+        """Finishes pending removals and namespace writes; checks the index (the store calls it every second)."""
+        if not self.writable_now():
+            return
+        try:
+            if (reason := self._index.check()) is not None:
+                self._rebuild_index(reason)
+            for h in list(self._pending):
+                self._finish(h)
+            for ns in list(self._unsaved):
+                value = self._namespaces[ns]
+                self._commit(lambda txn: txn.put(ns, value, db=self._index.namespaces))
+                self._unsaved.discard(ns)
+        except DiskFault:
+            return
+        except _FAULTS as exc:
+            self._failed("retrying", exc)
+            return
+        self._worked()
+
     def save_namespace(self, namespace: bytes, value: bytes) -> None:
-        self._txn_write(lambda txn: txn.put(namespace, value, db=self._namespaces))
+        """Persists a registration; when the disk fails it is kept here and written by a later ``retry``."""
+        self._namespaces[namespace] = value
+        try:
+            self._commit(lambda txn: txn.put(namespace, value, db=self._index.namespaces))
+        except _FAULTS as exc:
+            self._unsaved.add(namespace)
+            self._failed("saving a namespace", exc)
+            return
+        self._unsaved.discard(namespace)
 
     def load_namespaces(self) -> dict[bytes, bytes]:
-        with self._env.begin(db=self._namespaces) as txn:
-            return {bytes(k): bytes(v) for k, v in txn.cursor()}
+        return dict(self._namespaces)
 
     # ------------------------------------------------------------ reads
 
@@ -180,8 +314,9 @@ class DiskTier:
         """Reads a blob into ``out`` (exactly its size) and verifies it.
 
         False if the state is not on disk, or if the blob is missing, short or
-        fails its checksum: then it is dropped (and a checksum failure counted),
-        and ``out`` holds garbage that must not be served.
+        fails its checksum: then it is dropped (a checksum failure and a missing blob
+        counted), and ``out`` holds garbage that must not be served. DiskFault if the
+        file cannot be read (an I/O error): the state stays.
         """
         record = self._records.get(hash)
         if record is None:
@@ -189,21 +324,30 @@ class DiskTier:
         if len(out) != record.info.nbytes:
             raise ValueError(f"buffer of {len(out)} bytes for a {record.info.nbytes}-byte state: this is a bug")
         try:
-            with open(self._blob_path(hash), "rb", buffering=0) as f:
-                if os.fstat(f.fileno()).st_size != record.info.nbytes:
-                    return self._fail(hash, "has the wrong size")
-                hasher = xxhash.xxh3_128()
-                pos = 0
-                while pos < len(out):
-                    n = f.readinto(out[pos:pos + _CHUNK])
-                    if not n:
-                        return self._fail(hash, "is short")
-                    hasher.update(out[pos:pos + n])
-                    pos += n
+            fd = os.open(self._blob_path(hash), os.O_RDONLY)
         except FileNotFoundError:
-            log.warning("blob %s is missing; dropped from the index", hash.hex())
+            self.blobs_missing += 1
+            log.warning("blob %s is missing (deleted behind the tierstore's back); dropped from the index",
+                        short(hash))
             self.remove(hash)
             return False
+        except OSError as exc:
+            raise self._failed("reading a blob", exc) from None
+        hasher = xxhash.xxh3_128()
+        try:
+            if os.fstat(fd).st_size != record.file_size:
+                return self._fail(hash, "has the wrong size")
+            pos = 0
+            while pos < len(out):
+                n = os.preadv(fd, [out[pos:pos + _CHUNK]], record.data_offset + pos)
+                if not n:
+                    return self._fail(hash, "is short")
+                hasher.update(out[pos:pos + n])
+                pos += n
+        except OSError as exc:
+            raise self._failed("reading a blob", exc) from None
+        finally:
+            os.close(fd)
         if hasher.digest() != record.info.checksum:
             return self._fail(hash, "failed its checksum")
         return True
@@ -218,97 +362,149 @@ class DiskTier:
 
     def _fail(self, hash: bytes, why: str) -> bool:
         self.checksum_failures += 1
-        log.error("blob %s %s: dropped, not served", hash.hex(), why)
+        log.error("blob %s %s: dropped, not served", short(hash), why)
         self.remove(hash)
         return False
 
     # ------------------------------------------------------------ integrity
 
     def check_integrity(self) -> None:
-        """Index == memory == files, page index matches, budget kept; raises AssertionError."""
-        with self._env.begin() as txn:
-            stored = {bytes(k): DiskRecord.decode(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._states)}
-            pages = {(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._pages)}  # every duplicate
-        assert stored == self._records, "LMDB states differ from the in-memory index"
+        """Index == memory == files, page index matches, budget kept; raises AssertionError.
+
+        Pending removals (a failing disk) may linger in the index and the files.
+        """
+        def read(txn: lmdb.Transaction) -> tuple[dict[bytes, DiskRecord], set[tuple[bytes, bytes]]]:
+            stored = {bytes(k): DiskRecord.decode(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._index.states)}
+            return stored, {(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._index.pages)}
+
+        stored, pages = self._index_read(read)
+        pending = set(self._pending)
+        assert {h: r for h, r in stored.items() if h not in pending} == self._records, \
+            "LMDB states differ from the in-memory index"
         want_pages = {(p, h) for h, r in stored.items() if r.info.sliceable for p in r.info.page_hashes}
-        assert pages == want_pages, f"page index differs: extra {pages - want_pages}, missing {want_pages - pages}"
+        extra = {(p, h) for p, h in pages - want_pages if h not in pending}
+        assert not extra and want_pages <= pages, f"page index differs: extra {extra}, missing {want_pages - pages}"
         files = {p.name for p in self.blobs.iterdir()}
-        assert files == {h.hex() for h in stored}, f"blob files differ from the index: {files ^ {h.hex() for h in stored}}"
-        for h, r in stored.items():
-            assert (self.blobs / h.hex()).stat().st_size == r.info.nbytes, f"blob {h.hex()} has the wrong size"
-        assert self.used_bytes == sum(blob_size(r.info.nbytes) for r in stored.values())
+        held = {h.hex() for h in self._records}
+        assert held <= files and files - held <= {h.hex() for h in pending}, \
+            f"blob files differ from the index: {files ^ held}"
+        for h, r in self._records.items():
+            st = (self.blobs / h.hex()).stat()
+            assert st.st_size == r.file_size, f"blob {short(h)} has the wrong size"
+            assert st.st_mode & 0o077 == 0, f"blob {short(h)} is readable by others"
+        assert self.used_bytes == sum(r.blob_bytes for r in (*self._records.values(), *self._pending.values()))
         assert self.used_bytes <= self.budget, f"{self.used_bytes} bytes on disk, budget {self.budget}"
 
     def close(self) -> None:
-        self._env.close()
+        self._index.close()
 
     # ------------------------------------------------------------ internals
 
     def _blob_path(self, hash: bytes) -> Path:
         return self.blobs / hash.hex()
 
-    def _write_file(self, path: Path, data: memoryview | bytes) -> bytes:
-        """Writes and fsyncs ``path``; returns the xxh3_128 of what was written."""
-        view = memoryview(data).cast("B")
-        hasher = xxhash.xxh3_128()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    def _discard(self, path: Path) -> None:
         try:
-            for pos in range(0, len(view), _CHUNK):
-                chunk = view[pos:pos + _CHUNK]
-                hasher.update(chunk)
-                while chunk:
-                    chunk = chunk[os.write(fd, chunk):]
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        return hasher.digest()
+            self._io.unlink(path)
+        except OSError:
+            pass  # a temp file: removed at the next start
 
-    def _txn_write(self, fn: Callable[[lmdb.Transaction], object]) -> None:
-        """One write transaction; grows the map when it is full (the map is virtual address space)."""
-        while True:
-            try:
-                with self._env.begin(write=True) as txn:
-                    fn(txn)
-                return
-            except lmdb.MapFullError:
-                self._env.set_mapsize(self._env.info()["map_size"] * 2)
+    def _finish(self, hash: bytes) -> None:
+        """Completes a pending removal: the index entry, then the file; DiskFault (still pending) if either fails."""
+        record = self._pending[hash]
+        try:
+            self._commit(lambda txn: self._index_delete(txn, record.info))
+            self._io.unlink(self._blob_path(hash))
+        except _FAULTS as exc:
+            raise self._failed("removing a blob", exc) from None
+        del self._pending[hash]
+        self.used_bytes -= record.blob_bytes
+
+    def _try_finish(self, hash: bytes) -> None:
+        if not self.writable_now():
+            return  # counted as pending; retry() finishes it once the disk works again
+        try:
+            self._finish(hash)
+        except DiskFault:
+            return
+        self._worked()
+
+    def _commit(self, fn: Callable[[lmdb.Transaction], object]) -> None:
+        try:
+            self._io.commit(self._index, fn)
+        except IndexDamaged as exc:  # truncated under us: rebuild it from memory, then write
+            self._rebuild_index(str(exc))
+            self._io.commit(self._index, fn)
+
+    def _index_read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        try:
+            return self._index.read(fn)
+        except IndexDamaged as exc:
+            self._rebuild_index(str(exc))
+            return self._index.read(fn)
 
     def _index_put(self, txn: lmdb.Transaction, record: DiskRecord) -> None:
-        txn.put(record.info.hash, record.encode(), db=self._states)
+        txn.put(record.info.hash, record.encode(), db=self._index.states)
         if record.info.sliceable:
             for page in record.info.page_hashes:
-                txn.put(page, record.info.hash, db=self._pages, dupdata=True)
+                txn.put(page, record.info.hash, db=self._index.pages, dupdata=True)
 
     def _index_delete(self, txn: lmdb.Transaction, info: StateInfo) -> None:
-        txn.delete(info.hash, db=self._states)
+        txn.delete(info.hash, db=self._index.states)
         if info.sliceable:
             for page in info.page_hashes:
-                txn.delete(page, info.hash, db=self._pages)
+                txn.delete(page, info.hash, db=self._index.pages)
 
-    def _reconcile(self) -> ReconcileReport:
+    def _write_all(self, txn: lmdb.Transaction) -> None:
+        for record in self._records.values():
+            self._index_put(txn, record)
+        for ns, value in self._namespaces.items():
+            txn.put(ns, value, db=self._index.namespaces)
+
+    # ------------------------------------------------------------ opening, reconcile, rebuild
+
+    def _open_index(self) -> tuple[Index, dict[bytes, bytes], str]:
+        """(index, its raw states, "" ) — or a fresh index and why the old one was moved aside."""
+        path = self.path / "index"
+        index: Index | None = None
+        try:
+            index = opened = Index(path, self._map_size)
+
+            def read(txn: lmdb.Transaction) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
+                return ({bytes(k): bytes(v) for k, v in txn.cursor(db=opened.states)},
+                        {bytes(k): bytes(v) for k, v in txn.cursor(db=opened.namespaces)})
+
+            stored, self._namespaces = opened.read(read)
+            return opened, stored, ""
+        except _DAMAGE as exc:
+            if index is not None:
+                index.close()
+            reason = str(exc)
+        aside = move_aside(path)
+        return Index(path, self._map_size), {}, f"{reason}; moved to {aside.name}"
+
+    def _reconcile(self, stored: dict[bytes, bytes]) -> ReconcileReport:
         """Makes the index and the files agree after any crash; loads the survivors."""
         temps = orphans = dropped = 0
-        with self._env.begin() as txn:
-            stored: dict[bytes, bytes] = {bytes(k): bytes(v) for k, v in txn.cursor(db=self._states)}
         bad: list[tuple[bytes, StateInfo | None]] = []
         for h, raw in stored.items():
             try:
                 record = DiskRecord.decode(h, raw)
             except (ValueError, struct.error) as exc:  # an unreadable entry: drop it
-                log.warning("index entry %s is unreadable (%s); dropped", h.hex(), exc)
+                log.warning("index entry %s is unreadable (%s); dropped", short(h), exc)
                 bad.append((h, None))
                 continue
             try:
-                size = self._blob_path(h).stat().st_size
+                st = self._blob_path(h).stat()
             except FileNotFoundError:
-                size = -1
-            if size != record.info.nbytes:  # no blob (or a torn one): the entry cannot be served
+                bad.append((h, record.info))  # no blob: the entry cannot be served
+                continue
+            if st.st_size != record.file_size:  # a torn one
                 bad.append((h, record.info))
-            else:
-                self._records[h] = record
+                continue
+            if st.st_mode & 0o077:
+                os.chmod(self._blob_path(h), 0o600)  # written before blobs were private
+            self._records[h] = record
         known = {h.hex() for h in self._records}
         for path in self.blobs.iterdir():
             if path.name.endswith(_TMP):  # a write that never reached its rename
@@ -322,21 +518,82 @@ class DiskTier:
 
         def fix(txn: lmdb.Transaction) -> None:
             nonlocal dropped
-            for h, info in bad:
-                txn.delete(h, db=self._states)
+            for h, _ in bad:
+                txn.delete(h, db=self._index.states)
                 dropped += 1
             # Page entries whose state is gone (the dupsort db is rebuilt from what survived).
-            cursor = txn.cursor(db=self._pages)
+            cursor = txn.cursor(db=self._index.pages)
             for page, state in list(cursor):  # every (page, state) duplicate
                 if bytes(state) not in self._records or not self._records[bytes(state)].info.sliceable:
-                    txn.delete(bytes(page), bytes(state), db=self._pages)
+                    txn.delete(bytes(page), bytes(state), db=self._index.pages)
 
-        self._txn_write(fix)
-        self.used_bytes = sum(blob_size(r.info.nbytes) for r in self._records.values())
+        self._index.write(fix)
+        self.used_bytes = sum(r.blob_bytes for r in self._records.values())
         report = ReconcileReport(temps, orphans, dropped, len(self._records))
         if temps or orphans or dropped:
             log.warning("kv-disk reconcile: %s", report)
         return report
+
+    def _rebuild(self, reason: str) -> ReconcileReport:
+        """A fresh index from the blob headers: what fits the budget, most recently used first."""
+        temps = unreadable = over = 0
+        found: list[tuple[DiskRecord, bytes]] = []
+        for path in self.blobs.iterdir():
+            if path.name.endswith(_TMP):
+                path.unlink()
+                temps += 1
+                continue
+            if not _is_hex_name(path.name):
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    found.append(read_header(fd, bytes.fromhex(path.name), os.fstat(fd).st_size))
+                finally:
+                    os.close(fd)
+            except (BadBlob, OSError) as exc:
+                log.warning("blob %s cannot describe itself (%s): removed", path.name[:8], exc)
+                path.unlink(missing_ok=True)
+                unreadable += 1
+        found.sort(key=lambda f: (-f[0].last_used, f[0].info.hash))
+        newest: dict[bytes, float] = {}
+        for record, registration in found:
+            if self.used_bytes + record.blob_bytes > self.budget:
+                self._blob_path(record.info.hash).unlink(missing_ok=True)
+                over += 1
+                continue
+            os.chmod(self._blob_path(record.info.hash), 0o600)
+            self._records[record.info.hash] = record
+            self.used_bytes += record.blob_bytes
+            ns = record.info.namespace
+            if registration and ns not in newest:  # the layout its newest state was written with
+                newest[ns] = record.last_used
+                self._namespaces[ns] = registration
+        _fsync_dir(self.blobs)
+        self._index.write(self._write_all)
+        report = ReconcileReport(temps, over, 0, len(self._records), reason, unreadable)
+        log.error("kv-disk index was unreadable (%s): rebuilt from %d blob headers (%d blobs without one removed, "
+                  "%d over the budget removed)", reason, len(self._records), unreadable, over)
+        return report
+
+    def _rebuild_index(self, reason: str) -> None:
+        """The index went bad while serving: move it aside and write a new one from memory.
+
+        If the disk refuses (OSError), the old index stays closed and the next use tries again.
+        """
+        path = self._index.path
+        self._index.close()
+        aside = move_aside(path).name if (path / "data.mdb").exists() else "nowhere (it was gone)"
+        fresh = Index(path, self._map_size)
+        self._index = fresh
+        fresh.write(self._write_all)
+        log.error("kv-disk index became unreadable (%s): moved to %s and rebuilt (%d states)", reason, aside,
+                  len(self._records))
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _is_hex_name(name: str) -> bool:

@@ -29,3 +29,15 @@ class FailedPrecondition(TierStoreError):
 
 class DataLoss(TierStoreError):
     """A blob failed its checksum: it was dropped and counted, never served."""
+
+
+class Unavailable(TierStoreError):
+    """A lower tier cannot serve this now (a failing disk, an arena being recreated); the store is up.
+
+    ``tier`` ("disk" or "arena") travels in the reply's trailing metadata (``ignis-tier-fault``), so a
+    client can tell it from the store being unreachable.
+    """
+
+    def __init__(self, tier: str, message: str) -> None:
+        super().__init__(message)
+        self.tier = tier

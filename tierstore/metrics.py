@@ -4,6 +4,11 @@ Gauges ``ignis_kv_ram_arena_bytes{kind="used|total"}``, ``ignis_kv_disk_bytes{ki
 ``ignis_kv_states{tier="ram|disk"}``, ``ignis_kv_leases_active``, ``ignis_kv_reservations_pending``;
 counters ``ignis_kv_spills_total``, ``ignis_kv_restores_total``, ``ignis_kv_evictions_total``,
 ``ignis_kv_checksum_failures_total``, ``ignis_kv_protected_refusals_total``.
+
+Faults: gauges ``ignis_kv_tier_usable{tier="ram|disk"}`` (0 while the arena cannot be
+recreated, or the disk fails); counters ``ignis_kv_disk_errors_total``,
+``ignis_kv_blobs_missing_total``, ``ignis_kv_arena_recreations_total``,
+``ignis_kv_ram_states_lost_total``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ class StoreCollector(Collector):
             yield labelled_gauge(name, doc, "kind", {"used": used, "total": total})
         yield labelled_gauge("ignis_kv_states", "Stored states by tier (ram: in the arena)", "tier",
                              {"ram": s.states_ram, "disk": s.states_disk})
+        yield labelled_gauge("ignis_kv_tier_usable", "1 while the tier serves; 0 while the arena cannot be recreated "
+                             "or the disk fails (read-only, full, I/O errors)", "tier",
+                             {"ram": int(s.arena_usable), "disk": int(s.disk_usable)})
         yield GaugeMetricFamily("ignis_kv_leases_active", "Acquire leases held", value=s.leases_active)
         yield GaugeMetricFamily("ignis_kv_reservations_pending", "Reservations not yet committed",
                                 value=s.reservations_pending)
@@ -45,6 +53,13 @@ class StoreCollector(Collector):
             ("ignis_kv_protected_refusals",
              "Reserves/Puts refused rather than drop a state they may not displace (protected, or of a higher class)",
              s.protected_refusals),
+            ("ignis_kv_disk_errors", "Disk operations that failed (filesystem or index errors)", s.disk_errors),
+            ("ignis_kv_blobs_missing", "Blobs found deleted behind the store's back (their records removed)",
+             s.blobs_missing),
+            ("ignis_kv_arena_recreations", "Times the arena file was found truncated, deleted or replaced, and "
+             "recreated under a new instance id", s.arena_recreations),
+            ("ignis_kv_ram_states_lost", "States lost with a recreated arena (they were in RAM only)",
+             s.ram_states_lost),
         ):
             yield CounterMetricFamily(name, doc, value=value)
 

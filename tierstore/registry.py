@@ -2,9 +2,18 @@
 
 A namespace (h0) is registered by the engine that serves it. The layout string is
 compared on every re-register, across restarts too (the disk tier persists it),
-so a state written under one layout is never read under another. Unregistered
-namespaces (cache_salt tenants) still store and match, but only by exact name:
-without a page size a page-prefix hit cannot be sized.
+so a state written under one layout is never read under another:
+
+- the same layout (and page size) again: nothing changes;
+- another layout while the namespace has states on disk: FAILED_PRECONDITION to
+  the newcomer, and the registration stays (those states were written under it);
+- another layout while it has none on disk: the new registration replaces the old
+  one and the store drops the states (in RAM) written under the old one. A
+  registration is thus never a lock: whoever registered first (a squatter, an
+  engine since upgraded) cannot keep the owner out once nothing is stored under it.
+
+Unregistered namespaces (cache_salt tenants) still store and match, but only by
+exact name: without a page size a page-prefix hit cannot be sized.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from tierstore.errors import FailedPrecondition, InvalidArgument
-from tierstore.state import check_hash
+from tierstore.state import check_hash, short
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,17 +65,25 @@ class NamespaceRegistry:
     def get(self, namespace: bytes) -> Registration | None:
         return self._known.get(namespace)
 
-    def register(self, reg: Registration) -> None:
-        """Records ``reg``; FailedPrecondition if the namespace is known with another layout."""
+    def register(self, reg: Registration, *, stored: Callable[[bytes], bool]) -> Registration | None:
+        """Records ``reg``; returns the registration it replaced when the layout changed (the caller drops
+        the states written under that one), else None.
+
+        ``stored(namespace)`` says whether states of the namespace are on disk: then another
+        layout is FailedPrecondition and nothing changes.
+        """
         old = self._known.get(reg.namespace)
-        if old is not None and (old.layout != reg.layout or old.page_size != reg.page_size):
+        conflict = old is not None and (old.layout != reg.layout or old.page_size != reg.page_size)
+        if conflict and stored(reg.namespace):
+            assert old is not None
             raise FailedPrecondition(
-                f"namespace {reg.namespace.hex()} is registered with another state layout or page size "
-                f"(model {old.model!r}); states stored under it cannot be read with this one")
+                f"namespace {short(reg.namespace)} is registered with another state layout or page size "
+                f"(model {old.model!r}) and states stored under it are on disk; they cannot be read with this one")
         if old != reg:
             self._known[reg.namespace] = reg
             if self._persist is not None:
                 self._persist(reg)
+        return old if conflict else None
 
     def __len__(self) -> int:
         return len(self._known)

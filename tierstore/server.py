@@ -12,16 +12,18 @@ from collections.abc import AsyncIterator, Callable
 from typing import NoReturn, TypeVar
 
 import grpc
-from grpc_health.v1 import health
+from grpc_health.v1 import health, health_pb2
 
 from common.grpc_server import build_server
 from common.grpc_server import set_serving as set_health
 from common.tracing import ServerTracingInterceptor
 from ignis.v1 import tierstore_pb2, tierstore_pb2_grpc
 from tierstore.arena import Extent
-from tierstore.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, TierStoreError
+from tierstore.auth import SecretAuth
+from tierstore.errors import (AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, TierStoreError,
+                              Unavailable)
 from tierstore.registry import Registration
-from tierstore.state import check_hash
+from tierstore.state import check_hash, short
 from tierstore.store import Hit, StoreStats, TierStore
 
 log = logging.getLogger("ignis.tierstore")
@@ -35,7 +37,9 @@ _CODES: dict[type[TierStoreError], grpc.StatusCode] = {
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     DataLoss: grpc.StatusCode.DATA_LOSS,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
+TIER_FAULT_KEY = "ignis-tier-fault"  # trailing metadata of an UNAVAILABLE from a failing lower tier
 
 
 def _extent(e: Extent) -> tierstore_pb2.Extent:
@@ -53,7 +57,10 @@ def stats_message(s: StoreStats) -> tierstore_pb2.StatsResponse:
         arena_bytes_used=s.arena_bytes_used, arena_bytes_total=s.arena_bytes_total,
         disk_bytes_used=s.disk_bytes_used, disk_bytes_total=s.disk_bytes_total, states_ram=s.states_ram,
         states_disk=s.states_disk, checksum_failures=s.checksum_failures, leases_active=s.leases_active,
-        reservations_pending=s.reservations_pending, spills=s.spills, restores=s.restores, evictions=s.evictions)
+        reservations_pending=s.reservations_pending, spills=s.spills, restores=s.restores, evictions=s.evictions,
+        protected_refusals=s.protected_refusals, disk_usable=s.disk_usable, disk_errors=s.disk_errors,
+        blobs_missing=s.blobs_missing, arena_recreations=s.arena_recreations, ram_states_lost=s.ram_states_lost,
+        arena_path=s.arena_path, instance_id=s.instance_id, arena_usable=s.arena_usable)
 
 
 class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
@@ -78,7 +85,7 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
         except TierStoreError as exc:
             await _abort(context, exc)
         arena = await self._call(context, self.store.register, reg)
-        log.info("registered namespace=%s model=%r page_size=%d", reg.namespace.hex(), reg.model, reg.page_size)
+        log.info("registered namespace=%s model=%r page_size=%d", short(reg.namespace), reg.model, reg.page_size)
         return tierstore_pb2.RegisterResponse(arena_path=arena.path, arena_bytes=arena.nbytes,
                                               instance_id=arena.instance_id)
 
@@ -182,6 +189,8 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: TierStoreError) -> NoReturn:
+    if isinstance(exc, Unavailable):
+        context.set_trailing_metadata(((TIER_FAULT_KEY, exc.tier),))
     await _fail(context, next(c for cls, c in _CODES.items() if isinstance(exc, cls)), str(exc))
 
 
@@ -191,16 +200,33 @@ async def _fail(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
     raise AssertionError("unreachable")
 
 
-def create_server(service: TierStoreService, address: str, tracing: bool = False
-                  ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Build (not start) the server on `address` (port 0 picks a free one); returns (server, port, health).
+def create_server(service: TierStoreService, address: str | list[str], tracing: bool = False,
+                  secret: bytes | None = None) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Build (not start) the server on `address` (``unix:/path``, ``host:port``, port 0 picks a free one,
+    or a list of them); returns (server, port, health), port being the TCP port (0: none).
 
+    Calls over a Unix socket are let in (the socket's mode decides who connects); calls over TCP
+    need `authorization: Bearer <secret>`, all refused without a `secret` (auth.py); health is open.
     With `tracing`, each call is a SERVER span continuing the engine's trace (from the gRPC metadata).
     """
+    interceptors: list[grpc.aio.ServerInterceptor] = [SecretAuth(secret)]
+    if tracing:
+        interceptors.append(ServerTracingInterceptor())
     return build_server(lambda server: tierstore_pb2_grpc.add_TierStoreServicer_to_server(service, server),
                         tierstore_pb2.DESCRIPTOR.services_by_name["TierStore"].full_name, address, "tierstore",
-                        [ServerTracingInterceptor()] if tracing else [])
+                        interceptors)
 
 
 async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
     await set_health(health_servicer, SERVICE_NAME, serving)
+
+
+TIER_SERVICES = {"ram": f"{SERVICE_NAME}.ram", "disk": f"{SERVICE_NAME}.disk"}  # health names of the tiers
+
+
+async def set_tier_health(health_servicer: health.aio.HealthServicer, stats: StoreStats) -> None:
+    """Health of each tier under its own name (``ignis.v1.TierStore.ram``, ``.disk``): NOT_SERVING while it is
+    unusable. The store's own name and "" stay SERVING: a store with a failing tier still serves."""
+    for tier, usable in (("ram", stats.arena_usable), ("disk", stats.disk_usable)):
+        status = health_pb2.HealthCheckResponse.SERVING if usable else health_pb2.HealthCheckResponse.NOT_SERVING
+        await health_servicer.set(TIER_SERVICES[tier], status)

@@ -11,6 +11,7 @@ from ignis.v1 import common_pb2, tierstore_pb2
 from tierstore.errors import InvalidArgument
 
 HASH_BYTES = 16
+MAX_ENGINE_TAG = 64  # bytes of StateMetadata.engine_tag the store keeps (a keyed BLAKE3 is 32)
 StateHash = NewType("StateHash", bytes)  # a 16-byte link of the chain hash (docs/architecture.md "The key")
 
 _KINDS = (common_pb2.REUSE_KIND_CHECKPOINT, common_pb2.REUSE_KIND_PREFIX, common_pb2.REUSE_KIND_PAGES)
@@ -23,6 +24,11 @@ def check_hash(value: bytes, what: str = "hash") -> StateHash:
         size = len(value) if isinstance(value, (bytes, bytearray)) else type(value).__name__
         raise InvalidArgument(f"{what} must be {HASH_BYTES} bytes (an xxh3_128 chain hash), got {size}")
     return StateHash(value)
+
+
+def short(value: bytes) -> str:
+    """The first 8 hex digits of a hash: what logs show (full names are blob file names, and tenants' keys)."""
+    return value[:4].hex()
 
 
 def checksum(data: bytes | memoryview) -> bytes:
@@ -55,6 +61,8 @@ class StateInfo:
     # Every page-aligned prefix is itself a valid state (attention-only KV): the
     # disk index then maps each page hash to this state.
     sliceable: bool = False
+    # The engine's keyed integrity tag: kept and returned verbatim, never checked here.
+    engine_tag: bytes = b""
 
     def prefix_tokens(self, page_index: int) -> int:
         """Tokens covered by the first ``page_index + 1`` pages of this state."""
@@ -64,7 +72,7 @@ class StateInfo:
         return tierstore_pb2.StateMetadata(
             namespace=self.namespace, tokens=self.tokens, kind=self.kind,  # type: ignore[arg-type]
             request_class=self.request_class, page_hashes=self.page_hashes,  # type: ignore[arg-type]
-            checksum=self.checksum, nbytes=self.nbytes,
+            checksum=self.checksum, nbytes=self.nbytes, engine_tag=self.engine_tag,
         )
 
     @classmethod
@@ -83,7 +91,9 @@ class StateInfo:
             raise InvalidArgument(f"metadata.checksum must be empty or {HASH_BYTES} bytes")
         if meta.nbytes <= 0:
             raise InvalidArgument("metadata.nbytes must be > 0")
+        if len(meta.engine_tag) > MAX_ENGINE_TAG:
+            raise InvalidArgument(f"metadata.engine_tag must be at most {MAX_ENGINE_TAG} bytes")
         if page_size <= 0:
             sliceable = False  # a prefix hit cannot be sized without the page size
         return cls(name, bytes(meta.namespace), meta.tokens, meta.kind, normal_class(meta.request_class), pages,
-                   bytes(meta.checksum), meta.nbytes, page_size, sliceable)
+                   bytes(meta.checksum), meta.nbytes, page_size, sliceable, bytes(meta.engine_tag))

@@ -14,6 +14,12 @@
   decisions, not only the order. A restore is live work: rank order alone.
 - A restored state keeps its disk copy (states are immutable), so spilling it
   again only frees its extent.
+- Faults degrade, never take the store down: a failing disk (read-only, full,
+  I/O errors; disk.py counts and logs them) is skipped by spills while RAM keeps
+  serving; an arena file found truncated, deleted or replaced (checked every
+  second and before each use) is recreated under a new instance id: states only
+  in RAM are lost (counted), states on disk stay, and every engine re-registers
+  when a reply names the new instance.
 
 One lock guards everything; disk I/O runs under it, in the server's thread pool
 (so the asyncio loop stays free), which serializes moves.
@@ -29,15 +35,16 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from common.eviction import EvictionOrder, Resident
 from ignis.v1 import common_pb2, tierstore_pb2
-from tierstore.arena import Arena, Extent, align_up
-from tierstore.disk import DiskRecord, DiskTier, blob_size
-from tierstore.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from tierstore.arena import SHM_DIR, Arena, Extent, align_up
+from tierstore.disk import DiskFault, DiskIO, DiskRecord, DiskTier
+from tierstore.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from tierstore.policy import last_tier_room, resident
 from tierstore.registry import NamespaceRegistry, Registration
-from tierstore.state import StateInfo, check_hash, checksum, normal_class
+from tierstore.state import StateInfo, check_hash, checksum, normal_class, short
 
 log = logging.getLogger("ignis.tierstore")
 
@@ -105,6 +112,14 @@ class StoreStats:
     restores: int
     evictions: int
     protected_refusals: int  # Reserve/Put refused rather than drop a state they may not displace
+    disk_usable: bool = True  # False while the disk fails (True with no disk tier)
+    disk_errors: int = 0
+    blobs_missing: int = 0  # found deleted behind our back on read
+    arena_recreations: int = 0
+    ram_states_lost: int = 0  # only in an arena that had to be recreated
+    arena_path: str = ""
+    instance_id: str = ""
+    arena_usable: bool = True
 
 
 # ------------------------------------------------------------ internal, mutable
@@ -146,17 +161,24 @@ class _Counters:
     evictions: int = 0
     checksum_failures: int = 0  # at commit/spill/restore; the disk tier counts its own too
     protected_refusals: int = 0
+    arena_recreations: int = 0
+    ram_states_lost: int = 0
 
 
 class TierStore:
-    def __init__(self, config: StoreConfig, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, config: StoreConfig, *, clock: Callable[[], float] = time.time,
+                 disk_io: DiskIO | None = None, arena_dir: Path = SHM_DIR) -> None:
         self.config = config
         self.instance_id = uuid.uuid4().hex
         self._clock = clock
         self._lock = threading.Lock()
         self._order = EvictionOrder(config.interactive_ttl)
-        self._disk = DiskTier(config.disk_path, config.disk_bytes) if config.disk_bytes > 0 else None
-        self.arena = Arena(config.arena_bytes, instance_id=self.instance_id)
+        self._disk = DiskTier(config.disk_path, config.disk_bytes, io=disk_io, clock=clock) \
+            if config.disk_bytes > 0 else None
+        self._arena_dir = arena_dir
+        self.arena = Arena(config.arena_bytes, instance_id=self.instance_id, directory=arena_dir)
+        self._arena_fault: str | None = None  # the arena is broken and could not be recreated yet
+        self._arena_generation = 0  # a Get that began in an earlier arena ends without touching this one
         known: dict[bytes, Registration] = {}
         if self._disk is not None:
             known = {ns: Registration.decode(raw) for ns, raw in self._disk.load_namespaces().items()}
@@ -179,9 +201,21 @@ class TierStore:
     # ------------------------------------------------------------ control plane
 
     def register(self, reg: Registration) -> ArenaInfo:
+        """Records the namespace (registry.py has the rule for another layout); returns the arena to map."""
         with self._lock:
-            self._registry.register(reg)
-        return ArenaInfo(str(self.arena.path), self.arena.size, self.instance_id)
+            self._need_arena()
+            replaced = self._registry.register(reg, stored=self._on_disk)
+            if replaced is not None:
+                gone = [s for s in self._states.values() if s.info.namespace == reg.namespace]
+                for state in gone:
+                    self._forget(state)
+                log.warning("namespace=%s registered again with another layout (model %r, was %r): "
+                            "%d states in RAM under the old one dropped", short(reg.namespace), reg.model,
+                            replaced.model, len(gone))
+            return ArenaInfo(str(self.arena.path), self.arena.size, self.instance_id)
+
+    def _on_disk(self, namespace: bytes) -> bool:
+        return self._disk is not None and any(r.info.namespace == namespace for r in self._disk.records())
 
     def match_anchored(self, namespace: bytes, page_hashes: Iterable[bytes], tail_hash: bytes | None = None,
                        anchored: bool = True) -> tuple[list[Hit], list[Hit]]:
@@ -196,6 +230,7 @@ class TierStore:
         if tail_hash is not None:
             check_hash(tail_hash, "tail_hash")
         with self._lock:
+            self._check_arena()
             self._expire(self._clock())
             ram = self._best(namespace, pages, tail_hash, in_ram=True)
             disk = self._best(namespace, pages, tail_hash, in_ram=False) if self._disk is not None else None
@@ -230,11 +265,12 @@ class TierStore:
         _check_seconds(protect_seconds, "protect_seconds")
         request_class = normal_class(request_class)
         with self._lock:
+            self._need_arena()
             now = self._clock()
             self._expire(now)
             if hash in self._states or hash in self._reservations:
                 what = "stored" if hash in self._states else "reserved"
-                raise AlreadyExists(f"state {hash.hex()} is already {what}")
+                raise AlreadyExists(f"state {short(hash)} is already {what}")
             extent = self._make_room(nbytes, now, newcomer_interactive=request_class != common_pb2.REQUEST_CLASS_AGENT)
             if extent is None:
                 return None
@@ -245,9 +281,10 @@ class TierStore:
     def write_reserved(self, hash: bytes, pos: int, data: bytes | memoryview) -> None:
         """Copies ``data`` into a reservation at ``pos`` (Put: the bytes arrive over gRPC)."""
         with self._lock:
+            self._need_arena()
             res = self._reservations.get(hash)
             if res is None:
-                raise NotFound(f"no reservation for {hash.hex()} (dropped, or it expired)")
+                raise NotFound(f"no reservation for {short(hash)} (dropped, or it expired)")
             if pos + len(data) > res.nbytes:
                 raise InvalidArgument(f"data runs past the state's {res.nbytes} bytes")
             self.arena.slice(res.extent.offset + pos, len(data))[:] = data
@@ -256,18 +293,19 @@ class TierStore:
         """Publishes a reservation, once written, as a state (it becomes visible to Match)."""
         check_hash(hash)
         with self._lock:
+            self._need_arena()
             now = self._clock()
             self._expire(now)
             res = self._reservations.get(hash)
             if res is None:
-                raise FailedPrecondition(f"no reservation for {hash.hex()}: Reserve first (or it expired)")
+                raise FailedPrecondition(f"no reservation for {short(hash)}: Reserve first (or it expired)")
             info = self._info(hash, meta, res.request_class)
             if info.nbytes != res.nbytes:
                 raise InvalidArgument(f"metadata.nbytes is {info.nbytes}, the reservation {res.nbytes}")
             digest = checksum(self.arena.slice(res.extent.offset, res.nbytes))
             if info.checksum and info.checksum != digest:
                 self._counters.checksum_failures += 1
-                raise FailedPrecondition(f"the arena bytes of {hash.hex()} do not match metadata.checksum; "
+                raise FailedPrecondition(f"the arena bytes of {short(hash)} do not match metadata.checksum; "
                                          "write them again and commit, or Drop the reservation")
             del self._reservations[hash]
             state = _State(replace(info, checksum=digest), now,
@@ -281,6 +319,7 @@ class TierStore:
         check_hash(hash)
         _check_seconds(lease_seconds, "lease_seconds")
         with self._lock:
+            self._need_arena()
             now = self._clock()
             self._expire(now)
             state = self._live(hash)
@@ -300,7 +339,7 @@ class TierStore:
         with self._lock:
             entry = self._leases.pop(lease_id, None)
             if entry is None:
-                raise NotFound(f"no lease {lease_id} (released already, or it expired)")
+                raise NotFound(f"no lease {lease_id} (released already, expired, or its arena was recreated)")
             entry.state.leases -= 1
             self._unpinned(entry.state)
 
@@ -330,32 +369,42 @@ class TierStore:
         """(info, bytes, done) for Get: RAM bytes stay pinned until ``done()``; disk bytes are read and verified."""
         check_hash(hash)
         with self._lock:
+            self._check_arena()
             now = self._clock()
             self._expire(now)
             state = self._live(hash)
             state.last_used = now
             if state.extent is not None:
                 state.reads += 1
+                generation = self._arena_generation
                 return state.info, self.arena.slice(state.extent.offset, state.info.nbytes), \
-                    lambda: self._end_read(state)
+                    lambda: self._end_read(state, generation)
             assert self._disk is not None
-            data = self._disk.read(hash)
+            try:
+                data = self._disk.read(hash)
+            except DiskFault as exc:
+                raise Unavailable("disk", f"kv-disk cannot read {short(hash)} now ({exc}); it stays stored") from None
             if data is None:
                 self._forget(state)
-                raise DataLoss(f"the blob of {hash.hex()} failed its checksum; it was dropped")
+                raise DataLoss(f"the blob of {short(hash)} was missing or failed its checksum; it was dropped")
             return state.info, data, lambda: None
 
     def expire(self) -> None:
-        """Ends leases and reservations past their time (the server calls it every second)."""
+        """Ends leases and reservations past their time, checks the arena file and retries what the
+        disk failed to do (the server calls it every second)."""
         with self._lock:
+            self._check_arena()
             self._expire(self._clock())
+            if self._disk is not None:
+                self._disk.retry()
 
     def stats(self) -> StoreStats:
         with self._lock:
             disk = self._disk
             c = self._counters
             return StoreStats(
-                arena_bytes_used=self.arena.allocator.used_bytes, arena_bytes_total=self.arena.size,
+                arena_bytes_used=self.arena.allocator.used_bytes if self._arena_fault is None else 0,
+                arena_bytes_total=self.arena.size,
                 disk_bytes_used=disk.used_bytes if disk is not None else 0,
                 disk_bytes_total=disk.budget if disk is not None else 0,
                 states_ram=sum(1 for s in self._states.values() if s.extent is not None),
@@ -364,6 +413,11 @@ class TierStore:
                 leases_active=len(self._leases), reservations_pending=len(self._reservations),
                 spills=c.spills, restores=c.restores, evictions=c.evictions,
                 protected_refusals=c.protected_refusals,
+                disk_usable=disk.usable if disk is not None else True,
+                disk_errors=disk.errors if disk is not None else 0,
+                blobs_missing=disk.blobs_missing if disk is not None else 0,
+                arena_recreations=c.arena_recreations, ram_states_lost=c.ram_states_lost,
+                arena_path=str(self.arena.path), instance_id=self.instance_id, arena_usable=self._arena_fault is None,
             )
 
     def check_integrity(self) -> None:
@@ -376,8 +430,8 @@ class TierStore:
             assert len({e.offset for e in extents}) == len(extents), "two holders share an extent"
             for h, s in self._states.items():
                 assert s.info.hash == h and not s.dropped
-                assert s.leases == sum(1 for e in self._leases.values() if e.state is s), f"lease count of {h.hex()}"
-                assert s.extent is not None or (self._disk is not None and h in self._disk), f"{h.hex()} is nowhere"
+                assert s.leases == sum(1 for e in self._leases.values() if e.state is s), f"lease count of {short(h)}"
+                assert s.extent is not None or (self._disk is not None and h in self._disk), f"{short(h)} is nowhere"
             want: dict[bytes, set[bytes]] = {}
             for s in self._states.values():
                 if s.extent is not None and s.info.sliceable:
@@ -404,7 +458,7 @@ class TierStore:
     def _live(self, hash: bytes) -> _State:
         state = self._states.get(hash)
         if state is None:
-            raise NotFound(f"no state {hash.hex()}")
+            raise NotFound(f"no state {short(hash)}")
         return state
 
     def _info(self, hash: bytes, meta: tierstore_pb2.StateMetadata, reserved_class: int) -> StateInfo:
@@ -480,9 +534,9 @@ class TierStore:
                         not self._order.may_displace(self._resident(victim), newcomer_interactive, now):
                     self._counters.protected_refusals += 1
                     log.info("refused %d bytes: state=%s may not be displaced and cannot move down",
-                             nbytes, victim.info.hash.hex())
+                             nbytes, short(victim.info.hash))
                     return None
-                log.info("evicted state=%s bytes=%d (no room below RAM)", victim.info.hash.hex(), victim.info.nbytes)
+                log.info("evicted state=%s bytes=%d (no room below RAM)", short(victim.info.hash), victim.info.nbytes)
                 self._counters.evictions += 1
                 self._forget(victim)
             extent = self.arena.allocate(nbytes)
@@ -501,15 +555,20 @@ class TierStore:
         if disk is None:
             return False
         if state.info.hash not in disk:  # a restored state kept its disk copy: nothing to write
-            if not self._make_disk_room(state, now, newcomer_interactive):
+            if not disk.writable_now():  # failing: RAM carries on alone until a retry is due
+                return False
+            registration = self._registration(state.info.namespace)
+            if not self._make_disk_room(state, now, newcomer_interactive, registration):
                 return False
             data = self.arena.slice(state.extent.offset, state.info.nbytes)
             try:
-                stored = disk.put(DiskRecord(state.info, state.last_used, state.protect_until), data)
+                stored = disk.put(DiskRecord(state.info, state.last_used, state.protect_until), data, registration)
             except DataLoss as exc:  # the arena copy was corrupted after commit: never persist it
                 log.error("%s", exc)
                 self._forget(state)
                 return True
+            except DiskFault:  # counted and logged by the disk tier; the state stays in RAM
+                return False
             finally:
                 data.release()
             assert stored, "the disk had room a moment ago: this is a bug"
@@ -517,17 +576,23 @@ class TierStore:
         self.arena.free(state.extent)
         state.extent = None
         self._counters.spills += 1
-        log.info("spilled state=%s bytes=%d", state.info.hash.hex(), state.info.nbytes)
+        log.info("spilled state=%s bytes=%d", short(state.info.hash), state.info.nbytes)
         return True
 
-    def _make_disk_room(self, incoming: _State, now: float, newcomer_interactive: bool | None) -> bool:
+    def _registration(self, namespace: bytes) -> bytes:
+        """What a blob of the namespace carries, so a rebuilt index knows its layout again."""
+        reg = self._registry.get(namespace)
+        return reg.encode() if reg is not None else b""
+
+    def _make_disk_room(self, incoming: _State, now: float, newcomer_interactive: bool | None,
+                        registration: bytes) -> bool:
         """Frees disk room for ``incoming`` (policy.last_tier_room); False, nothing dropped, if it cannot."""
         disk = self._disk
         assert disk is not None
-        need = blob_size(incoming.info.nbytes)
+        need = disk.cost(incoming.info, registration)
         if need > disk.budget:
             return False
-        held = ((self._states[r.info.hash], self._resident(self._states[r.info.hash]), blob_size(r.info.nbytes))
+        held = ((self._states[r.info.hash], self._resident(self._states[r.info.hash]), r.blob_bytes)
                 for r in disk.records() if r.info.hash not in self._busy and r.info.hash != incoming.info.hash)
         victims = last_tier_room(self._order, self._resident(incoming), held, newcomer_interactive=newcomer_interactive,
                                  free=disk.free_bytes(), need=need, now=now)
@@ -536,11 +601,13 @@ class TierStore:
         for victim in victims:
             if victim.extent is None:  # its last tier: the state is gone
                 self._counters.evictions += 1
-                log.info("evicted state=%s bytes=%d", victim.info.hash.hex(), victim.info.nbytes)
+                log.info("evicted state=%s bytes=%d", short(victim.info.hash), victim.info.nbytes)
                 self._forget(victim)
             else:  # still in RAM: only the disk copy goes
                 disk.remove(victim.info.hash)
         if disk.free_bytes() < need:
+            if not disk.usable:
+                return False  # a removal the disk refused: its room stays counted until a retry frees it
             raise AssertionError("disk room was counted but not found: this is a bug")
         return True
 
@@ -558,16 +625,19 @@ class TierStore:
         view = self.arena.slice(extent.offset, state.info.nbytes)
         try:
             ok = self._disk.read_into(h, view)
+        except DiskFault as exc:
+            self.arena.free(extent)
+            raise Unavailable("disk", f"kv-disk cannot read {short(h)} now ({exc}); it stays stored") from None
         finally:
             view.release()
         if not ok:
             self.arena.free(extent)
             self._forget(state)
-            raise DataLoss(f"the blob of {h.hex()} failed its checksum; it was dropped")
+            raise DataLoss(f"the blob of {short(h)} was missing or failed its checksum; it was dropped")
         state.extent = extent
         self._index_ram(state)
         self._counters.restores += 1
-        log.info("restored state=%s bytes=%d", h.hex(), state.info.nbytes)
+        log.info("restored state=%s bytes=%d", short(h), state.info.nbytes)
         return True
 
     def _forget(self, state: _State) -> None:
@@ -595,8 +665,10 @@ class TierStore:
             state.extent = None
             self._zombies.pop(id(state), None)
 
-    def _end_read(self, state: _State) -> None:
+    def _end_read(self, state: _State, generation: int) -> None:
         with self._lock:
+            if generation != self._arena_generation:
+                return  # its arena was recreated: the pin went with it
             state.reads -= 1
             self._unpinned(state)
 
@@ -614,15 +686,73 @@ class TierStore:
                     if not holders:
                         del self._ram_pages[p]
 
+    def _check_arena(self) -> bool:
+        """Recreates the arena if its file broke; False while none is usable."""
+        reason = self._arena_fault or self.arena.fault()
+        return reason is None or self._recreate_arena(reason)
+
+    def _need_arena(self) -> None:
+        if not self._check_arena():
+            raise Unavailable("arena", f"the KV-RAM arena is unusable ({self._arena_fault}); retrying every second")
+
+    def _recreate_arena(self, reason: str) -> bool:
+        """A new arena file under a new instance id; what lived only in the old one is lost."""
+        first = self._arena_fault is None
+        if first:  # noticed now: nothing may touch the old mapping again
+            lost, kept = self._abandon_arena()
+            self._arena_fault = f"arena {self.arena.path.name} was {reason}"
+            what = f"{lost} states only in RAM lost, {kept} kept on disk"
+        instance_id = uuid.uuid4().hex
+        try:
+            arena = Arena(self.config.arena_bytes, instance_id=instance_id, directory=self._arena_dir)
+        except OSError as exc:
+            if first:
+                log.error("KV-RAM %s (%s) and cannot be recreated (%s): the RAM tier is unusable until it can; "
+                          "retrying every second", self._arena_fault, what, exc)
+                self._arena_fault = f"{self._arena_fault}; recreating it failed: {exc}"
+            return False
+        old, self.arena = self.arena, arena
+        self.instance_id = instance_id
+        old.close()
+        if first:
+            log.warning("KV-RAM %s (%s): recreated as %s, instance %s; engines re-register and map it",
+                        self._arena_fault, what, arena.path.name, instance_id[:8])
+        else:
+            log.warning("KV-RAM arena recreated as %s, instance %s", arena.path.name, instance_id[:8])
+        self._arena_fault = None
+        return True
+
+    def _abandon_arena(self) -> tuple[int, int]:
+        """Forgets every extent of the current arena: leases, reservations, RAM copies (lock held)."""
+        lost = kept = 0
+        for state in list(self._states.values()):
+            state.leases = state.reads = 0
+            if state.extent is None:
+                continue
+            self._unindex_ram(state)
+            state.extent = None
+            if self._disk is not None and state.info.hash in self._disk:
+                kept += 1
+            else:
+                lost += 1
+                self._forget(state)
+        self._leases.clear()
+        self._reservations.clear()
+        self._zombies.clear()
+        self._arena_generation += 1
+        self._counters.arena_recreations += 1
+        self._counters.ram_states_lost += lost
+        return lost, kept
+
     def _expire(self, now: float) -> None:
         for lease_id in [i for i, e in self._leases.items() if e.expires_at <= now]:
             entry = self._leases.pop(lease_id)
             entry.state.leases -= 1
             self._unpinned(entry.state)
-            log.info("lease %d on %s expired", lease_id, entry.state.info.hash.hex())
+            log.info("lease %d on %s expired", lease_id, short(entry.state.info.hash))
         for h in [h for h, r in self._reservations.items() if r.expires_at <= now]:
             self.arena.free(self._reservations.pop(h).extent)
-            log.info("reservation of %s expired uncommitted", h.hex())
+            log.info("reservation of %s expired uncommitted", short(h))
 
 
 def _anchor(info: StateInfo) -> bytes | None:

@@ -4,6 +4,15 @@ Every call has a short deadline. The store is an optimisation: when it is down o
 slow the client marks it unavailable, logs once, counts it, answers "nothing"
 to every call until a backoff has passed, then tries a fresh channel. No call
 here raises because of the store.
+
+The address is ``unix:/path`` (the store's socket, one host) or ``host:port``
+(TCP: every call carries ``authorization: Bearer <secret>`` from ``secret_file``,
+read again with each fresh channel). A namespace the store refuses is retried
+after the same backoff (logged once), never given up for good. The arena is
+mapped by the instance a reply names, never trusted by path: a mapping whose file
+was truncated or deleted is dropped before any copy, and the next Register maps
+the arena of the instance that recreated it. ``usable`` says whether all of that
+holds now.
 """
 
 from __future__ import annotations
@@ -14,7 +23,8 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry import context as otel_context
@@ -26,13 +36,52 @@ from ignis.v1 import tierstore_pb2, tierstore_pb2_grpc
 log = logging.getLogger("ignis.engine.tiers")
 
 T = TypeVar("T")
+TIER_FAULT_KEY = "ignis-tier-fault"  # an UNAVAILABLE carrying it is one failing tier of a store that is up
+MIN_SECRET = 16
+
+
+def read_secret(path: str) -> bytes:
+    """The shared secret in ``path`` (whitespace stripped); OSError or ValueError with what to fix."""
+    secret = Path(path).read_bytes().strip()
+    if len(secret) < MIN_SECRET:
+        raise ValueError(f"the tierstore secret in {path} is {len(secret)} bytes; it must be at least {MIN_SECRET}")
+    return secret
+
+
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+              grpc.StreamUnaryClientInterceptor):
+    """Adds ``authorization: Bearer <secret>`` to every call."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._header = ("authorization", "Bearer " + secret.decode())
+
+    def _details(self, details: Any) -> Any:
+        return details._replace(metadata=[*(details.metadata or ()), self._header])
+
+    def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Callable[..., Any], details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
 
 
 class TierClient:
     def __init__(self, address: str, *, model: str, page_size: int, layout: str, kv_bytes_per_token: int,
                  fixed_state_bytes: int, timeout: float = 2.0, retry_seconds: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic, pin: bool = False) -> None:
+                 clock: Callable[[], float] = time.monotonic, pin: bool = False, secret_file: str = "") -> None:
+        """``secret_file``: the shared secret of a TCP ``address`` (tierstore.secret_file); read now, so a
+        missing or short one fails the start (OSError, ValueError), and again with each fresh channel."""
         self.address = address
+        self.secret_file = secret_file
+        self._tcp = not address.startswith(("unix:", "unix-abstract:"))
+        if self._tcp and secret_file:
+            read_secret(secret_file)
+        elif self._tcp:
+            log.warning("the tierstore at %s is reached over TCP without tierstore.secret_file: it refuses every "
+                        "call but health checks (UNAUTHENTICATED); set one, or use its unix: socket", address)
         self.pin = pin  # CUDA: register the mapping as pinned memory so copies to the GPU are DMA
         self._pinned_ptr: int | None = None
         self.timeout = timeout
@@ -50,8 +99,12 @@ class TierClient:
         self.unavailable_events = 0  # times the store went from usable to down
         self.errors = 0  # calls answered "nothing" because of the store (down, slow, refused)
         self.last_code: grpc.StatusCode | None = None  # status of the last call (None: OK or not sent)
-        self._refused: set[bytes] = set()  # namespaces whose Register was refused (layout mismatch)
+        self._refused: dict[bytes, float] = {}  # namespace -> when to ask again (its Register was refused)
         self._registered: set[bytes] = set()  # namespaces registered with the instance mapped now
+        self._arena_fd = -1  # the mapped arena file, kept open to see it truncated or deleted
+        self._arena_size = 0
+        self._lost_instance = ""  # an instance whose arena file broke: never mapped again
+        self._detached = "not attached yet (no spill or restore has registered)"  # why no arena is mapped
         # Release runs off the engine thread: the copy is done, nothing waits for the answer.
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="ignis-tier-release")
 
@@ -66,14 +119,40 @@ class TierClient:
         """The last call reached the store (False from a failure until a call succeeds again)."""
         return not self._down
 
+    @property
+    def usable(self) -> bool:
+        """The lower tiers are in use now: the store is reachable, a namespace is registered with the
+        instance mapped now, no namespace is refused, and the mapped arena file is whole and still
+        there. False before the first spill or restore has attached (``unusable_reason`` says why)."""
+        return self.unusable_reason is None
+
+    @property
+    def unusable_reason(self) -> str | None:
+        """Why ``usable`` is False, or None."""
+        if self._down:
+            return "unreachable"
+        if self._refused:
+            return "a namespace is refused (another layout is registered, with states on disk)"
+        if self.arena is None:
+            return self._detached
+        if not self._registered:
+            return "not registered with the store instance mapped now"
+        return self._arena_broken()
+
     def _connect(self) -> tierstore_pb2_grpc.TierStoreStub | None:
         if self._down and self._clock() < self._retry_at:
             return None
         if self._stub is None:
             # A fresh channel per attempt: a dead one would sit in gRPC's own (long) reconnect backoff.
-            self._channel = grpc.insecure_channel(self.address)
+            channel = self._channel = grpc.insecure_channel(self.address)
+            if self._tcp and self.secret_file:
+                try:
+                    channel = grpc.intercept_channel(channel, _Bearer(read_secret(self.secret_file)))
+                except (OSError, ValueError) as exc:
+                    self._mark_down(f"cannot read tierstore.secret_file: {exc}")
+                    return None
             # Each call is a CLIENT span carrying the current trace (a request's, or a new one for a spill).
-            traced = grpc.intercept_channel(self._channel, ClientTracingInterceptor(self.address))
+            traced = grpc.intercept_channel(channel, ClientTracingInterceptor(self.address))
             self._stub = tierstore_pb2_grpc.TierStoreStub(traced)
         return self._stub
 
@@ -103,8 +182,15 @@ class TierClient:
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             self.last_code = code
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-                self._mark_down(f"{code.name}")
+            tier = _tier_fault(exc) if code == grpc.StatusCode.UNAVAILABLE else None
+            if tier == "disk":  # the store is up; its disk is failing: this call finds nothing
+                self.errors += 1
+            elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                          grpc.StatusCode.CANCELLED):
+                self._mark_down(code.name if tier is None else f"its {tier} is unusable")
+            elif code == grpc.StatusCode.UNAUTHENTICATED:
+                self._mark_down("UNAUTHENTICATED: the shared secret is missing or not the store's "
+                                "(tierstore.secret_file)")
             elif code not in quiet:
                 self.errors += 1
                 log.warning("tierstore call failed: %s %s", code, exc.details() if hasattr(exc, "details") else exc)
@@ -123,8 +209,10 @@ class TierClient:
         mapping must never be used: every Match, Reserve and Acquire reply names its
         instance (`same_instance`), and one from another instance makes us register again.
         """
-        if namespace in self._refused:
+        if self._refusing(namespace):
             return False
+        if self.arena is not None and (broken := self._arena_broken()) is not None:
+            self._lose_arena(broken)  # before any copy: a truncated mapping is SIGBUS
         if namespace in self._registered and self.arena is not None:
             return True
         refusals = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
@@ -133,21 +221,54 @@ class TierClient:
             quiet=refusals)
         if reply is None:
             if self.last_code in refusals:
-                # Its states were written under another layout: never read them, never write more.
-                self._refused.add(namespace)
-                log.warning("tierstore at %s refused namespace %s (%s): device-only reuse for it",
-                            self.address, namespace.hex(), self.last_code)
+                # Its states were written under another layout: never read them, write none now; ask again later.
+                if namespace not in self._refused:
+                    log.warning("tierstore at %s refused namespace %s (%s): device-only reuse for it, asking "
+                                "again every %.1fs", self.address, namespace[:4].hex(), self.last_code,
+                                self.retry_seconds)
+                self._refused[namespace] = self._clock() + self.retry_seconds
             return False
+        if namespace in self._refused:
+            del self._refused[namespace]
+            log.info("tierstore at %s accepted namespace %s", self.address, namespace[:4].hex())
+        if reply.instance_id == self._lost_instance:
+            return False  # the store has not noticed its arena broke yet: it recreates it within a second
         if reply.instance_id != self._instance:
             try:
                 self._map(reply.arena_path, reply.arena_bytes)
             except OSError as exc:  # not on this host, or gone
-                self._mark_down(f"cannot map the arena {reply.arena_path}: {exc}")
+                self._detached = f"cannot map the arena {reply.arena_path}: {exc}"
+                self._mark_down(self._detached)
                 return False
             self._instance = reply.instance_id
             self._registered.clear()
         self._registered.add(namespace)
         return True
+
+    def _refusing(self, namespace: bytes) -> bool:
+        retry_at = self._refused.get(namespace)
+        return retry_at is not None and self._clock() < retry_at
+
+    def _arena_broken(self) -> str | None:
+        """Why the mapped arena file must not be touched, or None."""
+        try:
+            st = os.fstat(self._arena_fd)
+        except OSError as exc:
+            return f"cannot stat the arena ({exc})"
+        if st.st_size < self._arena_size:
+            return f"the arena file was truncated to {st.st_size} of {self._arena_size} bytes"
+        if st.st_nlink == 0:
+            return "the arena file was deleted"
+        return None
+
+    def _lose_arena(self, why: str) -> None:
+        log.warning("tierstore at %s: %s; waiting for the store to recreate it (device-only reuse meanwhile)",
+                    self.address, why)
+        self._detached = why
+        self._lost_instance = self._instance
+        self._instance = ""
+        self._registered.clear()
+        self._unmap()
 
     def same_instance(self, instance_id: str) -> bool:
         """Whether a reply came from the instance whose arena is mapped; if not, the next
@@ -161,9 +282,13 @@ class TierClient:
         self._unmap()
         fd = os.open(path, os.O_RDWR)
         try:
+            if os.fstat(fd).st_size < size:
+                raise OSError(f"the arena file is {os.fstat(fd).st_size} bytes, not {size}")
             self._mmap = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._arena_fd, self._arena_size = fd, size
         self.arena = torch.frombuffer(self._mmap, dtype=torch.uint8)
         if self.pin and torch.cuda.is_available():
             ptr = self.arena.data_ptr()
@@ -184,6 +309,9 @@ class TierClient:
             except BufferError:  # a view still exists somewhere: the collector unmaps it later
                 pass
             self._mmap = None
+        if self._arena_fd >= 0:
+            os.close(self._arena_fd)
+            self._arena_fd = -1
 
     def arena_bytes(self, offset: int, length: int) -> memoryview:
         assert self._mmap is not None
@@ -193,7 +321,7 @@ class TierClient:
     def match(self, namespace: bytes, page_hashes: Sequence[bytes], tail_hash: bytes | None
               ) -> tuple[list[tierstore_pb2.MatchHit], list[tierstore_pb2.MatchHit]]:
         """(hits, anchored candidates): candidates end mid-page and must be verified by name."""
-        if namespace in self._refused:
+        if self._refusing(namespace):
             return [], []
         request = tierstore_pb2.MatchRequest(namespace=namespace, page_hashes=page_hashes, anchored=True)
         if tail_hash is not None:
@@ -253,3 +381,12 @@ class TierClient:
         if self._channel is not None:
             self._channel.close()
         self._channel = self._stub = None
+
+
+def _tier_fault(exc: grpc.RpcError) -> str | None:
+    """The failing tier an UNAVAILABLE names in its trailing metadata ("disk", "arena"), or None."""
+    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == TIER_FAULT_KEY:
+            return value if isinstance(value, str) else bytes(value).decode()
+    return None

@@ -100,8 +100,7 @@ class StateCodec:
             raise ValueError(f"{len(pages)} pages do not hold {tokens} tokens")
         self.pack_window(arena, offset, tokens, slot, pages, 0)
         if logits is not None:
-            s = self.sections(tokens)
-            self._view(arena, offset + s.logits, logits.float()).copy_(logits.float())
+            self.write_logits(arena, offset, tokens, logits)
 
     def pack_window(self, arena: torch.Tensor, offset: int, tokens: int, slot: int | None, pages: list[int],
                     first: int) -> None:
@@ -118,14 +117,23 @@ class StateCodec:
                 self._view(arena, offset + s.recurrent, c.recurrent[slot]).copy_(c.recurrent[slot])
             if self.conv_bytes:
                 self._view(arena, offset + s.conv, c.conv[slot]).copy_(c.conv[slot])
-        if pages:
-            start = offset + s.kv + first * self.page_bytes
-            dst = self._view(arena, start, c.kv[0], len(pages))
-            idx = torch.tensor(pages, dtype=torch.long, device=c.kv.device)
-            if c.kv.device.type == "cpu":
-                torch.index_select(c.kv, 0, idx, out=dst)
-            else:
-                dst.copy_(c.kv.index_select(0, idx))
+        self.pack_pages(arena, offset, tokens, pages, first)
+
+    def pack_pages(self, arena: torch.Tensor, offset: int, tokens: int, pages: list[int], first: int) -> None:
+        """Copy device pages into a state's KV section as its pages first .. first+len-1."""
+        if not pages:
+            return
+        c, s = self.cache, self.sections(tokens)
+        dst = self._view(arena, offset + s.kv + first * self.page_bytes, c.kv[0], len(pages))
+        idx = torch.tensor(pages, dtype=torch.long, device=c.kv.device)
+        if c.kv.device.type == "cpu":
+            torch.index_select(c.kv, 0, idx, out=dst)  # gather straight into the destination
+        else:
+            dst.copy_(c.kv.index_select(0, idx))
+
+    def write_logits(self, arena: torch.Tensor, offset: int, tokens: int, logits: torch.Tensor) -> None:
+        s = self.sections(tokens)
+        self._view(arena, offset + s.logits, logits.float()).copy_(logits.float())
 
     def unpack(self, arena: torch.Tensor, offset: int, tokens: int, nbytes: int, slot: int | None,
                pages: list[int]) -> torch.Tensor | None:

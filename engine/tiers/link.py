@@ -22,6 +22,7 @@ from engine.kv.chain_hash import BlockHash, state_matches, state_name
 from engine.proto_convert import request_class_pb, reuse_kind, reuse_kind_pb, reuse_tier
 from engine.tiers.client import TierClient
 from engine.tiers.codec import StateCodec
+from engine.tiers.integrity import IntegrityKey
 from ignis.v1 import tierstore_pb2
 
 log = logging.getLogger("ignis.request")
@@ -64,14 +65,16 @@ class Reservation:
 
 
 class TierLink:
-    def __init__(self, client: TierClient, codec: StateCodec) -> None:
+    def __init__(self, client: TierClient, codec: StateCodec, key: IntegrityKey | None = None) -> None:
         self.client = client
         self.codec = codec
+        self.key = key or IntegrityKey.ephemeral()
         self.page_size = codec.page_size
         self.spills = 0
         self.spill_failures = 0
         self.restores = 0
         self.restore_failures = 0
+        self.rejected = 0  # restores refused: the bytes or metadata are not what this engine wrote
 
     # --- down ----------------------------------------------------------------------------
     def spill(self, s: Spillable) -> bool:
@@ -147,11 +150,13 @@ class TierLink:
             self.client.drop(r.name)
             self.spill_failures += 1
             return False
+        data = self.client.arena_bytes(r.offset, r.nbytes)
         # Our own checksum: Commit rejects it if the bytes landed in a stale mapping (store restarted).
-        digest = xxhash.xxh3_128_digest(self.client.arena_bytes(r.offset, r.nbytes))
+        # The tag is what a restore trusts: the store cannot make one (engine/tiers/integrity.py).
         meta = tierstore_pb2.StateMetadata(
             namespace=r.namespace, tokens=tokens, kind=reuse_kind_pb(kind), request_class=request_class_pb(request_class),
-            page_hashes=page_hashes, checksum=digest, nbytes=r.nbytes)
+            page_hashes=page_hashes, checksum=xxhash.xxh3_128_digest(data), nbytes=r.nbytes,
+            engine_tag=self.key.tag(r.name, r.namespace, tokens, data))
         if not self.client.commit(r.name, meta):
             self.client.drop(r.name)  # abandon the reservation
             self.spill_failures += 1
@@ -231,10 +236,12 @@ class TierLink:
             arena = self.client.arena
             sliced = hit.kind is ReuseKind.PAGES and hit.tokens <= meta.tokens and hit.tokens % self.page_size == 0
             if (meta.tokens != hit.tokens and not sliced) or ext.length < meta.nbytes or arena is None or \
-                    xxhash.xxh3_128_digest(self.client.arena_bytes(ext.offset, meta.nbytes)) != meta.checksum:
+                    not self.key.verify(bytes(meta.engine_tag), hit.state_hash, namespace, meta.tokens,
+                                        self.client.arena_bytes(ext.offset, meta.nbytes)):
                 self.restore_failures += 1
-                log_event(log, "ignis.request.restore_rejected", logging.WARNING, hash=hit.state_hash.hex(),
-                          tokens=hit.tokens, kind=hit.kind.value, reason="metadata or checksum mismatch")
+                self.rejected += 1
+                log_event(log, "ignis.request.restore_rejected", logging.WARNING, hash=hit.state_hash.hex()[:16],
+                          tokens=hit.tokens, kind=hit.kind.value, reason="metadata or integrity tag mismatch")
                 return None
             logits = self.codec.unpack(arena, ext.offset, meta.tokens, meta.nbytes, slot, pages)
         finally:

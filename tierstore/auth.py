@@ -1,0 +1,190 @@
+"""Who may call the tierstore: a peer on its Unix socket, or a TCP caller holding the shared secret.
+
+The tierstore hands out every tenant's KV bytes, so it is a trust boundary:
+
+- On one host it listens on a Unix socket, mode 0600 in a folder only its user
+  may enter (0700): the kernel checks who connects (``private_socket``).
+- Over TCP (only when configured) every call but a health check must carry
+  ``authorization: Bearer <secret>``, the secret read from
+  ``tierstore.secret_file`` (created 0600 with a random secret when missing);
+  the comparison is constant-time. Anything else is UNAUTHENTICATED. TCP is
+  plaintext gRPC: use it on a private network (the compose network), not across
+  one you do not trust.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hmac
+import logging
+import os
+import secrets
+import stat
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+log = logging.getLogger("ignis.tierstore")
+
+AUTH_KEY = "authorization"
+MIN_SECRET = 16  # bytes: a shorter secret is refused
+OPEN_METHODS = ("/grpc.health.v1.Health/",)  # container healthchecks probe over TCP without the secret
+MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with its NUL
+
+
+class AccessError(OSError):
+    """A socket, folder or secret file that cannot be made private: the tierstore does not start."""
+
+
+# ------------------------------------------------------------ files only we can read
+
+def private_dir(path: Path, *, fix: bool) -> None:
+    """Makes ``path`` (and missing parents) a folder of ours, mode 0700.
+
+    An existing folder of another user is refused (it could swap what we put in it);
+    one open to others is chmodded to 0700 when ``fix`` (ours to own: the runtime dir,
+    the disk tier), else refused with what to do.
+    """
+    if not path.exists():
+        path.mkdir(parents=True, mode=0o700, exist_ok=True)
+        os.chmod(path, 0o700)  # mkdir's mode passes through the umask
+    st = os.stat(path)  # a symlink to a folder of ours is that folder (a kv-disk on another drive)
+    if not stat.S_ISDIR(st.st_mode):
+        raise AccessError(f"{path} is not a folder")
+    if st.st_uid != os.getuid():
+        raise AccessError(f"{path} belongs to uid {st.st_uid}, not to this user ({os.getuid()}): "
+                          "another user could replace what the tierstore keeps there; use a folder of your own")
+    if st.st_mode & 0o077:
+        if not fix:
+            raise AccessError(f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}): "
+                              f"`chmod 700 {path}`, or use a folder only you can enter")
+        os.chmod(path, 0o700)
+        log.info("made %s private (mode 0700)", path)
+
+
+def load_secret(path: str | os.PathLike[str], *, create: bool) -> bytes:
+    """The shared secret in ``path`` (surrounding whitespace stripped).
+
+    With ``create`` (the tierstore), a missing file is written with a new random
+    secret, mode 0600; the engine only reads it. A secret shorter than 16 bytes is
+    refused; one others may read is used with a warning.
+    """
+    file = Path(path)
+    if create and not file.exists():
+        if not file.parent.exists():
+            private_dir(file.parent, fix=False)
+        try:
+            fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process made it first: read theirs
+            pass
+        else:
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_hex(32) + "\n")
+            log.info("generated a new shared secret in %s", file)
+    try:
+        st = os.stat(file)
+        secret = file.read_bytes().strip()
+    except OSError as exc:
+        raise AccessError(f"cannot read tierstore.secret_file {file}: {exc.strerror or exc}") from None
+    if len(secret) < MIN_SECRET:
+        raise AccessError(f"the secret in {file} is {len(secret)} bytes; use at least {MIN_SECRET} "
+                          "(e.g. `openssl rand -hex 32`)")
+    if st.st_mode & 0o077:
+        log.warning("%s is readable by other users (mode %04o): chmod 600 it", file, stat.S_IMODE(st.st_mode))
+    return secret
+
+
+class SocketLock:
+    """Held while a tierstore serves a socket path: a second one on the same path is refused, not
+    silently given the path (gRPC unlinks an existing socket file when it binds)."""
+
+    def __init__(self, socket_path: Path) -> None:
+        if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH:
+            raise AccessError(f"the socket path {socket_path} is {len(os.fsencode(socket_path))} bytes; "
+                              f"Unix sockets allow {MAX_SOCKET_PATH}: set a shorter tierstore.socket")
+        self.path = socket_path
+        self._fd = os.open(f"{socket_path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise AccessError(f"another tierstore serves {socket_path}; stop it or set another tierstore.socket") \
+                from None
+
+    def bound(self) -> None:
+        """After the bind: the socket is 0600 whatever the umask was."""
+        os.chmod(self.path, 0o600)
+
+    def close(self) -> None:
+        """Removes the socket (not the lock file: a starting tierstore may hold it open)."""
+        if self._fd >= 0:
+            self.path.unlink(missing_ok=True)
+            os.close(self._fd)
+            self._fd = -1
+
+
+# ------------------------------------------------------------ the check on every call
+
+class SecretAuth(grpc.aio.ServerInterceptor):
+    """Lets a call through when it came over the Unix socket or carries the secret; else UNAUTHENTICATED."""
+
+    def __init__(self, secret: bytes | None) -> None:
+        self._expected = b"Bearer " + secret if secret else None  # None: TCP calls are all refused
+
+    def _has_secret(self, metadata: Any) -> bool:
+        if self._expected is None:
+            return False
+        for key, value in metadata or ():
+            if key == AUTH_KEY:
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                return hmac.compare_digest(given, self._expected)
+        return False
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        method: str = details.method
+        if handler is None or method.startswith(OPEN_METHODS) or self._has_secret(details.invocation_metadata):
+            return handler
+        return _unix_only(handler)
+
+
+def _refused(context: grpc.aio.ServicerContext) -> bool:
+    """The peer of a call over the Unix socket is ``unix:``: the socket's mode let it in."""
+    return not context.peer().startswith("unix:")
+
+
+_REFUSAL = "the tierstore takes calls over its Unix socket, or over TCP with `authorization: Bearer <secret>`"
+
+
+def _unix_only(handler: Any) -> Any:
+    """``handler`` with a check of the peer first: the call had no (valid) secret."""
+    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.unary_unary is not None:
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if _refused(context):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
+            return await handler.unary_unary(request, context)
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
+    if handler.unary_stream is not None:
+        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if _refused(context):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
+            async for reply in handler.unary_stream(request, context):
+                yield reply
+        return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
+    if handler.stream_unary is not None:
+        async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            if _refused(context):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
+            return await handler.stream_unary(requests, context)
+        return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
+
+    async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if _refused(context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
+        async for reply in handler.stream_stream(requests, context):
+            yield reply
+    return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
