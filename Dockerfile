@@ -75,5 +75,7 @@ RUN ignis-engine --help >/dev/null \
  && python -m common.healthcheck --help >/dev/null
 # engine gRPC, tierstore gRPC, gateway HTTP; metrics (engine, tierstore) where compose puts them
 EXPOSE 50051 50061 8000 9400 9401
-# No ENTRYPOINT: the command is the whole argv, e.g. `ignis-gateway --engine engine:50051`.
-CMD ["ignis-engine", "--host", "0.0.0.0"]
+# No ENTRYPOINT: the command is the whole argv, e.g. `ignis-gateway --host 0.0.0.0 --engine engine:50051`.
+# The default, an engine serving ignis-tiny, binds the container's loopback: the engine has no
+# authentication, so listening beyond it (`--host 0.0.0.0`) is the operator's explicit choice.
+CMD ["ignis-engine"]

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -16,11 +17,16 @@ from typing import Iterator
 import uvicorn
 
 from common.logs import configure_logging
+from common.sizes import parse_size
 from common.tracing import run_traced
 from gateway.app import create_app
-from gateway.config import GatewayConfig
+from gateway.config import DEFAULT_MAX_REQUEST_BYTES, GatewayConfig
+from gateway.connection_faults import UvicornWarnings
+from gateway.http_protocol import protocol_class
+from gateway.state import GatewayState
 
 log = logging.getLogger("ignis.gateway")
+BACKLOG = 1024  # listen queue; also how many connections asyncio accepts per wake-up at most
 
 
 class _Server(uvicorn.Server):
@@ -49,19 +55,54 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
                         help="an engine's gRPC address; repeat for several engines")
     parser.add_argument("--api-key", default=os.environ.get("IGNIS_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $IGNIS_API_KEY, or none)")
+    parser.add_argument("--metrics-auth", action="store_true",
+                        help="require the API key on /metrics too (default: /metrics and /health are open)")
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving (for tests)")
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="deadline of one generation in seconds (default: none)")
     parser.add_argument("--probe-interval", type=float, default=2.0, help="seconds between engine health probes")
+    parser.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a request may take to send its headers; then it is closed (default: 10)")
+    parser.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a request may take to send its body after the headers; then 408 (default: 30)")
+    parser.add_argument("--max-connections", type=int, default=2048,
+                        help="open connections at most; more are answered 503 and closed (default: 2048)")
+    parser.add_argument("--max-request-bytes", type=_size, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="largest request body, e.g. 16MiB; a larger one is a 413 (default: 16MiB)")
+    parser.add_argument("--fault-log-interval", type=float, default=10.0,
+                        help="seconds between the summary log lines of slow, refused and malformed connections "
+                             "(default: 10)")
     parser.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds to finish open streams on shutdown")
     args = parser.parse_args(argv)
     try:
-        config = GatewayConfig(engines=args.engine, api_key=args.api_key or None,
-                               request_timeout=args.request_timeout, probe_interval=args.probe_interval)
+        config = GatewayConfig(engines=args.engine, api_key=args.api_key or None, metrics_auth=args.metrics_auth,
+                               request_timeout=args.request_timeout, probe_interval=args.probe_interval,
+                               header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                               max_connections=args.max_connections, max_request_bytes=args.max_request_bytes,
+                               fault_log_interval=args.fault_log_interval)
     except ValueError as exc:
         parser.error(str(exc))
     return args, config
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _raise_fd_limit(needed: int) -> None:
+    """Lift the soft open-files limit towards the hard one so `needed` descriptors fit, or warn once."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        log.warning("the open-files limit is %d (hard); --max-connections needs about %d: lower it or raise "
+                    "the limit (ulimit -n)", hard, needed)
 
 
 async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
@@ -73,8 +114,16 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     port = sock.getsockname()[1]
-    uv_config = uvicorn.Config(create_app(config), log_level="info", access_log=args.access_log,
-                               timeout_graceful_shutdown=args.grace, lifespan="on", log_config=None)
+    app = create_app(config)
+    state: GatewayState = app.state.gateway
+    uv_config = uvicorn.Config(app, log_level="info", access_log=args.access_log,
+                               timeout_graceful_shutdown=args.grace, lifespan="on", log_config=None,
+                               http=protocol_class(config, state.faults, state.metrics), backlog=BACKLOG)
+    # Connections, plus one accept batch (asyncio takes up to `backlog` per wake-up) and some to spare.
+    _raise_fd_limit(config.max_connections + BACKLOG + 256)
+    # Floods of broken clients are counted into one summary line, not logged one by one.
+    asyncio.get_running_loop().set_exception_handler(state.faults.accept_failures)
+    logging.getLogger("uvicorn.error").addFilter(UvicornWarnings(state.faults))
     server = _Server(uv_config)
 
     async def announce() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import AsyncIterator
 
@@ -11,9 +12,11 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from gateway.auth import APIKeyMiddleware
+from gateway.body_deadline import BodyDeadline
 from gateway.config import GatewayConfig
+from gateway.connection_faults import ConnectionFaults
 from gateway.engines import EnginePool
-from gateway.errors import handle_http_exception, handle_unexpected
+from gateway.errors import UnexpectedErrors, handle_http_exception
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
 from gateway.routes.chat import chat_completions
 from gateway.routes.completions import completions
@@ -26,16 +29,20 @@ from gateway.tracing import TracingMiddleware
 
 
 def create_app(config: GatewayConfig) -> Starlette:
-    state = GatewayState(config, GatewayMetrics())
+    gateway_metrics = GatewayMetrics()
+    state = GatewayState(config, gateway_metrics, ConnectionFaults(gateway_metrics, config.fault_log_interval))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         pool = EnginePool(config.engines, config.probe_interval, config.probe_timeout)
         state._pool = pool
         await pool.start()
+        summaries = asyncio.create_task(state.faults.run(), name="connection-fault-summaries")
         try:
             yield
         finally:
+            summaries.cancel()
+            await asyncio.gather(summaries, return_exceptions=True)
             await pool.close()
 
     routes = [
@@ -47,13 +54,15 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    # Outermost first: metrics see every answer (401s included), then the trace span, then the key check.
-    middleware = [Middleware(MetricsMiddleware, metrics=state.metrics)]
+    # Outermost first: unexpected errors end as a 500 here, metrics see every answer (401s included),
+    # then the trace span, the key check, and the body deadline around the routes' reads.
+    middleware = [Middleware(UnexpectedErrors), Middleware(MetricsMiddleware, metrics=state.metrics)]
     if config.tracing:  # without an exporter the spans would go nowhere: skip their per-request cost
         middleware.append(Middleware(TracingMiddleware))
     if config.api_key is not None:
         middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key, public_paths=config.public_paths))
+    middleware.append(Middleware(BodyDeadline, timeout=config.body_timeout, faults=state.faults))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                    exception_handlers={HTTPException: handle_http_exception, Exception: handle_unexpected})
+                    exception_handlers={HTTPException: handle_http_exception})
     app.state.gateway = state
     return app

@@ -9,40 +9,126 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+import re
+from typing import Any, NoReturn
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from gateway.errors import OpenAIError, invalid
 from gateway.aliases import JSONObject
 
-MAX_BODY_BYTES = 64 << 20  # a 32k-token prompt as token ids is well under 1 MiB
+# Deeper JSON is refused before it is parsed: json.loads (and every later walk, json.dumps, the
+# engine's template) recurses once per level, and no OpenAI request needs more than a handful.
+MAX_JSON_DEPTH = 64
+
+# A JSON string (escapes included) and the bytes that are not brackets: removed before depth is counted.
+_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_FOLD = bytes.maketrans(b"{}", b"[]")  # depth does not care which kind of bracket
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-async def read_json(request: Request) -> JSONObject:
-    """The body as a JSON object; 413 when too large, 400 when it is not JSON or not an object."""
-    too_large = OpenAIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
+async def read_json(request: Request, max_bytes: int) -> JSONObject:
+    """The body as a JSON object.
+
+    415 unless the declared type is JSON, 413 above `max_bytes` (never buffering more), 400 when it
+    is not a JSON object, nests deeper than MAX_JSON_DEPTH or holds an unpaired surrogate.
+    """
+    _check_media_type(request.headers.get("content-type", ""))
+    too_large = OpenAIError(413, f"the request body is larger than the limit of {max_bytes} bytes",
                             code="request_too_large")
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    if declared.isdigit() and int(declared) > max_bytes:
         raise too_large  # before reading any of it
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_large
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise OpenAIError(499, "the client closed the request", code="client_closed_request") from None
+    return parse_json_object(b"".join(chunks))
+
+
+def _check_media_type(content_type: str) -> None:
+    # Only JSON: a browser may send text/plain or form bodies cross-site without asking first (no CORS
+    # preflight), so accepting them would let any web page spend a loopback gateway's compute.
+    media = content_type.partition(";")[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    got = f"got {media!r}" if media else "none was given"
+    raise OpenAIError(415, f"the request body must be JSON: send 'Content-Type: application/json' ({got})",
+                      code="unsupported_media_type")
+
+
+def parse_json_object(raw: bytes) -> JSONObject:
+    """`raw` as a JSON object, checked for depth before parsing and for unpaired surrogates after."""
     if not raw.strip():
         raise invalid("the request body is empty: send a JSON object")
+    check_depth(raw)
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        # UTF-8 only (RFC 8259); json.loads would guess UTF-16/32 from the first bytes.
+        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, too many digits
         raise invalid(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise invalid("the request body must be a JSON object")
+    check_strings(data)
     return data
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def check_depth(raw: bytes, limit: int = MAX_JSON_DEPTH) -> None:
+    """400 when the JSON text nests deeper than `limit`; counts brackets outside strings, recursing nowhere.
+
+    Each pass removes the innermost pairs, so `limit` passes empty a balanced text of depth <= `limit`
+    (a run of more than `limit` openers ends it early). What an unbalanced text leaves is a run of
+    unmatched brackets; json.loads then fails on it after recursing at most 2 * `limit` levels.
+    """
+    too_deep = invalid(f"the request body nests deeper than {limit} levels")
+    run = b"[" * (limit + 1)  # that many openers in a row nest too deep, whatever follows
+    brackets = _STRING.sub(b"", raw).translate(_FOLD, _NOT_BRACKETS)
+    for _ in range(limit):
+        if run in brackets:
+            raise too_deep
+        inner = brackets.replace(b"[]", b"")
+        if len(inner) == len(brackets):
+            break
+        brackets = inner
+    if b"[]" in brackets or brackets.count(b"[") > limit:
+        raise too_deep
+
+
+def check_strings(data: JSONObject) -> None:
+    """400 naming the field when a string or key holds an unpaired surrogate (a "\\ud800" escape).
+
+    Such a string has no UTF-8 form: protobuf and the engine could not carry it. Walks with a stack.
+    """
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and _SURROGATE.search(value):
+                raise invalid(f"'{path}' contains an unpaired surrogate: strings must be valid Unicode",
+                              param=path)
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                if not key.isascii() and _SURROGATE.search(key):
+                    where = f"an object key in '{path}'" if path else "a top-level key"
+                    raise invalid(f"{where} contains an unpaired surrogate: strings must be valid Unicode",
+                                  param=path or None)
+                if isinstance(item, (str, dict, list)):
+                    stack.append((item, f"{path}.{key}" if path else key))
+        elif isinstance(value, list):
+            for i in range(len(value) - 1, -1, -1):
+                if isinstance(value[i], (str, dict, list)):
+                    stack.append((value[i], f"{path}[{i}]"))
 
 
 def _kind(value: Any) -> str:
@@ -108,10 +194,16 @@ class Fields:
         value = self.data.get(name)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self._bad(name, "a number")
-        self._check_range(name, value, lo, hi)
-        return float(value)
+        try:
+            number = float(value)  # an integer too large for a float raises OverflowError
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise invalid(f"'{self.path(name)}' must be a finite number", param=self.path(name))
+        self._check_range(name, number, lo, hi)
+        return number
 
     def boolean(self, name: str) -> bool | None:
         value = self.data.get(name)

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a 32k-token prompt is well under 1 MiB, as text or as token ids
 
 
 @dataclass(slots=True)
 class GatewayConfig:
     engines: list[str]  # HOST:PORT of each engine's gRPC server
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    metrics_auth: bool = False  # /metrics needs the key too (only with api_key)
     request_timeout: float | None = None  # gRPC deadline of one generation, seconds; None = none
     probe_interval: float = 2.0  # seconds between engine health probes
     probe_timeout: float = 2.0
-    public_paths: tuple[str, ...] = field(default=("/health", "/metrics"))  # never need the key
     tracing: bool = False  # a server span per request (on when an OTLP endpoint is configured)
+    # Slow clients and big bodies (gateway/http_protocol.py, gateway/body_deadline.py, gateway/body.py).
+    header_timeout: float = 10.0  # seconds from a request's first byte (a connection's start) to its last header
+    body_timeout: float = 30.0  # seconds from the end of the headers to the last byte of the body
+    max_connections: int = 2048  # open connections; more are answered 503 and closed
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is a 413
+    fault_log_interval: float = 10.0  # seconds between summary lines of slow/refused/malformed connections
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -24,7 +32,23 @@ class GatewayConfig:
                 raise ValueError(f"engine address {address!r} is not HOST:PORT")
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key must not be empty")
+        if self.metrics_auth and self.api_key is None:
+            raise ValueError("--metrics-auth puts /metrics behind the API key: give one (--api-key or $IGNIS_API_KEY)")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
         if self.probe_interval <= 0 or self.probe_timeout <= 0:
             raise ValueError("probe_interval and probe_timeout must be > 0")
+        if not self.header_timeout > 0 or not self.body_timeout > 0:  # `not >`: NaN fails too
+            raise ValueError(f"the header and body timeouts must be > 0 seconds, got {self.header_timeout} "
+                             f"and {self.body_timeout}")
+        if not self.fault_log_interval > 0:
+            raise ValueError(f"fault_log_interval must be > 0 seconds, got {self.fault_log_interval}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be at least 1 KiB, got {self.max_request_bytes}")
+
+    @property
+    def public_paths(self) -> tuple[str, ...]:
+        """Paths that never need the key: probes, and scrapes unless --metrics-auth."""
+        return ("/health",) if self.metrics_auth else ("/health", "/metrics")

@@ -14,6 +14,7 @@ import grpc
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("ignis.gateway")
 
@@ -23,7 +24,9 @@ _TYPES = {
     401: "invalid_request_error",  # OpenAI answers a bad key with this type and code "invalid_api_key"
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     499: "client_closed_request",
     500: "server_error",
@@ -119,7 +122,35 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
     return error_response(OpenAIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})))
 
 
-async def handle_unexpected(request: Request, exc: Exception) -> Response:
-    """A bug: log the traceback here, answer a plain 500 (no stack trace leaves the process)."""
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return error_response(OpenAIError(500, "internal error in the gateway", code="internal_error"))
+class UnexpectedErrors:
+    """Pure ASGI, outermost: a bug in a handler is logged once with its traceback and answered with
+    a 500 OpenAI body, and the exception stops here, so the keep-alive connection stays open.
+
+    (Starlette's own handler for ``Exception`` re-raises after answering; uvicorn then logs it a
+    second time and closes the connection.) An answer already under way cannot be turned into a
+    500: then the exception goes on to uvicorn, which closes the connection to end it.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception:
+            if started:
+                raise
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            err = OpenAIError(500, "internal error in the gateway", code="internal_error")
+            await error_response(err)(scope, receive, send)

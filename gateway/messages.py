@@ -13,6 +13,9 @@ from gateway.body import Fields
 from gateway.errors import invalid
 from ignis.v1 import engine_pb2
 
+# Names the engine passes to the chat template itself (the messages, the tools, the opener switch):
+# a chat_template_kwargs key among them would clash with the request's own fields.
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # "input_text"/"output_text" are the Responses API spellings of a text part.
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
@@ -34,6 +37,10 @@ def chat_input(body: Fields) -> engine_pb2.ChatInput:
     chat.tool_choice = tool_choice(body)
     kwargs = body.obj("chat_template_kwargs")
     if kwargs is not None:
+        for key in RESERVED_TEMPLATE_KWARGS:
+            if key in kwargs.data:
+                raise invalid(f"'chat_template_kwargs' may not set '{key}': the request's own field does",
+                              param=f"chat_template_kwargs.{key}")
         chat.chat_template_kwargs_json = json.dumps(kwargs.data)
     if (add := body.boolean("add_generation_prompt")) is not None:
         chat.add_generation_prompt = add

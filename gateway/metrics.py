@@ -31,6 +31,19 @@ class GatewayMetrics:
                                     ["route"], buckets=_LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("ignis_gateway_requests_in_flight", "Requests being answered", ["route"], registry=r)
         self.tokens = Counter("ignis_gateway_tokens", "Tokens of finished requests", ["kind"], registry=r)
+        self.slow_connections = Counter(
+            "ignis_gateway_slow_connections_closed", "Connections closed because a request's headers or body "
+            "did not arrive within --header-timeout / --body-timeout", ["phase"], registry=r)
+        self.connections_refused = Counter(
+            "ignis_gateway_connections_refused", "Connections answered 503 and closed at --max-connections",
+            registry=r)
+        self.accept_failures = Counter(
+            "ignis_gateway_accept_failures", "Connections the server could not accept for want of file descriptors",
+            registry=r)
+        self.connections_open = Gauge("ignis_gateway_connections_open",
+                                      "HTTP connections open now (idle kept-alive ones included)", registry=r)
+        for phase in ("headers", "body"):
+            self.slow_connections.labels(phase)  # listed at 0 from the start
         self.engine_up = Gauge("ignis_gateway_engine_up", "1 when the engine answered its last probe", ["engine"],
                                registry=r)
 

@@ -46,9 +46,11 @@ def sampling_params(body: Fields, limit: TokenLimit, style: LogprobsStyle) -> en
     for name in ("presence_penalty", "frequency_penalty"):
         if (v := body.number(name, lo=-2.0, hi=2.0)) is not None:
             setattr(p, name, v)
-    if (seed := body.integer("seed", lo=-(2**63), hi=2**64 - 1)) is not None:
-        p.seed = seed % 2**64  # the proto field is uint64; negative seeds wrap, still reproducible
-    if style != "responses" and (n := body.integer("n", lo=1)) is not None:
+    if (seed := body.integer("seed", lo=-(2**63), hi=2**63 - 1)) is not None:
+        # The proto field is uint64: a negative seed travels in two's complement and the engine reads
+        # it back as the signed value (so -5 is -5 there, not 2**64 - 5).
+        p.seed = seed % 2**64
+    if style != "responses" and (n := body.integer("n", lo=1, hi=2**32 - 1)) is not None:
         p.n = n
     if (stop := body.string_list("stop")) is not None:
         p.stop.extend(stop)
@@ -108,7 +110,7 @@ def _logit_bias(body: Fields, p: engine_pb2.SamplingParams) -> None:
 
 def _extensions(body: Fields, p: engine_pb2.SamplingParams) -> None:
     """The vLLM extensions clients already send (extra_body): same names, same meaning."""
-    if (k := body.integer("top_k", lo=-1)) is not None:
+    if (k := body.integer("top_k", lo=-1, hi=2**32 - 1)) is not None:
         p.top_k = max(k, 0)  # vLLM spells "off" as -1
     if (v := body.number("min_p", lo=0.0, hi=1.0)) is not None:
         p.min_p = v

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from gateway.config import GatewayConfig
+from gateway.connection_faults import ConnectionFaults
 from gateway.engines import EnginePool
 from gateway.metrics import GatewayMetrics
 
@@ -15,6 +16,7 @@ from gateway.metrics import GatewayMetrics
 class GatewayState:
     config: GatewayConfig
     metrics: GatewayMetrics
+    faults: ConnectionFaults  # shared with the HTTP protocol (gateway/http_protocol.py)
     _pool: EnginePool | None = None  # made in the lifespan: grpc.aio channels bind to the running loop
 
     @property

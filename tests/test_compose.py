@@ -48,8 +48,13 @@ class ComposeLoader(yaml.SafeLoader):
 
 ComposeLoader.add_constructor("!reset", lambda loader, node: RESET)
 
-# ${NAME}, ${NAME:-default} (unset or empty), ${NAME-default} (unset), and $$ for a literal $.
-_VARIABLE = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?-)(?P<default>[^}]*))?\}")
+# ${NAME}, ${NAME:-default} (unset or empty), ${NAME-default} (unset), ${NAME:?error} (an error when unset
+# or empty), ${NAME?error} (when unset), and $$ for a literal $.
+_VARIABLE = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<default>[^}]*))?\}")
+
+
+class MissingVariable(ValueError):
+    """What `docker compose` refuses to start without (a ${NAME:?error} form)."""
 
 
 def interpolate(value: Any, env: dict[str, str]) -> Any:
@@ -69,6 +74,8 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
             return m.group("default")
         if op == "-" and name not in env:
             return m.group("default")
+        if (op == ":?" and not env.get(name)) or (op == "?" and name not in env):
+            raise MissingVariable(f"{name}: {m.group('default')}")
         return env.get(name, "")
 
     text = _VARIABLE.sub(substitute, value)
@@ -108,11 +115,16 @@ def environment(service: dict[str, Any]) -> dict[str, str]:
 
 def published(service: dict[str, Any]) -> dict[int, int]:
     """container port -> host port, from `ports` in the short syntax ("[IP:]HOST:CONTAINER")."""
-    ports: dict[int, int] = {}
+    return {container: host_port for container, (_, host_port) in published_on(service).items()}
+
+
+def published_on(service: dict[str, Any]) -> dict[int, tuple[str, int]]:
+    """container port -> (host address, host port); the address is "0.0.0.0" (every interface) unless given."""
+    ports: dict[int, tuple[str, int]] = {}
     for spec in service.get("ports", []):
         parts = str(spec).partition("/")[0].split(":")
-        assert len(parts) >= 2, f"{spec!r}: give the host port explicitly"
-        ports[int(parts[-1])] = int(parts[-2])
+        assert 2 <= len(parts) <= 3, f"{spec!r}: give the host port explicitly (IPv6 addresses are not modelled)"
+        ports[int(parts[-1])] = (parts[0] if len(parts) == 3 else "0.0.0.0", int(parts[-2]))
     return ports
 
 
@@ -147,7 +159,8 @@ def probe_args(service: dict[str, Any]) -> argparse.Namespace:
     return healthcheck.parse_args(test[4:])
 
 
-COMPOSE = load_compose("docker-compose.yml")
+API_KEY = "a-key-from-dot-env"  # IGNIS_API_KEY as `docker compose` reads it from the environment or .env
+COMPOSE = load_compose("docker-compose.yml", {"IGNIS_API_KEY": API_KEY})
 CPU = load_compose("docker-compose.cpu.yml")
 
 
@@ -264,12 +277,25 @@ def test_ignis_settings_in_the_environment_are_known() -> None:
         load_settings(None, env=container_env(COMPOSE["services"][name]))  # raises on an unknown key or bad value
 
 
-def test_only_the_gateway_and_jaeger_are_published(parse: Parse) -> None:
+def test_only_the_gateway_is_published_and_jaegers_ui_on_loopback(parse: Parse) -> None:
     services = COMPOSE["services"]
     gateway_args, _ = parse("gateway")
-    assert published(services["gateway"]) == {gateway_args.port: 8000}
-    assert published(services["jaeger"]) == {16686: 16686, 4317: 4317}
+    assert published_on(services["gateway"]) == {gateway_args.port: ("0.0.0.0", 8000)}  # behind the key
+    assert published_on(services["jaeger"]) == {16686: ("127.0.0.1", 16686)}  # the UI has no login; no OTLP
     assert "ports" not in services["engine"] and "ports" not in services["tierstore"]
+
+
+def test_the_stack_does_not_start_without_an_api_key() -> None:
+    for env in ({}, {"IGNIS_API_KEY": ""}):
+        with pytest.raises(MissingVariable, match="IGNIS_API_KEY"):
+            load_compose("docker-compose.yml", env)
+
+
+def test_the_published_gateway_requires_the_key_on_the_api_and_metrics(parse: Parse) -> None:
+    args, config = parse("gateway")
+    assert config.api_key == API_KEY and args.metrics_auth
+    assert config.public_paths == ("/health",)  # the healthcheck's route, and nothing else, is open
+    assert urlsplit(probe_args(COMPOSE["services"]["gateway"]).url).path in config.public_paths
 
 
 @pytest.mark.parametrize("name", ["engine", "tierstore"])
@@ -359,7 +385,7 @@ def test_models_volume_and_model_choice(parse: Parse) -> None:
     assert "models" in COMPOSE["volumes"] and models.read_only
     args, _ = parse("engine")
     assert args.model == "ignis-tiny"  # MODEL unset
-    chosen = load_compose("docker-compose.yml", {"MODEL": f"{models.target}/Qwen3-8B"})
+    chosen = load_compose("docker-compose.yml", {"IGNIS_API_KEY": API_KEY, "MODEL": f"{models.target}/Qwen3-8B"})
     args, _ = parse("engine", chosen)
     assert Path(args.model).parent == Path(models.target)
 
@@ -378,7 +404,7 @@ def test_traces_go_to_jaeger() -> None:
         env = environment(services[name])
         endpoint = urlsplit(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
         assert endpoint.scheme == "http" and endpoint.hostname == "jaeger"
-        assert endpoint.port in published(services["jaeger"])  # the container port Jaeger's OTLP receiver uses
+        assert endpoint.port in {int(p) for p in services["jaeger"]["expose"]}  # Jaeger's OTLP receiver
         names.add(env["OTEL_SERVICE_NAME"])
     assert names == {f"ignis-{name}" for name in IGNIS_SERVICES}
 
@@ -389,7 +415,6 @@ def test_services_find_each_other_by_name(parse: Parse) -> None:
     _, gateway_config = parse("gateway")
     assert engine_settings.tierstore.address == f"tierstore:{tierstore_args.port}"
     assert gateway_config.engines == [f"engine:{engine_args.port}"]
-    assert gateway_config.api_key is None  # IGNIS_API_KEY unset: no key
 
 
 # ---------------------------------------------------------------- tests: Dockerfile and context
@@ -448,7 +473,9 @@ def test_runtime_stage_runs_every_service_as_a_user() -> None:
     users = [ins.args for ins in RUNTIME_STAGE if ins.keyword == "USER"]
     assert users and users[-1] not in ("root", "0")
     default = json.loads(next(ins.args for ins in RUNTIME_STAGE if ins.keyword == "CMD"))
-    entry_module(default[0])
+    args, _ = entry_module(default[0]).parse_args(default[1:])
+    # The engine has no authentication: listening beyond the container's loopback is asked for, not the default.
+    assert args.host == "127.0.0.1"
 
 
 def test_build_context_leaves_out_local_state() -> None:

@@ -352,8 +352,9 @@ def test_responses_refuses_stored_state(http: httpx.Client) -> None:
 def test_every_client_error_has_its_status_and_body(http: httpx.Client) -> None:
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     post = lambda body, path="/v1/chat/completions": http.post(path, json=body)  # noqa: E731
-    assert_error(http.post("/v1/chat/completions", content=b"{not json"), 400)
-    assert_error(http.post("/v1/chat/completions", content=b"[1, 2]"), 400)
+    as_json = {"content-type": "application/json"}
+    assert_error(http.post("/v1/chat/completions", content=b"{not json", headers=as_json), 400)
+    assert_error(http.post("/v1/chat/completions", content=b"[1, 2]", headers=as_json), 400)
     assert_error(post({**chat, "temperature": "hot"}), 400, param="temperature")
     assert_error(post({**chat, "temperature": 3}), 400, param="temperature")
     assert_error(post({**chat, "top_p": 0}), 400, param="top_p")  # the engine's check, mapped to the field

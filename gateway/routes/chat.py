@@ -33,7 +33,7 @@ LIMIT = TokenLimit(("max_completion_tokens", "max_tokens"), default=None)
 
 async def chat_completions(request: Request) -> Response:
     state = state_of(request)
-    body = Fields(await read_json(request))
+    body = Fields(await read_json(request, state.config.max_request_bytes))
     model = body.string("model", required=True) or ""
     chat = chat_input(body)
     sampling = sampling_params(body, LIMIT, "chat")

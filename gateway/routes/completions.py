@@ -32,7 +32,7 @@ LIMIT = TokenLimit(("max_tokens",), default=COMPLETIONS_DEFAULT_MAX_TOKENS, mini
 
 async def completions(request: Request) -> Response:
     state = state_of(request)
-    body = Fields(await read_json(request))
+    body = Fields(await read_json(request, state.config.max_request_bytes))
     model = body.string("model", required=True) or ""
     prompts = parse_prompts(body.raw("prompt"))
     echo = bool(body.boolean("echo"))

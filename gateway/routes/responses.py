@@ -52,7 +52,7 @@ def _check_stateless(body: Fields) -> None:
 
 async def responses(request: Request) -> Response:
     state = state_of(request)
-    body = Fields(await read_json(request))
+    body = Fields(await read_json(request, state.config.max_request_bytes))
     model = body.string("model", required=True) or ""
     _check_stateless(body)
     chat = responses_chat(body)
