@@ -87,8 +87,10 @@ class EngineCore:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        if self.tiers is not None and (self._thread is None or not self._thread.is_alive()):
-            self.tiers.client.close()
+        if self._thread is None or not self._thread.is_alive():
+            self.reuse.close()
+            if self.tiers is not None:
+                self.tiers.client.close()
 
     def validate(self, request: EngineRequest) -> None:
         """Raise ValueError (a caller mistake) before anything is queued."""
@@ -182,6 +184,7 @@ class EngineCore:
             prefix_reused_tokens=rc.prefix_reused_tokens,
             retained_slot_skips=rc.slot_skips,
             retained_protected_skips=rc.protected_skips,
+            retained_staging_skips=rc.staging_skips,
             inflight_holds=rc.inflight_holds,
             sequences_moved=dict(self.moves.counters.moved),
             sequences_recomputed=t.preempted + self.moves.counters.restore_failures,

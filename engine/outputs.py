@@ -74,6 +74,7 @@ class EngineStats:  # noqa: D101 - a snapshot for GetStats and /metrics
     prefix_reused_tokens: int = 0
     retained_slot_skips: int = 0
     retained_protected_skips: int = 0
+    retained_staging_skips: int = 0
     inflight_holds: int = 0
     sequences_moved: dict[ReuseTier, int] = field(default_factory=dict)  # live sequences moved down, by tier
     sequences_recomputed: int = 0  # live sequences that lost their state and prefilled it again

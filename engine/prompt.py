@@ -79,7 +79,8 @@ def render_chat(tokenizer: Tokenizer, chat: engine_pb2.ChatInput) -> RenderedPro
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields do")
     add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     messages = chat_messages(chat)
-    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         template_kwargs=kwargs)
     ids = tuple(tokenizer.encode(text, add_special_tokens=False))
     return RenderedPrompt(ids, text, _head_tokens(tokenizer, messages, tools, kwargs, ids))
 
@@ -92,7 +93,7 @@ def _head_tokens(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: li
     if not head and not tools:
         return 0
     try:
-        head_text = tokenizer.apply_chat_template(head, tools=tools, add_generation_prompt=False, **kwargs)
+        head_text = tokenizer.apply_chat_template(head, tools=tools, add_generation_prompt=False, template_kwargs=kwargs)
     except ValueError:
         return 0  # a template that cannot render the head alone has no publish point
     head_ids = tokenizer.encode(head_text, add_special_tokens=False)

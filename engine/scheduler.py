@@ -156,6 +156,7 @@ class Scheduler:
     # --- the step -------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        self.reuse.poll()  # captures copied off the step become claimable
         self._settle_moves(plan)
         self._admit(plan)
         budget = self.limits.step_token_budget
@@ -207,7 +208,7 @@ class Scheduler:
             queue = self.waiting[cls]
             for seq in list(queue):
                 claim = None if seq.moved is not None else self._match(seq)  # a moved one resumes its own
-                if seq.moved is None and self.reuse.in_flight(seq, claim, self.running) is not None:
+                if seq.moved is None and self.reuse.in_flight(seq, claim, self.running):
                     if seq.hold_for_inflight():
                         self.reuse.counters.inflight_holds += 1
                     continue  # what it would claim is being computed now: wait for it; the rest may pass

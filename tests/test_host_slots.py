@@ -73,3 +73,55 @@ def test_a_full_host_block_moves_its_lowest_state_down_to_ram(hybrid: tuple[Load
     finally:
         warm.close()
         cold.close()
+
+
+def test_a_capture_is_claimable_only_once_its_staged_copy_is_done(hybrid: tuple[LoadedModel, Tokenizer]) -> None:
+    """The copy worker is held back: the exact retry of a finished request must wait (held at
+    admission, never reading a half-filled host slot) and claims the state once it is copied."""
+    import threading
+
+    loaded, tokenizer = hybrid
+    warm = Harness(loaded, tokenizer, reuse=True, retained_device=0, retained_host=4)
+    cold = Harness(loaded, tokenizer, reuse=False)
+    try:
+        ring = warm.core.reuse.ring  # type: ignore[attr-defined]
+        ring.running.clear()
+        task = conversation("Profile the decoder.")
+        first = warm.run(warm.request(task))[0]  # its opener and reply-end captures wait in the ring
+        retry: list[object] = []
+        thread = threading.Thread(target=lambda: retry.extend(warm.run(warm.request(task))))
+        thread.start()
+        while warm.core.stats().inflight_holds == 0:  # held at admission, not served a torn state
+            thread.join(0.01)
+        assert not retry and ring.in_flight == 2
+        ring.running.set()
+        thread.join(60)
+        got = retry[0]
+        want = cold.run(cold.request(task))[0]
+        same(first, want)
+        same(got, want)  # type: ignore[arg-type]
+        assert (got.tier, got.cached) == ("host", len(warm.request(task).prompt_ids))  # type: ignore[attr-defined]
+        warm.core.check_integrity()
+    finally:
+        warm.close()
+        cold.close()
+
+
+def test_a_capture_that_finds_both_staging_buffers_busy_is_skipped_and_counted(
+        hybrid: tuple[LoadedModel, Tokenizer]) -> None:
+    loaded, tokenizer = hybrid
+    warm = Harness(loaded, tokenizer, reuse=True, retained_device=0, retained_host=4)
+    try:
+        ring = warm.core.reuse.ring  # type: ignore[attr-defined]
+        ring.running.clear()
+        # No system message, so no shared head: each request captures its opener and its reply's end.
+        warm.run(warm.request([{"role": "user", "content": "Check the disk budget."}]))  # both buffers busy
+        other: list[dict[str, object]] = [{"role": "user", "content": "Draft the release notes."}]
+        warm.run(warm.request(other))  # its two captures find no buffer
+        assert warm.core.stats().retained_staging_skips == 2
+        ring.running.set()
+        again = warm.run(warm.request(other))[0]
+        assert again.cached == 0  # nothing of it was retained
+        warm.core.check_integrity()
+    finally:
+        warm.close()

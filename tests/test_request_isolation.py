@@ -158,3 +158,19 @@ def test_a_failure_inside_the_sampling_step_ends_only_its_own_request(
         core.check_integrity()
     finally:
         core.stop()
+
+
+def test_the_cache_salt_memo_is_bounded_in_count_and_bytes(tiny: tuple[LoadedModel, Tokenizer]) -> None:
+    """200 salts of 1 MB each (and thousands more) cost the memo 16-byte keys, at most 4,096 of them."""
+    loaded, tokenizer = tiny
+    core = EngineCore(loaded, tokenizer, EngineConfig(kv_cache_bytes=1 << 20))
+    try:
+        big = [core.namespace_hash(str(i) * (1 << 20)) for i in range(200)]
+        assert len(set(big)) == 200  # each salt its own namespace
+        for i in range(5000):
+            core.namespace_hash(f"tenant-{i}")
+        memo = core._namespaces  # the memo itself: what it keeps is what this test is about
+        assert len(memo) == 4096 and all(len(k) == 16 for k in memo)
+        assert core.namespace_hash("7" * (1 << 20)) == big[7]  # memoised or not, the same namespace
+    finally:
+        core.stop()

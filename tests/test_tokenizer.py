@@ -200,7 +200,7 @@ def test_template_environment_like_transformers(tiny_dir: Path, tmp_path: Path) 
     d = make_checkpoint(tiny_dir, tmp_path, chat_template=source, bos_token="<|endoftext|>")
     tok = Tokenizer.from_dir(d)
     messages = [{"role": "user", "content": "日本 <b>"}]
-    text = tok.apply_chat_template(messages, flavour="vanilla")
+    text = tok.apply_chat_template(messages, template_kwargs={"flavour": "vanilla"})
     assert text == '<|endoftext|>|<|im_end|>|"日本 <b>"|{\n "b": 1,\n "a": 2\n}|4|vanilla|01G'
     hf = transformers.AutoTokenizer.from_pretrained(str(d))
     assert hf.apply_chat_template(messages, tokenize=False, flavour="vanilla") == text

@@ -58,10 +58,9 @@ class PageReuse(TieredReuse):
         assert isinstance(claim.source, DevicePages)
         return sum(1 for p in claim.source.pages if self.pages.is_free(p))
 
-    def in_flight(self, seq: EngineSequence, claim: Claim | None,
-                  running: list[EngineSequence]) -> EngineSequence | None:
+    def in_flight(self, seq: EngineSequence, claim: Claim | None, running: list[EngineSequence]) -> bool:
         if not seq.request.claims_state:
-            return None
+            return False
         claimed = (claim.num_tokens if claim else 0) // self.page_size
         limit = self._claimable_pages(seq)
         for other in running:
@@ -70,8 +69,8 @@ class PageReuse(TieredReuse):
             common = common_pages(seq.page_hashes, other.page_hashes, limit)
             # Its pages are registered as it computes them: wait while some shared page is still to come.
             if common > claimed and other.num_computed < common * self.page_size:
-                return other
-        return None
+                return True
+        return False
 
     def apply_device(self, seq: EngineSequence, claim: Claim) -> None:
         assert isinstance(claim.source, DevicePages)

@@ -28,6 +28,7 @@ from common.eviction import EvictionOrder
 from common.logs import log_event
 from engine.cache.reuse import Claim, HeldState
 from engine.cache.retained_state import RetainedState
+from engine.cache.staging import StagedCopy, StagingRing
 from engine.cache.tier_claims import LowerTierClaims, TieredReuse
 from engine.facts import RequestClass, ReuseKind, ReuseTier
 from engine.kv.chain_hash import BlockHash, extend_page_hashes, state_matches, state_name
@@ -44,11 +45,12 @@ log = logging.getLogger("ignis.request")
 class RetainedStateReuse(TieredReuse):
     def __init__(self, cache: DeviceCache, pages: PagePool, first_slot: int, num_slots: int,
                  interactive_ttl: float, max_per_lineage: int = 2, tiers: TierLink | None = None,
-                 restore_floor: int = 32, host: HostSlots | None = None, codec: StateCodec | None = None) -> None:
+                 restore_floor: int = 32, host: HostSlots | None = None, codec: StateCodec | None = None,
+                 ring: StagingRing | None = None) -> None:
         super().__init__()
         if host is not None and codec is None:
             raise ValueError("host slots need the state codec: this is a bug")
-        self.host, self.codec = host, codec
+        self.host, self.codec, self.ring = host, codec, ring
         self.cache = cache
         self.pages = pages
         self.page_size = cache.page_size
@@ -59,6 +61,7 @@ class RetainedStateReuse(TieredReuse):
         self._by_name: dict[BlockHash, RetainedState] = {}
         self._by_anchor: dict[BlockHash, list[RetainedState]] = {}
         self._lineages: dict[int, deque[RetainedState]] = {}
+        self._pending: list[RetainedState] = []  # host captures whose staged copy is not done
         self._lineage_ids = itertools.count(1)
         self.lower = LowerTierClaims(tiers, pages, self.page_size, restore_floor) if tiers is not None else None
 
@@ -80,7 +83,7 @@ class RetainedStateReuse(TieredReuse):
             best: RetainedState | None = None
             for state in self._by_anchor.get(anchor, ()):
                 m = state.num_tokens
-                usable = m < n or (m == n and state.logits is not None)
+                usable = state.ready and (m < n or (m == n and state.logits is not None))
                 if usable and (best is None or m > best.num_tokens) and \
                         state_matches(state.name, m, seq.namespace, seq.page_hashes, seq.token_ids, self.page_size):
                     best = state
@@ -129,12 +132,16 @@ class RetainedStateReuse(TieredReuse):
         self.cache.copy_slot(state.slot, seq.slot)
         seq.adopt(table, state.num_tokens, state.logits)
 
-    def in_flight(self, seq: EngineSequence, claim: Claim | None,
-                  running: list[EngineSequence]) -> EngineSequence | None:
+    def in_flight(self, seq: EngineSequence, claim: Claim | None, running: list[EngineSequence]) -> bool:
         if not seq.request.claims_state:
-            return None
+            return False
         claimed = claim.num_tokens if claim else 0
         n = len(seq.token_ids)
+        for state in self._pending:  # captured, still being copied: claimable in a step or two
+            m = state.num_tokens
+            if m - claimed >= self.page_size and (m < n or (m == n and state.logits is not None)) and \
+                    state_matches(state.name, m, seq.namespace, seq.page_hashes, seq.token_ids, self.page_size):
+                return True
         for other in running:
             if not other.request.publishes:
                 continue
@@ -143,8 +150,8 @@ class RetainedStateReuse(TieredReuse):
                 # the whole prompt (it keeps its next-token logits).
                 usable = point < n or (point == n == other.num_prompt)
                 if usable and point - claimed >= self.page_size and self._shares(seq, other, point):
-                    return other
-        return None
+                    return True
+        return False
 
     def publish_point(self, seq: EngineSequence) -> int:
         """Where the retained prefix is captured: the stable head rounded down to whole pages."""
@@ -237,19 +244,75 @@ class RetainedStateReuse(TieredReuse):
 
     def _capture_to_host(self, seq: EngineSequence, name: BlockHash, m: int, kind: ReuseKind,
                          logits: torch.Tensor | None) -> None:
-        """The whole state (slot, pages, logits) into one host slot: no device page or slot kept."""
-        assert self.host is not None and self.codec is not None
+        """The whole state (slot, pages, logits) into one host slot: no device page or slot kept.
+        With the staging ring only the slot and the partial last page are copied on the step."""
+        assert self.host is not None and self.codec is not None and seq.slot is not None
+        buffer = self.ring.acquire() if self.ring is not None else None
+        if self.ring is not None and buffer is None:
+            self.counters.staging_skips += 1  # both buffers busy: skipped, never torn
+            return
         slot = self.host.allocate()
         assert slot is not None, "captured to a full host block: this is a bug"
         full = m // self.page_size
-        self.codec.pack(self.host.block, self.host.offset(slot), m, seq.slot, seq.page_table[:-(-m // self.page_size)],
-                        logits)
-        self._index(RetainedState(
+        state = RetainedState(
             name=name, anchor=seq.page_hashes[full - 1] if full else seq.namespace, num_tokens=m, kind=kind,
             tier=ReuseTier.HOST, slot=slot, pages=[], request_class=seq.request.request_class,
             lineage=self._lineage_for(seq, kind), logits=None if logits is None else logits.clone(),
             namespace=seq.namespace, page_hashes=tuple(seq.page_hashes[:full]),
-        ))
+        )
+        if buffer is None:  # synchronous capture
+            self.codec.pack(self.host.block, self.host.offset(slot), m, seq.slot,
+                            seq.page_table[:-(-m // self.page_size)], logits)
+        else:
+            self._stage(seq, state, buffer)
+        self._index(state)
+
+    def _stage(self, seq: EngineSequence, state: RetainedState, buffer: int) -> None:
+        """On the step: the slot and the partial last page into the ring buffer, a reference to
+        the full pages. Off the step (worker): all of it into the host slot."""
+        assert self.ring is not None and self.host is not None and self.codec is not None
+        codec, host, m = self.codec, self.host, state.num_tokens
+        full = m // self.page_size
+        partial = [seq.page_table[full]] if m % self.page_size else []
+        staging = self.ring.buffers[buffer]
+        codec.pack_window(staging, 0, self.page_size, seq.slot, partial, 0)  # [slot | one page]
+        state.pages = seq.page_table[:full]
+        self.pages.share(state.pages)  # immutable full pages, kept alive until the copy is done
+        state.ready = False
+        self._pending.append(state)
+        offset, head = host.offset(state.slot), codec.sections(0).kv
+        full_pages, logits = list(state.pages), state.logits
+
+        def copy(buf: torch.Tensor) -> None:  # worker thread
+            host.block[offset:offset + head].copy_(buf[:head])
+            codec.pack_pages(host.block, offset, m, full_pages, 0)
+            if partial:
+                start = offset + codec.sections(m).kv + full * codec.page_bytes
+                host.block[start:start + codec.page_bytes].copy_(buf[head:head + codec.page_bytes])
+            if logits is not None:
+                codec.write_logits(host.block, offset, m, logits)
+
+        def done(copied: bool) -> None:  # engine thread
+            self._pending.remove(state)
+            pages, state.pages = state.pages, []
+            self.pages.release(pages)
+            state.ready = True  # the copy is over, whichever way it went
+            indexed = self._by_name.get(state.name) is state
+            if indexed and not copied:
+                self._drop(state)
+            elif not indexed:  # dropped (a lineage's third) while it was copying
+                host.release(state.slot)
+
+        self.ring.submit(StagedCopy(buffer, copy, done))
+
+    def poll(self) -> None:
+        if self.ring is not None:
+            self.ring.collect()
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.collect(wait=True)
+            self.ring.close()
 
     def _lineage_for(self, seq: EngineSequence, kind: ReuseKind) -> int | None:
         if kind is not ReuseKind.CHECKPOINT:
@@ -286,7 +349,7 @@ class RetainedStateReuse(TieredReuse):
     # --- eviction -------------------------------------------------------------
     def eviction_order(self, now: float | None = None, tier: ReuseTier | None = None) -> list[RetainedState]:
         """Every retained state (of `tier`, if given), the first to leave first."""
-        states = [s for s in self._by_name.values() if tier is None or s.tier is tier]
+        states = [s for s in self._by_name.values() if s.ready and (tier is None or s.tier is tier)]
         return self.order.order(states, time.monotonic() if now is None else now, RetainedState.resident)
 
     def _displace_for(self, newcomer: RequestClass, now: float, tier: ReuseTier) -> bool:
@@ -347,6 +410,8 @@ class RetainedStateReuse(TieredReuse):
                     del self._lineages[state.lineage]
         if state.tier is ReuseTier.HOST:
             assert self.host is not None
+            if not state.ready:  # its copy is still running: done() finishes dropping it
+                return
             self.host.release(state.slot)
         else:
             self.pages.release(state.pages)
@@ -354,7 +419,7 @@ class RetainedStateReuse(TieredReuse):
 
     # --- introspection ------------------------------------------------------------
     def held_pages(self) -> set[int]:
-        return {p for s in self._by_name.values() for p in s.pages}
+        return {p for s in [*self._by_name.values(), *self._pending] for p in s.pages}
 
     @property
     def retained_slots(self) -> tuple[int, int]:
@@ -366,7 +431,7 @@ class RetainedStateReuse(TieredReuse):
         return (self.host.num_slots, self.host.num_used) if self.host is not None else (0, 0)
 
     def check_integrity(self) -> None:
-        on_host = [s for s in self._by_name.values() if s.tier is ReuseTier.HOST]
+        on_host = {s for s in [*self._by_name.values(), *self._pending] if s.tier is ReuseTier.HOST}
         if self.host is not None:
             self.host.check_integrity({s.slot for s in on_host})
         elif on_host:

@@ -32,6 +32,7 @@ class RetainedState:
     namespace: BlockHash  # h0 of its chain (for the tierstore)
     page_hashes: tuple[BlockHash, ...]  # hashes of its full pages (for the tierstore)
     last_used: float = field(default_factory=time.monotonic)
+    ready: bool = True  # False while a staged copy is still filling its host slot: not claimable yet
 
     def resident(self) -> Resident:
         """What the one eviction order needs to know about it."""

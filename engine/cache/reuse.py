@@ -71,6 +71,7 @@ class ReuseCounters:
     slot_skips: int = 0  # captures lost: no slot, no state the newcomer may displace, no tier below took it
     protected_skips: int = 0  # captures that found the lowest-ranked state protected (not displaced)
     captures_below: int = 0  # captures written straight to the tier below (no device slot to take)
+    staging_skips: int = 0  # host captures skipped because both staging buffers were busy
     inflight_holds: int = 0  # admissions held back while a running sequence computed what they would claim
     captures: int = 0
     evictions: int = 0
@@ -99,15 +100,15 @@ class PromptReuse(ABC):
         """Pages the claim takes off the free list besides the fresh ones of the prompt's rest."""
         return 0
 
-    def in_flight(self, seq: EngineSequence, claim: Claim | None,
-                  running: list[EngineSequence]) -> EngineSequence | None:
-        """A running sequence now computing state that `seq` would claim beyond `claim`, if any.
+    def in_flight(self, seq: EngineSequence, claim: Claim | None, running: list[EngineSequence]) -> bool:
+        """Whether state that `seq` would claim beyond `claim` is being made right now: computed
+        by a running sequence, or still being copied into its slot.
 
         Admitting `seq` before that state is published would compute it twice: a swarm's
         agents starting together all send the same system+tools head. The scheduler holds
         `seq` back until the state is there (the running one finishes it or leaves).
         """
-        return None
+        return False
 
     def cut_point(self, seq: EngineSequence) -> int | None:
         """A position the next prefill chunk must end at (to capture state there), if any."""
@@ -143,6 +144,12 @@ class PromptReuse(ABC):
     def host_slots(self) -> tuple[int, int]:
         """(total, used) retained-state slots on the host."""
         return (0, 0)
+
+    def poll(self) -> None:
+        """At the start of each step: finish work done off the step (staged copies)."""
+
+    def close(self) -> None:
+        """The engine stops: finish or drop work in flight."""
 
     def check_integrity(self) -> None:
         pass

@@ -9,7 +9,7 @@ from engine.kv.device_cache import DeviceCache
 from engine.model.batch import ForwardBatch
 from engine.model.config import SLIDING_ATTENTION, ModelConfig
 from engine.model.layers import RMSNorm, Rotary
-from kernels.paged_attention import paged_attention, paged_decode_attention
+from kernels.select import kernels_for
 
 
 class Attention(nn.Module):
@@ -61,17 +61,18 @@ class Attention(nn.Module):
         k_cache[batch.kv_pages, batch.kv_offsets] = k.to(k_cache.dtype)
         v_cache[batch.kv_pages, batch.kv_offsets] = v.to(v_cache.dtype)
 
+        ops = kernels_for(x.device)  # Triton on CUDA, the torch references elsewhere
         out = torch.empty_like(q)  # [T, H, D]
         gather = batch.decode
         if gather is not None:  # all single-token decodes in one padded call
-            out[gather.rows] = paged_decode_attention(
+            out[gather.rows] = ops.paged_decode_attention(
                 q[gather.rows], k_cache, v_cache, gather.pages, gather.offsets, gather.valid, self.scale, self.window
             ).to(out.dtype)
         for seq in batch.seqs:
             if gather is not None and seq.is_decode:
                 continue
             rows = slice(seq.offset, seq.offset + seq.length)
-            out[rows] = paged_attention(
+            out[rows] = ops.paged_attention(
                 q[rows], k_cache, v_cache, seq.page_table, seq.end, self.scale, self.window
             ).to(out.dtype)
         out = out.reshape(t, -1)

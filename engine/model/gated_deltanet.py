@@ -10,8 +10,7 @@ from engine.kv.device_cache import DeviceCache
 from engine.model.batch import ForwardBatch, SeqView
 from engine.model.config import ModelConfig
 from engine.model.layers import GatedRMSNorm
-from kernels.causal_conv import causal_conv1d
-from kernels.gated_delta import chunk_gated_delta_rule, gated_delta_decode_step_
+from kernels.select import Kernels, kernels_for
 
 
 class GatedDeltaNet(nn.Module):
@@ -68,13 +67,14 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight.squeeze(1)  # [C, K]
         li = cache.linear_index(self.layer)
         core = torch.empty(t, self.hv, self.dv, dtype=x.dtype, device=x.device)
+        ops = kernels_for(x.device)  # Triton on CUDA, the torch references elsewhere
 
         decodes = [s for s in batch.seqs if s.is_decode]
         if decodes:
-            self._decode(decodes, mixed, g, beta, weight, cache, li, core)
+            self._decode(ops, decodes, mixed, g, beta, weight, cache, li, core)
         for seq in batch.seqs:
             if not seq.is_decode:
-                self._prefill(seq, mixed, g, beta, weight, cache, li, core)
+                self._prefill(ops, seq, mixed, g, beta, weight, cache, li, core)
 
         out = self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv)).view(t, -1)
         return self.out_proj(out)
@@ -86,7 +86,7 @@ class GatedDeltaNet(nn.Module):
         return q.view(bsz, t, self.hk, self.dk), k.view(bsz, t, self.hk, self.dk), v.view(bsz, t, self.hv, self.dv)
 
     def _prefill(
-        self, seq: SeqView, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        self, ops: Kernels, seq: SeqView, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
         weight: torch.Tensor, cache: DeviceCache, li: int, core: torch.Tensor,
     ) -> None:
         slot = _slot(seq)
@@ -94,16 +94,16 @@ class GatedDeltaNet(nn.Module):
         fresh = seq.start == 0  # a fresh sequence starts from zeros, whatever the slot held
         conv_in = mixed[rows].T.unsqueeze(0)  # [1, C, T]
         conv_state = None if fresh else cache.conv[slot, li].unsqueeze(0)
-        conv_out, new_conv = causal_conv1d(conv_in, weight, conv_state)
+        conv_out, new_conv = ops.causal_conv1d(conv_in, weight, conv_state)
         q, k, v = self._split_heads(conv_out.transpose(1, 2))
         state = None if fresh else cache.recurrent[slot, li].unsqueeze(0)
-        out, new_state = chunk_gated_delta_rule(q, k, v, g[rows].unsqueeze(0), beta[rows].unsqueeze(0), state)
+        out, new_state = ops.chunk_gated_delta_rule(q, k, v, g[rows].unsqueeze(0), beta[rows].unsqueeze(0), state)
         core[rows] = out[0]
         cache.conv[slot, li] = new_conv[0]
         cache.recurrent[slot, li] = new_state[0]
 
     def _decode(
-        self, seqs: list[SeqView], mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        self, ops: Kernels, seqs: list[SeqView], mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
         weight: torch.Tensor, cache: DeviceCache, li: int, core: torch.Tensor,
     ) -> None:
         """All single-token decodes of the step: projections and conv batched, each recurrent
@@ -111,10 +111,10 @@ class GatedDeltaNet(nn.Module):
         rows = torch.tensor([s.offset for s in seqs], dtype=torch.int64, device=mixed.device)
         slot_ids = [_slot(s) for s in seqs]
         slots = torch.tensor(slot_ids, dtype=torch.int64, device=mixed.device)
-        conv_out, new_conv = causal_conv1d(mixed[rows].unsqueeze(-1), weight, cache.conv[slots, li])
+        conv_out, new_conv = ops.causal_conv1d(mixed[rows].unsqueeze(-1), weight, cache.conv[slots, li])
         q, k, v = self._split_heads(conv_out.transpose(1, 2))  # [B, 1, ...]
         states = [cache.recurrent[slot, li] for slot in slot_ids]  # views, updated in place
-        out = gated_delta_decode_step_(q, k, v, g[rows].unsqueeze(1), beta[rows].unsqueeze(1), states)
+        out = ops.gated_delta_decode_step_(q, k, v, g[rows].unsqueeze(1), beta[rows].unsqueeze(1), states)
         core[rows] = out[:, 0]
         cache.conv[slots, li] = new_conv
 

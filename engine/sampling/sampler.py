@@ -25,6 +25,8 @@ from engine.sampling.params import SamplingParams
 from engine.sampling.processors import apply_logit_bias, apply_penalties, mask_tokens, truncated_probs
 
 _UINT64_MASK = 2**64 - 1
+# Processed logits stay below this; divided by the smallest sampled temperature (1e-5) they are still finite.
+LOGIT_CEILING = 1e30
 
 
 class RequestSampler:
@@ -162,7 +164,9 @@ def process_logits(
             _column([p.presence_penalty for p in params], x.device),
             _column([p.frequency_penalty for p in params], x.device),
         )
-    return x
+    # A tiny repetition penalty can push a logit past float32's range; +inf (and the NaN of
+    # inf - inf in a softmax) would break the draw. Cap it: the token stays the most likely one.
+    return x.nan_to_num_(nan=float("-inf"), posinf=LOGIT_CEILING, neginf=float("-inf")).clamp_(max=LOGIT_CEILING)
 
 
 def sample(

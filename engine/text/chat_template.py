@@ -158,12 +158,9 @@ class ChatTemplate:
             self._compiled[name] = template
         context = {"documents": None, **variables}
         try:
-            return template.render(
-                **context,
-                messages=normalize_messages(messages),
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-            )
+            # One dict, not keyword arguments: a variable may be named anything ("self" included).
+            return template.render({**context, "messages": normalize_messages(messages), "tools": tools,
+                                    "add_generation_prompt": add_generation_prompt})
         except jinja2.TemplateError as e:
             # Templates reject bad conversations with raise_exception: a caller mistake.
             raise ValueError(f"the chat template rejected the request: {e}") from e

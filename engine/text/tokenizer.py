@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -230,7 +230,7 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
-        **template_kwargs: Any,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """Render a conversation to the prompt text, as transformers would.
 
@@ -244,7 +244,8 @@ class Tokenizer:
             )
         # Template variables: special tokens (bos_token, eos_token, ...) first,
         # then the caller's, which win, as in transformers.
-        variables = {**self.special_tokens, **template_kwargs}
+        # A dict, not **kwargs: a client's variable may be named anything ("self" included).
+        variables = {**self.special_tokens, **(template_kwargs or {})}
         return self._chat_template.render(messages, tools, add_generation_prompt, variables)
 
     def render_chat_ids(
@@ -252,8 +253,8 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
-        **template_kwargs: Any,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """apply_chat_template, then encode without adding special tokens (the template has them)."""
-        text = self.apply_chat_template(messages, tools, add_generation_prompt, **template_kwargs)
+        text = self.apply_chat_template(messages, tools, add_generation_prompt, template_kwargs)
         return self.encode(text, add_special_tokens=False)
