@@ -15,7 +15,7 @@ TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 LINT_DIRS := $(foreach d,common engine gateway tierstore kernels,$(if $(wildcard $(d)/*.py $(d)/*/*.py),$(d)))
 
-.PHONY: venv proto test run bench lint clean distclean
+.PHONY: venv proto test run bench lint gpu-check clean distclean
 
 venv: $(STAMP)
 
@@ -49,6 +49,10 @@ bench: proto
 
 lint: proto
 	$(PY) -m mypy $(LINT_DIRS) $(ARGS)
+
+# Not on the venv stamp: the script installs the CUDA torch itself (scripts/gpu_check.sh).
+gpu-check:
+	bash scripts/gpu_check.sh $(ARGS) $(or $(OUT),.cache/gpu-check)
 
 clean:
 	rm -rf ignis .pytest_cache .mypy_cache *.egg-info build

@@ -1,12 +1,13 @@
 """`ignis.*` profiler scopes over the engine step and the model's parts, and the breakdown they give.
 
-The scopes are put in place by patching the classes' methods (and the functions the model
-modules imported by name) for the duration of a `with scopes(model):` block, and undone after:
+The scopes are put in place by patching the classes' methods (and the CPU kernel table the model
+reaches through kernels.select) for the duration of a `with scopes(model):` block, and undone after:
 nothing in the product carries profiling code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -17,8 +18,7 @@ from torch import nn
 from torch.profiler import profile, record_function
 
 import engine.core
-import engine.model.attention
-import engine.model.gated_deltanet
+import kernels.select
 from engine.core import EngineCore
 from engine.model.attention import Attention
 from engine.model.batch import ForwardBatch
@@ -58,19 +58,33 @@ CLASS_SCOPES: list[tuple[Any, str, str]] = [
     (engine.core, "sample", "ignis.sampling"),
     (CausalLM, "forward", "ignis.forward"),
     (Attention, "forward", "ignis.attention"),
-    (engine.model.attention, "paged_attention", "ignis.attention.kernel"),
-    (engine.model.attention, "paged_decode_attention", "ignis.attention.kernel"),
     (GatedDeltaNet, "forward", "ignis.gdn"),
     (GatedDeltaNet, "_project", "ignis.gdn.in_proj"),
     (GatedDeltaNet, "_prefill", "ignis.gdn.state"),
     (GatedDeltaNet, "_decode", "ignis.gdn.state"),
-    (engine.model.gated_deltanet, "causal_conv1d", "ignis.gdn.conv"),
-    (engine.model.gated_deltanet, "chunk_gated_delta_rule", "ignis.gdn.chunked"),
-    (engine.model.gated_deltanet, "gated_delta_decode_step_", "ignis.gdn.recurrent"),
     (GatedRMSNorm, "forward", "ignis.gdn.norm"),
     (MLP, "forward", "ignis.mlp"),
     (RMSNorm, "forward", "ignis.norm"),
 ]
+
+
+# Kernels the model reaches through kernels.select (the table of the device's kernels): field -> scope.
+KERNEL_SCOPES: dict[str, str] = {
+    "paged_attention": "ignis.attention.kernel",
+    "paged_decode_attention": "ignis.attention.kernel",
+    "causal_conv1d": "ignis.gdn.conv",
+    "chunk_gated_delta_rule": "ignis.gdn.chunked",
+    "gated_delta_decode_step_": "ignis.gdn.recurrent",
+}
+
+
+def _patch_kernels(undo: list[Callable[[], None]]) -> None:
+    """The CPU kernel table, each kernel in its scope (CPU: the profile runs there)."""
+    original = vars(kernels.select)["_references"]
+    table = original()
+    scoped = dataclasses.replace(table, **{f: _wrap(getattr(table, f), label) for f, label in KERNEL_SCOPES.items()})
+    setattr(kernels.select, "_references", lambda: scoped)
+    undo.append(functools.partial(setattr, kernels.select, "_references", original))
 
 
 @contextmanager
@@ -80,6 +94,7 @@ def scopes(model: CausalLM) -> Iterator[None]:
     try:
         for owner, name, label in CLASS_SCOPES:
             _patch(owner, name, label, undo)
+        _patch_kernels(undo)
         _patch(model.lm_head, "forward", "ignis.lm_head", undo)
         for module in model.modules():
             if isinstance(module, Attention):

@@ -14,6 +14,21 @@ from checkpoints import make_checkpoint  # noqa: E402
 from services import RunningService, start_engine  # noqa: E402
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU; skipped without CUDA (make gpu-check runs them)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (an NVIDIA GPU)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """checkpoint_dir(arch) -> Path of a cached tiny random checkpoint for that architecture."""

@@ -1,0 +1,98 @@
+"""Which implementation of each kernel a device runs: the one place that decides.
+
+CUDA runs the Triton kernels (kernels/triton_*.py), every other device the torch
+references (kernels/paged_attention.py, gated_delta.py, causal_conv.py, state_copy.py).
+Triton is imported only when a CUDA device asks, so CPU serving never loads it; on CUDA
+without a working Triton the references run and a warning says so, once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+log = logging.getLogger("ignis.engine")
+
+
+class PagedAttention(Protocol):
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                 context_len: int, scale: float, sliding_window: int | None = None) -> torch.Tensor: ...
+
+
+class PagedDecodeAttention(Protocol):
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
+                 offsets: torch.Tensor, valid: torch.Tensor, scale: float,
+                 sliding_window: int | None = None) -> torch.Tensor: ...
+
+
+class ChunkGatedDeltaRule(Protocol):
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 initial_state: torch.Tensor | None, chunk_size: int = 64,
+                 acc: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class GatedDeltaDecodeStep(Protocol):
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 states: list[torch.Tensor]) -> torch.Tensor: ...
+
+
+class CausalConv(Protocol):
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class CopyRows(Protocol):
+    def __call__(self, pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """One implementation of every kernel, all behind the torch references' signatures."""
+
+    name: str  # "torch" or "triton"
+    paged_attention: PagedAttention
+    paged_decode_attention: PagedDecodeAttention
+    chunk_gated_delta_rule: ChunkGatedDeltaRule
+    gated_delta_decode_step_: GatedDeltaDecodeStep
+    causal_conv1d: CausalConv
+    copy_rows_: CopyRows
+
+
+def torch_kernels() -> Kernels:
+    from kernels import causal_conv, gated_delta, paged_attention, state_copy
+
+    return Kernels("torch", paged_attention.paged_attention, paged_attention.paged_decode_attention,
+                   gated_delta.chunk_gated_delta_rule, gated_delta.gated_delta_decode_step_,
+                   causal_conv.causal_conv1d, state_copy.copy_rows_)
+
+
+def triton_kernels() -> Kernels:
+    """The Triton kernels; raises ImportError without Triton."""
+    from kernels import triton_causal_conv, triton_gated_delta, triton_paged_attention, triton_state_copy
+
+    return Kernels("triton", triton_paged_attention.paged_attention, triton_paged_attention.paged_decode_attention,
+                   triton_gated_delta.chunk_gated_delta_rule, triton_gated_delta.gated_delta_decode_step_,
+                   triton_causal_conv.causal_conv1d, triton_state_copy.copy_rows_)
+
+
+@functools.cache
+def _references() -> Kernels:
+    return torch_kernels()
+
+
+@functools.cache
+def _cuda_kernels() -> Kernels:
+    try:
+        return triton_kernels()
+    except ImportError as e:  # a CUDA torch without (a working) triton: slower, still correct
+        log.warning("Triton is not available (%s): CUDA runs the torch reference kernels", e)
+        return _references()
+
+
+def kernels_for(device: torch.device) -> Kernels:
+    """The kernels `device` runs: Triton on CUDA, the torch references elsewhere."""
+    return _cuda_kernels() if device.type == "cuda" else _references()
