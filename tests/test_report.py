@@ -28,7 +28,8 @@ def test_report_gathers_known_and_unknown_results(tmp_path: Path) -> None:
     sections = [line for line in text.splitlines() if line.startswith("## ")]
     assert sections == ["## Agent swarm: ignis vs llama.cpp's llama-server",
                         "## Per-token rates vs llama.cpp, and where ignis' step time goes", "## Reuse vs cold",
-                        "## Throughput vs transformers", "## Tiers vs raw memcpy and file I/O", "## Gateway overhead",
+                        "## Throughput vs transformers", "## Residency under pressure",
+                        "## Tiers vs raw memcpy and file I/O", "## Gateway overhead", "## Chaos: faults under load",
                         "## Other results"]
     assert "| reuse ratio | 0.9 |" in text and "![swarm-dense](swarm-dense.png)" in text
     assert "_run 2026-01-02 03:04:05, Linux-test, torch 2.13.0+cpu, 2 threads_" in text

@@ -1,0 +1,571 @@
+"""Where state lives under pressure (issue 15), each figure against its baseline in the same run,
+on the benchmark geometry (bench/geometry.py), CPU fp32 unless CUDA is there:
+
+1. pressure (hybrid): 8 agent requests decode in a KV pool sized so that they fill it, then
+   interactive requests arrive one at a time: move-down (a real tierstore process: displaced
+   sequences go to KV-RAM and resume) vs recompute (the same config without a tierstore);
+2. reuse tax (hybrid): cold TTFT with reuse on (synchronous capture in the step) vs off;
+3. inter-token latency of 4 running decodes while a ~150 MiB state spills on the step thread
+   vs nothing spilling (dense: its state is KV only, so 150 MiB is a prompt it can prefill);
+4. KV pool pages free with 8 retained states in host slots vs in device slots (hybrid).
+
+    python -m bench.residency [--hidden 1024 --layers 16] [--repeats 5] [--smoke] [--out DIR]
+
+Every engine is an EngineCore stepped on this thread (never started), so the figures are the
+step's own wall time; the tierstore is a process of its own (bench/launch.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import table
+from bench.drive import random_prompt
+from bench.geometry import ensure_geometry
+from bench.launch import Service, launch_tierstore
+from common.logs import event_of
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.facts import RequestClass, ReuseTier
+from engine.model.loader import LoadedModel, load_model
+from engine.outputs import EngineStats, RequestUpdate
+from engine.request import EngineRequest, EngineSequence
+from engine.sampling.params import SamplingParams
+from engine.scheduler import StepPlan
+from engine.text.tokenizer import Tokenizer
+
+P = 16
+MiB = 1 << 20
+Model = tuple[LoadedModel, Tokenizer]
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    agents: int = 8
+    agent_prompt: int = 192  # 12 pages; the 14th page is taken at output 18 and the pool is full
+    agent_tokens: int = 32
+    interactive: int = 4
+    interactive_prompt: int = 128
+    interactive_tokens: int = 8
+    gap_steps: int = 4  # decode steps between interactive arrivals
+    tax_sizes: tuple[int, ...] = (1024, 4096)
+    repeats: int = 5
+    spill_mib: int = 150
+    decoders: int = 4
+    decoder_prompt: int = 48
+    decoder_tokens: int = 48
+    retained: int = 8
+    retained_tokens: int = 1024
+
+    @classmethod
+    def smoke(cls) -> Sizes:
+        return cls(agent_prompt=32, agent_tokens=8, interactive_prompt=32, interactive_tokens=4, gap_steps=2,
+                   tax_sizes=(64, 128), repeats=2, spill_mib=1, decoder_prompt=16, decoder_tokens=40,
+                   retained_tokens=64)
+
+
+# --- an EngineCore stepped here ----------------------------------------------------------------
+
+class Stepper:
+    """An EngineCore never started: this thread drains its inbox and runs its steps. It keeps each
+    request's updates and when each arrived, and counts the tokens every forward pass computes and
+    the computed tokens a step throws away (a preempted sequence's, to be recomputed)."""
+
+    def __init__(self, model: Model, **config: Any) -> None:
+        self.core = EngineCore(model[0], model[1], EngineConfig(page_size=P, **config))
+        self.updates: dict[str, list[RequestUpdate]] = {}
+        self.token_times: dict[str, list[float]] = {}  # perf_counter of each update carrying tokens
+        self.done_at: dict[str, float] = {}
+        self.steps = 0
+        self.forward_tokens = 0
+        self.lost_tokens = 0
+        schedule = self.core.scheduler.schedule
+
+        def counted() -> StepPlan:
+            before = {id(s): (s, s.num_computed) for s in self._sequences()}
+            plan = schedule()
+            self.forward_tokens += sum(c.num_tokens for c in plan.chunks)
+            self.lost_tokens += sum(n - s.num_computed for s, n in before.values() if s.num_computed < n)
+            return plan
+
+        setattr(self.core.scheduler, "schedule", counted)  # noqa: B010 - this instance only
+
+    def _sequences(self) -> list[EngineSequence]:
+        sched = self.core.scheduler
+        return [*sched.running, *self.core.moves.moving, *(s for q in sched.waiting.values() for s in q)]
+
+    def submit(self, rid: str, prompt: tuple[int, ...], max_tokens: int, cls: RequestClass = RequestClass.INTERACTIVE,
+               lookup: bool = True, head_tokens: int = 0) -> str:
+        self.updates[rid], self.token_times[rid] = [], []
+
+        def sink(update: RequestUpdate) -> None:
+            now = time.perf_counter()
+            self.updates[rid].append(update)
+            if any(d.token_ids for d in update.deltas):
+                self.token_times[rid].append(now)
+            if update.done:
+                self.done_at[rid] = now
+
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        self.core.submit(EngineRequest(rid, prompt, params, cls, lookup=lookup, head_tokens=head_tokens), sink)
+        self.core.drain_inbox()
+        return rid
+
+    def done(self, rid: str) -> bool:
+        return rid in self.done_at
+
+    def tokens(self, rid: str) -> list[int]:
+        updates = self.updates[rid]
+        if updates and updates[-1].error:
+            raise RuntimeError(f"request {rid} failed: {updates[-1].error}")
+        return [t for u in updates for d in u.deltas for t in d.token_ids]
+
+    def ttft_ms(self, rid: str) -> float:
+        usage = self.updates[rid][-1].usage
+        assert usage is not None, f"{rid} is not done"
+        return usage.time_to_first_token_ms
+
+    def step(self) -> None:
+        self.core.drain_inbox()
+        if not self.core.scheduler.has_work():
+            raise RuntimeError("requests are unfinished but the engine has no work: this is a bug")
+        self.core.step()
+        self.steps += 1
+
+    def step_until(self, cond: Callable[[], bool], limit: int = 100_000) -> None:
+        for _ in range(limit):
+            if cond():
+                return
+            self.step()
+        raise RuntimeError("the condition never came")
+
+    def run(self, rid: str, prompt: tuple[int, ...], max_tokens: int = 1, **kw: Any) -> str:
+        self.submit(rid, prompt, max_tokens, **kw)
+        self.step_until(lambda: self.done(rid))
+        self.tokens(rid)  # raises if it failed
+        return rid
+
+    def warm_up(self) -> None:
+        """First-call costs out of the figures; nothing it computes is published. With a tierstore the
+        warm-up request is also moved down and back once (the namespace's Register, the arena's mapping)."""
+        rid = self.submit("warm-up", random_prompt(32, 1), 4, lookup=False)
+        if self.core.tiers is not None:
+            running = self.core.scheduler.running
+            self.step_until(lambda: any(s.num_output >= 1 for s in running))
+            if not self.core.scheduler.move_down(running[0]):
+                raise RuntimeError("the warm-up request could not be moved down: is the tierstore up?")
+        self.step_until(lambda: self.done(rid))
+        self.tokens(rid)
+        self.forward_tokens = self.lost_tokens = 0
+
+    def settle(self) -> None:
+        """Let captures copied off the step finish (where the engine stages them: EngineConfig.staging_ring):
+        each step collects the copies done by then, so steps of a tiny bypass request run until what reuse
+        holds stops changing."""
+        held = self.core.stats().cached_pages
+        for i in range(20):
+            time.sleep(0.05)
+            self.run(f"settle-{i}", random_prompt(16, 2), lookup=False)
+            held, before = self.core.stats().cached_pages, held
+            if held == before:
+                return
+
+    def close(self) -> None:
+        self.core.check_integrity()
+        self.core.stop()
+
+
+@contextmanager
+def spilled_events() -> Iterator[list[dict[str, Any]]]:
+    """The fields of every `ignis.request.spilled` event logged inside the block."""
+    found: list[dict[str, Any]] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            event = event_of(record)
+            if event is not None and event[0] == "ignis.request.spilled":
+                found.append(event[1])
+
+    logger, handler = logging.getLogger("ignis.request"), Catch(logging.INFO)
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # the engine's INFO events are ours to read, not to print
+    try:
+        yield found
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def page_bytes(model: Model) -> int:
+    return model[0].config.state_shape().kv_bytes_per_page(P, model[0].model.dtype)
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+# --- 1. pressure: move-down vs recompute ----------------------------------------------------------
+
+def pressure(model: Model, store: Service, z: Sizes) -> dict[str, Any]:
+    pages_each = -(-(z.agent_prompt + z.agent_tokens - 1) // P)  # the last sampled token is never computed
+    agents = {f"agent{i}": random_prompt(z.agent_prompt, 300 + i) for i in range(z.agents)}
+    asks = {f"ask{i}": random_prompt(z.interactive_prompt, 400 + i) for i in range(z.interactive)}
+    modes: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, dict[str, list[int]]] = {}
+    for mode, address in (("move-down", store.address), ("recompute", "")):
+        s = Stepper(model, kv_cache_bytes=z.agents * pages_each * page_bytes(model),
+                    max_num_seqs=z.agents + z.interactive, reuse_prompt=False, tierstore_address=address,
+                    tier_timeout=30.0)
+        try:
+            s.warm_up()
+            base = s.core.stats()  # the warm-up's own move is not counted
+            with spilled_events() as spills:
+                t0 = time.perf_counter()
+                for rid, prompt in agents.items():
+                    s.submit(rid, prompt, z.agent_tokens, RequestClass.AGENT)
+                # Until every agent holds all its pages: the pool is full.
+                s.step_until(lambda: s.core.pages.num_free == 0 and len(s.core.scheduler.running) == z.agents)
+                full_at = s.steps
+                for i, (rid, prompt) in enumerate(asks.items()):
+                    s.step_until(lambda: s.steps >= full_at + i * z.gap_steps)
+                    s.submit(rid, prompt, z.interactive_tokens)
+                s.step_until(lambda: all(s.done(r) for r in [*agents, *asks]))
+            stats = s.core.stats()
+            outputs[mode] = {rid: s.tokens(rid) for rid in [*agents, *asks]}
+            ideal = sum(len(p) + len(outputs[mode][r]) - 1 for r, p in [*agents.items(), *asks.items()])
+            done = [s.done_at[r] - t0 for r in agents]
+            ttft = [s.ttft_ms(r) for r in asks]
+            modes[mode] = {
+                "interactive_ttft_ms": ttft, "agents_done_s": done, "steps": s.steps - full_at,
+                "sequences_moved": moved(stats) - moved(base),
+                "sequences_recomputed": stats.sequences_recomputed - base.sequences_recomputed,
+                "requests_preempted": stats.requests_preempted - base.requests_preempted,
+                "recomputed_tokens": s.lost_tokens, "forward_tokens": s.forward_tokens, "ideal_tokens": ideal,
+                "moved_bytes": sum(int(e.get("bytes", 0)) for e in spills if e.get("kind") == "live"),
+                "move_ms": [float(e["ms"]) for e in spills if e.get("kind") == "live"],
+            }
+        finally:
+            s.close()
+    same = [r for r in outputs["move-down"] if outputs["move-down"][r] == outputs["recompute"][r]]
+    return {"pool_pages": z.agents * pages_each, "pages_each": pages_each, "modes": modes,
+            "identical": len(same), "requests": len(outputs["move-down"])}
+
+
+def moved(stats: EngineStats) -> int:
+    return stats.sequences_moved.get(ReuseTier.RAM, 0)
+
+
+def pressure_rows(res: dict[str, Any]) -> list[list[Any]]:
+    rows = []
+    for mode, m in res["modes"].items():
+        ttft, done = m["interactive_ttft_ms"], m["agents_done_s"]
+        rows.append([
+            f"{mode} ({'tierstore' if mode == 'move-down' else 'no tierstore'})",
+            round(statistics.median(ttft)), round(max(ttft)), round(statistics.median(done), 1), round(max(done), 1),
+            m["sequences_moved"], m["sequences_recomputed"], m["recomputed_tokens"],
+            m["forward_tokens"] - m["ideal_tokens"],
+            f"identical ({res['identical']}/{res['requests']})" if res["identical"] == res["requests"]
+            else f"**differ** ({res['requests'] - res['identical']}/{res['requests']})"])
+    return rows
+
+
+PRESSURE_HEADERS = ["mode", "interactive TTFT p50 ms", "max ms", "agents done p50 s", "max s", "sequences moved down",
+                    "sequences recomputed", "recomputed tokens", "extra forward tokens", "greedy outputs vs other mode"]
+
+
+# --- 2. the reuse tax --------------------------------------------------------------------------
+
+def reuse_tax(model: Model, z: Sizes) -> dict[str, Any]:
+    longest = max(z.tax_sizes)
+    captures = 2 * z.repeats * len(z.tax_sizes)  # a prefix and an opener checkpoint per request
+    # Room for the live prompt and every retained copy, and a slot for each: every capture finds
+    # room and nothing is evicted, so each repeat does the same work.
+    pages = -(-longest // P) + 4 + sum(z.repeats * -(-n // P) for n in z.tax_sizes)
+    config = {"kv_cache_bytes": pages * page_bytes(model), "max_num_seqs": 2, "prefill_chunk_tokens": 2048}
+    on = Stepper(model, reuse_prompt=True, retained_device=captures, **config)
+    off = Stepper(model, reuse_prompt=False, **config)
+    out: list[dict[str, Any]] = []
+    try:
+        on.warm_up()
+        off.warm_up()
+        for n in z.tax_sizes:
+            head = (n // 2) // P * P  # a chat-shaped prompt: half of it is the stable head
+            ms: dict[str, list[float]] = {"on": [], "off": []}
+            for r in range(z.repeats):
+                prompt = random_prompt(n, 1000 * n + r)  # distinct every repeat: nothing hits
+                order = [("on", on), ("off", off)] if r % 2 == 0 else [("off", off), ("on", on)]
+                for side, s in order:  # alternated, so drift in the machine's load falls on both
+                    rid = s.run(f"tax-{side}-{n}-{r}", prompt, head_tokens=head)
+                    if s.updates[rid][-1].usage.cached_tokens:  # type: ignore[union-attr]
+                        raise RuntimeError(f"{rid} hit reused state: the tax must be measured cold")
+                    ms[side].append(s.ttft_ms(rid))
+            out.append({"tokens": n, "head": head, "on_ms": ms["on"], "off_ms": ms["off"]})
+        stats = on.core.stats()
+        captured = stats.retained_slots_used
+    finally:
+        on.close()
+        off.close()
+    return {"sizes": out, "captured": captured, "skips": stats.retained_slot_skips}
+
+
+def tax_rows(res: dict[str, Any]) -> list[list[Any]]:
+    rows = []
+    for r in res["sizes"]:
+        on, off = statistics.median(r["on_ms"]), statistics.median(r["off_ms"])
+        best = 100 * (min(r["on_ms"]) / min(r["off_ms"]) - 1)
+        rows.append([r["tokens"], round(on), f"{min(r['on_ms']):.0f}–{max(r['on_ms']):.0f}", round(off),
+                     f"{min(r['off_ms']):.0f}–{max(r['off_ms']):.0f}", f"{100 * (on / off - 1):+.1f}", f"{best:+.1f}",
+                     f"synchronous: prefix at {r['head']} + opener at {r['tokens']}"])
+    return rows
+
+
+TAX_HEADERS = ["prompt tokens", "reuse on p50 ms", "on min–max", "reuse off p50 ms", "off min–max",
+               "tax % (p50)", "tax % (min)", "capture (on the step)"]
+
+
+# --- 3. decodes while a state spills -------------------------------------------------------------
+
+def spill_itl(model: Model, store: Service, z: Sizes) -> dict[str, Any]:
+    big_pages = max(4, z.spill_mib * MiB // page_bytes(model))
+    big = big_pages * P  # page-aligned: its every page is registered, the chain is big_pages long
+    first = -(-z.decoder_prompt // P) + 1  # each decoder's pages once it decodes
+    final = -(-(z.decoder_prompt + z.decoder_tokens - 1) // P)
+    if final <= first:
+        raise ValueError("the decoders must outgrow their first pages inside the window")
+    blank = z.decoders * first + z.decoders // 2  # runs out mid-window: the next page is one of the chain's
+    s = Stepper(model, kv_cache_bytes=(big_pages + blank) * page_bytes(model), max_num_seqs=z.decoders,
+                prefill_chunk_tokens=2048, tierstore_address=store.address, tier_timeout=60.0)
+    runs: dict[str, dict[str, Any]] = {}
+    try:
+        s.warm_up()
+
+        def window(name: str, seed: int) -> None:
+            rids = [s.submit(f"{name}-{i}", random_prompt(z.decoder_prompt, seed + i), z.decoder_tokens, lookup=False)
+                    for i in range(z.decoders)]  # bypass: their own pages never become a chain to spill
+            with spilled_events() as spills:
+                s.step_until(lambda: all(s.done(r) for r in rids))
+            itl = [(b - a) * 1000 for r in rids for a, b in zip(s.token_times[r], s.token_times[r][1:])]
+            runs[name] = {"itl_ms": itl, "spills": spills}
+
+        window("no-spill", 600)  # the pool is all blank pages: nothing to spill
+        s.run("big", random_prompt(big, 700))  # finished: its pages stay cached on the free list
+        if s.core.pages.num_cached != big_pages:
+            raise RuntimeError(f"expected {big_pages} cached pages, found {s.core.pages.num_cached}")
+        window("spill", 800)
+        if len(runs["spill"]["spills"]) != 1:
+            raise RuntimeError(f"expected one spill inside the window, saw {runs['spill']['spills']}")
+    finally:
+        s.close()
+    return {"tokens": big, "state_bytes": big_pages * page_bytes(model), "blank_pages": blank, "runs": runs}
+
+
+def spill_rows(res: dict[str, Any]) -> list[list[Any]]:
+    rows = []
+    for name, r in res["runs"].items():
+        itl, spills = r["itl_ms"], r["spills"]
+        what = "nothing" if not spills else \
+            ", ".join(f"{int(e['bytes']) / MiB:.0f} MiB ({e['tokens']} tokens, {e['kind']})" for e in spills)
+        rows.append([name, len(itl), round(statistics.median(itl), 1), round(pct(itl, 0.9), 1), round(max(itl), 1),
+                     what, round(sum(float(e["ms"]) for e in spills), 1) if spills else "-"])
+    return rows
+
+
+SPILL_HEADERS = ["run", "inter-token gaps", "ITL p50 ms", "p90 ms", "max ms", "spilled in the window",
+                 "spill ms (on the step thread)"]
+
+
+# --- 4. host slots vs device slots ---------------------------------------------------------------
+
+def pool_room(model: Model, z: Sizes) -> dict[str, Any]:
+    state_pages = -(-z.retained_tokens // P)
+    pages = z.retained * state_pages + state_pages + 8  # the states, one live prompt, a little more
+    prompts = [random_prompt(z.retained_tokens, 900 + i) for i in range(z.retained)]
+    out: dict[str, dict[str, Any]] = {}
+    for where, slots in (("device", {"retained_device": z.retained}),
+                         ("host", {"retained_device": 0, "retained_host": z.retained,
+                                   "retained_host_tokens": z.retained_tokens})):
+        s = Stepper(model, kv_cache_bytes=pages * page_bytes(model), max_num_seqs=2, **slots)
+        try:
+            s.warm_up()
+            for i, prompt in enumerate(prompts):
+                s.run(f"{where}-{i}", prompt)  # its opener checkpoint is retained
+            s.settle()
+            stats = s.core.stats()
+            free = s.core.pages.num_free - s.core.pages.num_cached  # free without evicting anything
+            rid = s.run(f"{where}-claim", prompts[0])  # an exact retry claims a retained state
+            usage = s.updates[rid][-1].usage
+            assert usage is not None
+            host = s.core.reuse.host_slots
+            host_mib = host[0] * s.core.reuse.host.slot_bytes / MiB if host[0] else 0.0  # type: ignore[attr-defined]
+            slot_bytes = model[0].config.state_shape().state_bytes_per_slot(model[0].model.dtype)
+            out[where] = {"pool_pages": pages, "free_pages": free, "retained_pages": stats.cached_pages,
+                          "staging_ring": bool(getattr(s.core.config, "staging_ring", False)) and where == "host",
+                          "device_slot_mib": s.core.reuse.retained_slots[0] * slot_bytes / MiB,
+                          "states": stats.retained_slots_used + stats.retained_host_slots_used,
+                          "skips": stats.retained_slot_skips, "host_mib": host_mib,
+                          "claim_tier": usage.reuse.tier.value, "claim_ttft_ms": usage.time_to_first_token_ms}
+        finally:
+            s.close()
+    return {"tokens": z.retained_tokens, "configs": out}
+
+
+def room_rows(res: dict[str, Any]) -> list[list[Any]]:
+    rows = []
+    for where, r in res["configs"].items():
+        config = f"retained_device={r['states']}" if where == "device" else \
+            f"retained_device=0, retained_host={r['states']}"
+        if r.get("staging_ring"):
+            config += ", staging ring"
+        rows.append([f"{where} slots ({config})", r["states"], r["retained_pages"], r["free_pages"],
+                     r["free_pages"] * P, r["pool_pages"], f"{r['device_slot_mib']:.0f}", f"{r['host_mib']:.0f}",
+                     f"{r['claim_tier']}, {r['claim_ttft_ms']:.1f} ms"])
+    return rows
+
+
+ROOM_HEADERS = ["retained states in", "states held", "device pages they hold", "free pages", "free tokens",
+                "pool pages", "device retained slots MiB", "host block MiB", "retry of one: tier, TTFT"]
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+# Whether this engine has a staging ring at all (EngineConfig.staging_ring); it stages host-slot captures only.
+RING_NOTE = ("These are device-slot captures, copied on the step: the staging ring (EngineConfig.staging_ring) "
+             "serves host-slot captures only." if "staging_ring" in {f.name for f in fields(EngineConfig)}
+             else "The staging ring is not built.")
+
+
+def render(a: argparse.Namespace, z: Sizes, res: dict[str, Any], loads: tuple[float, float]) -> str:
+    p, t, sp, room = res["pressure"], res["tax"], res["spill"], res["room"]
+    device = "CUDA" if torch.cuda.is_available() else f"CPU fp32, {res['threads']} threads"
+    recompute = p["modes"]["recompute"]
+    parts = [
+        f"### Residency under pressure (issue 15): h{a.hidden}, {a.layers} layers, {device}, page {P}",
+        f"Each figure against its baseline in the same run. 1-minute load average {loads[0]:.2f} → {loads[1]:.2f}: "
+        "other work on the machine slows both sides of a comparison alike only roughly; read spreads, not digits.",
+        f"#### 1. {z.agents} agents fill the KV pool, {z.interactive} interactive requests arrive (hybrid)",
+        table.markdown(PRESSURE_HEADERS, pressure_rows(p)),
+        f"Agents: {z.agent_prompt}-token prompts, {z.agent_tokens} tokens each; the pool is {p['pool_pages']} pages, "
+        f"exactly the agents' {p['pages_each']} pages each at their full length, so once they all hold them (the "
+        f"first arrival) every page is taken. Interactive: {z.interactive_prompt}-token prompts, "
+        f"{z.interactive_tokens} tokens, one every {z.gap_steps} decode steps. Same EngineConfig in both modes "
+        "(reuse.prompt=false, so only the fate of a displaced sequence differs); move-down has a tierstore "
+        "process. *Sequences moved down*: `stats().sequences_moved[ram]`; *sequences recomputed*: "
+        f"`stats().sequences_recomputed` (recompute mode: `requests_preempted` = {recompute['requests_preempted']}). "
+        "*Recomputed tokens*: computed tokens whose state a step threw away (a preempted sequence's "
+        "`num_computed` at preemption), summed; *extra forward tokens*: tokens the forward passes computed beyond "
+        "an uninterrupted run (prompt + output − 1 per request); the two agree when recompute is the only extra "
+        "work. TTFT is the engine's (arrival to first token); agents done: from their submission. Outputs: "
+        "greedy, every request's tokens compared between the two modes.",
+        "#### 2. Reuse tax: cold TTFT, reuse on vs off (hybrid)",
+        table.markdown(TAX_HEADERS, tax_rows(t)),
+        f"{z.repeats} repeats per size, a distinct prompt each time (no hit), the same prompt on both sides, "
+        "max_tokens=1, the order alternated; on a loaded machine the min is the figure other work disturbs "
+        "least, the max is mostly that work. Reuse on captures synchronously inside the step: the prefill is cut "
+        "at the publish point (the stable head, half the prompt) and at the prompt's end, and each capture copies "
+        f"the recurrent slot and a partial page. {RING_NOTE} Every capture found a free retained slot "
+        f"({t['captured']} captured, {t['skips']} skipped).",
+        f"#### 3. ITL of {z.decoders} running decodes while a {sp['state_bytes'] / MiB:.0f} MiB state spills (dense)",
+        table.markdown(SPILL_HEADERS, spill_rows(sp)),
+        f"One engine with a tierstore, {z.decoders} decoders ({z.decoder_prompt}-token prompts, {z.decoder_tokens} "
+        "tokens, reuse bypassed so their own pages are never a chain) in both runs. Before the spill run a "
+        f"{sp['tokens']}-token prompt finished and its {sp['state_bytes'] / MiB:.0f} MiB of pages stayed cached on "
+        f"the free list; the pool's {sp['blank_pages']} blank pages run out mid-window and the next allocation "
+        "writes that whole chain to KV-RAM (copy, checksum, integrity tag, Commit) before it hands a page out: "
+        "on the step thread, so every running decode waits for it (the max). The no-spill run is the same "
+        "decoders before the big prompt existed. Dense because its state is KV pages only: a hybrid state this "
+        "size is ~17k tokens, minutes of prefill here. This is the baseline for the staging ring.",
+        f"#### 4. KV pool free with {z.retained} retained states of {room['tokens']} tokens: host vs device slots "
+        "(hybrid)",
+        table.markdown(ROOM_HEADERS, room_rows(room)),
+        f"{z.retained} distinct {room['tokens']}-token prompts, max_tokens=1: each retains its opener checkpoint. "
+        "*Device pages they hold*: `stats().cached_pages` (pages held only for reuse); *free pages*: free and "
+        "blank, taken by live work without evicting a retained state (device-held pages are reclaimable too, "
+        "but only by evicting the states). Same pool in both; device retained slots (recurrent + conv state) are "
+        "reserved on the device at load, host slots are host memory. Host captures the engine copies off the "
+        "step (the staging ring, where built) hold their pages until the copy is collected; the figures are "
+        "taken once they are. The retry claims one state back: from a device "
+        "slot by sharing its pages, from a host slot by one host-to-device copy.",
+    ]
+    return "\n\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.residency", description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=None, help="checkpoint geometry (default 1024; --smoke 128)")
+    parser.add_argument("--layers", type=int, default=None, help="(default 16; --smoke 4)")
+    parser.add_argument("--repeats", type=int, default=None, help="reuse tax repeats per size (default 5)")
+    parser.add_argument("--tax-sizes", default=None, help="reuse tax prompt lengths (default 1024,4096)")
+    parser.add_argument("--retained-tokens", type=int, default=None, help="length of each retained state (1024)")
+    parser.add_argument("--spill-mib", type=int, default=None, help="size of the spilled state (default 150)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default torch's; --smoke 1)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny checkpoint and tiny sizes (tests)")
+    parser.add_argument("--out", type=Path, default=table.RESULTS, help="where residency.{json,md} go")
+    parser.add_argument("--models", type=Path, default=None, help="checkpoint cache (default: ignis' own)")
+    a = parser.parse_args(argv)
+    z = Sizes.smoke() if a.smoke else Sizes()
+    a.hidden = a.hidden or (128 if a.smoke else 1024)
+    a.layers = a.layers or (4 if a.smoke else 16)
+    overrides: dict[str, Any] = {"repeats": a.repeats, "retained_tokens": a.retained_tokens, "spill_mib": a.spill_mib,
+                                 "tax_sizes": tuple(int(n) for n in a.tax_sizes.split(",")) if a.tax_sizes else None}
+    z = Sizes(**{**asdict(z), **{k: v for k, v in overrides.items() if v is not None}})
+    hybrid = ensure_geometry("hybrid", a.hidden, a.layers, root=a.models)
+    dense = ensure_geometry("dense", a.hidden, a.layers, root=a.models)
+    folder = Path(tempfile.mkdtemp(prefix="ignis-bench-residency-"))
+    loads = os.getloadavg()[0]
+    arena = max(z.spill_mib * 3 // 2 + 16, 384) * MiB
+    store = launch_tierstore(folder, arena, 0, env={"IGNIS_LOG_LEVEL": "WARNING"})
+    res: dict[str, Any] = {"seconds": {}}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(a.threads or (1 if a.smoke else threads))  # tiny ops on a busy machine: one thread
+    res["threads"] = torch.get_num_threads()
+
+    def section(key: str, title: str, fn: Callable[[], dict[str, Any]]) -> None:
+        print(f"residency: {title}", flush=True)
+        started = time.perf_counter()
+        res[key] = fn()
+        res["seconds"][key] = round(time.perf_counter() - started, 1)
+        print(f"residency: {title}: {res['seconds'][key]:.0f} s", flush=True)
+
+    try:
+        with torch.set_grad_enabled(False):
+            model = (load_model(hybrid, onednn_linears=True), Tokenizer.from_dir(hybrid))  # as the engine service
+            section("pressure", "1. pressure, move-down vs recompute", lambda: pressure(model, store, z))
+            section("tax", "2. reuse tax", lambda: reuse_tax(model, z))
+            section("room", "4. host vs device slots", lambda: pool_room(model, z))
+            del model
+            dense_model = (load_model(dense, onednn_linears=True), Tokenizer.from_dir(dense))
+            section("spill", "3. decodes while a state spills", lambda: spill_itl(dense_model, store, z))
+    finally:
+        torch.set_num_threads(threads)
+        store.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+    after = os.getloadavg()[0]
+    text = render(a, z, res, (loads, after))
+    print(text, flush=True)
+    payload = {"sizes": asdict(z), "hidden": a.hidden, "layers": a.layers, "loadavg_1m": [loads, after],
+               **res}
+    path = table.save("residency", payload, text, a.out)
+    print(f"\nwrote {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""The residency benchmark (bench/residency.py) at its smoke size: every section is there, each against
+its baseline, the counters say what each mode did, and the two pressure modes' outputs match. No timings
+are checked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bench import residency
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    root = tmp_path_factory.mktemp("residency")
+    threads = torch.get_num_threads()
+    assert residency.main(["--smoke", "--out", str(root / "out"), "--models", str(root / "models")]) == 0
+    assert torch.get_num_threads() == threads  # the smoke run's one thread is undone
+    return json.loads((root / "out" / "residency.json").read_text()), (root / "out" / "residency.md").read_text()
+
+
+def test_the_table_has_every_section(result: tuple[dict[str, Any], str]) -> None:
+    _, text = result
+    assert text.startswith("### Residency under pressure")
+    for header in (residency.PRESSURE_HEADERS, residency.TAX_HEADERS, residency.SPILL_HEADERS,
+                   residency.ROOM_HEADERS):
+        assert "| " + " | ".join(header) + " |" in text
+    assert "synchronous: prefix at 32 + opener at 64" in text and residency.RING_NOTE in text
+
+
+def test_pressure_moves_down_in_one_mode_and_recomputes_in_the_other(result: tuple[dict[str, Any], str]) -> None:
+    res, text = result
+    p = res["pressure"]
+    assert p["identical"] == p["requests"] == 8 + 4  # every request, token for token
+    assert "identical (12/12)" in text
+    move, recompute = p["modes"]["move-down"], p["modes"]["recompute"]
+    assert move["sequences_moved"] >= 1 and move["sequences_recomputed"] == 0 and move["recomputed_tokens"] == 0
+    assert move["forward_tokens"] == move["ideal_tokens"]  # nothing computed twice
+    assert recompute["sequences_moved"] == 0 and recompute["requests_preempted"] >= 1
+    assert recompute["sequences_recomputed"] == recompute["requests_preempted"]
+    # What the preempted sequences had computed is exactly what the forward passes did again.
+    assert recompute["recomputed_tokens"] > 0
+    assert recompute["forward_tokens"] - recompute["ideal_tokens"] == recompute["recomputed_tokens"]
+    assert len(move["interactive_ttft_ms"]) == len(recompute["interactive_ttft_ms"]) == 4
+    assert len(move["agents_done_s"]) == len(recompute["agents_done_s"]) == 8
+
+
+def test_tax_spill_and_room(result: tuple[dict[str, Any], str]) -> None:
+    res, _ = result
+    sizes = res["tax"]["sizes"]
+    assert [s["tokens"] for s in sizes] == [64, 128]
+    assert all(len(s["on_ms"]) == len(s["off_ms"]) == 2 for s in sizes)
+    assert res["tax"]["skips"] == 0
+    runs = res["spill"]["runs"]
+    assert runs["no-spill"]["spills"] == []
+    [spill] = runs["spill"]["spills"]
+    assert int(spill["bytes"]) == res["spill"]["state_bytes"] and spill["kind"] == "pages"
+    assert len(runs["spill"]["itl_ms"]) == len(runs["no-spill"]["itl_ms"]) == 4 * 39
+    device, host = res["room"]["configs"]["device"], res["room"]["configs"]["host"]
+    assert device["states"] == host["states"] == 8 and device["skips"] == host["skips"] == 0
+    assert device["retained_pages"] == 8 * 64 // 16 and host["retained_pages"] == 0
+    assert host["free_pages"] - device["free_pages"] == device["retained_pages"]
+    assert (device["claim_tier"], host["claim_tier"]) == ("device", "host")
