@@ -19,35 +19,15 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from types import TracebackType
-from typing import Any
 
 import grpc
 
+from common.bearer import BearerInterceptor
 from ignis.v1 import common_pb2, tierstore_pb2, tierstore_pb2_grpc
 
 CHUNK = 1 << 20  # Put sends at most 1 MiB per message (tierstore.proto)
-
-
-class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-              grpc.StreamUnaryClientInterceptor):
-    """Adds ``authorization: Bearer <secret>`` to every call (TCP: the tierstore refuses calls without it)."""
-
-    def __init__(self, secret: bytes) -> None:
-        self._header = ("authorization", "Bearer " + secret.decode())
-
-    def _details(self, details: Any) -> Any:
-        return details._replace(metadata=[*(details.metadata or ()), self._header])
-
-    def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-    def intercept_stream_unary(self, continuation: Callable[..., Any], details: Any, requests: Any) -> Any:
-        return continuation(self._details(details), requests)
 
 
 class TierStoreClient:
@@ -56,7 +36,7 @@ class TierStoreClient:
         self.address = address
         self.timeout = timeout
         self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
-        channel = grpc.intercept_channel(self._channel, _Bearer(secret)) if secret else self._channel
+        channel = grpc.intercept_channel(self._channel, BearerInterceptor(secret)) if secret else self._channel
         self.stub = tierstore_pb2_grpc.TierStoreStub(channel)
         self._mmap: mmap.mmap | None = None
         self._view: memoryview | None = None

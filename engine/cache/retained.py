@@ -433,7 +433,7 @@ class RetainedStateReuse(TieredReuse):
     def check_integrity(self) -> None:
         on_host = {s for s in [*self._by_name.values(), *self._pending] if s.tier is ReuseTier.HOST}
         if self.host is not None:
-            self.host.check_integrity({s.slot for s in on_host})
+            self.host.check_used({s.slot for s in on_host})
         elif on_host:
             raise AssertionError("host states without host slots")
         device = [s for s in self._by_name.values() if s.tier is ReuseTier.DEVICE]

@@ -6,37 +6,22 @@ down to KV-RAM is one memory copy."""
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
+
+from engine.kv.page_pool import SlotPool
 
 _ALIGN = 4096  # page-aligned extents: copies in and out run at memory speed
 
 
-class HostSlots:
+class HostSlots(SlotPool):
+    """A SlotPool whose slots are extents of one host block."""
+
     def __init__(self, num_slots: int, slot_bytes: int, pin: bool = False) -> None:
         if num_slots <= 0 or slot_bytes <= 0:
             raise ValueError(f"host slots need a count and a size, got {num_slots} x {slot_bytes} bytes")
-        self.num_slots = num_slots
+        super().__init__(num_slots)
         self.slot_bytes = -(-slot_bytes // _ALIGN) * _ALIGN
         self.block = torch.zeros(num_slots * self.slot_bytes, dtype=torch.uint8, pin_memory=pin)  # [bytes]
-        self._free: deque[int] = deque(range(num_slots))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_slots - len(self._free)
-
-    def allocate(self) -> int | None:
-        return self._free.popleft() if self._free else None
-
-    def release(self, slot: int) -> None:
-        if slot in self._free or not 0 <= slot < self.num_slots:
-            raise RuntimeError(f"release of host slot {slot} that is not in use: this is a bug")
-        self._free.append(slot)
 
     def offset(self, slot: int) -> int:
         return slot * self.slot_bytes
@@ -46,6 +31,8 @@ class HostSlots:
         start = self.offset(slot)
         return self.block.numpy().data[start:start + nbytes]
 
-    def check_integrity(self, used: set[int]) -> None:
-        if used & set(self._free) or len(used) + len(self._free) != self.num_slots:
-            raise AssertionError(f"host slots: {len(used)} used + {len(self._free)} free != {self.num_slots}")
+    def check_used(self, used: set[int]) -> None:
+        """The slots the retained states hold are exactly the ones not free."""
+        self.check_integrity()
+        if len(used) != self.num_used or any(not 0 <= s < self.num_slots for s in used):
+            raise AssertionError(f"host slots: {len(used)} held but {self.num_used} in use")

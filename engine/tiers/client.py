@@ -24,12 +24,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 from opentelemetry import context as otel_context
 import torch
 
+from common.bearer import BearerInterceptor
 from common.tracing import ClientTracingInterceptor
 from ignis.v1 import tierstore_pb2, tierstore_pb2_grpc
 
@@ -46,26 +47,6 @@ def read_secret(path: str) -> bytes:
     if len(secret) < MIN_SECRET:
         raise ValueError(f"the tierstore secret in {path} is {len(secret)} bytes; it must be at least {MIN_SECRET}")
     return secret
-
-
-class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-              grpc.StreamUnaryClientInterceptor):
-    """Adds ``authorization: Bearer <secret>`` to every call."""
-
-    def __init__(self, secret: bytes) -> None:
-        self._header = ("authorization", "Bearer " + secret.decode())
-
-    def _details(self, details: Any) -> Any:
-        return details._replace(metadata=[*(details.metadata or ()), self._header])
-
-    def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-    def intercept_stream_unary(self, continuation: Callable[..., Any], details: Any, requests: Any) -> Any:
-        return continuation(self._details(details), requests)
 
 
 class TierClient:
@@ -147,7 +128,7 @@ class TierClient:
             channel = self._channel = grpc.insecure_channel(self.address)
             if self._tcp and self.secret_file:
                 try:
-                    channel = grpc.intercept_channel(channel, _Bearer(read_secret(self.secret_file)))
+                    channel = grpc.intercept_channel(channel, BearerInterceptor(read_secret(self.secret_file)))
                 except (OSError, ValueError) as exc:
                     self._mark_down(f"cannot read tierstore.secret_file: {exc}")
                     return None
