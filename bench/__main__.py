@@ -2,7 +2,7 @@
 then bench/results/REPORT.md gathers them all (bench/report.py).
 
 Extra arguments (`make bench ARGS="--hidden 512 --layers 8"`) go to the model benchmarks
-(throughput, reuse and swarm), which share the checkpoint geometry flags.
+(throughput, reuse, residency, swarm and profile), which share the checkpoint geometry flags.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ SUITES: list[tuple[list[str], bool]] = [
     (["bench.throughput", "--kind", "hybrid"], True),
     (["bench.reuse"], True),
     (["bench.tiers"], False),
+    (["bench.residency"], True),  # where state lives under pressure: move-down vs recompute, spills, host slots
     (["bench.gateway"], False),
+    (["bench.chaos"], False),  # a soak with forced spills and a fault schedule: wrong / failed / lost per fault, RSS
     (["bench.swarm", "--peer", "llama.cpp"], True),
     (["bench.profile", "--peer", "llama.cpp"], True),  # where the step's time goes, per-token rates vs llama.cpp  # ignis alone, and says so, where llama.cpp cannot be built
 ]

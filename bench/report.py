@@ -30,10 +30,19 @@ SECTIONS: list[tuple[str, list[str], str]] = [
      "the reuse tax, the hash chain. `python -m bench.reuse`"),
     ("Throughput vs transformers", ["throughput-dense", "throughput-hybrid"],
      "Prefill and decode tokens/s at batch 1, 8, 32 against `transformers.generate`. `python -m bench.throughput`"),
+    ("Residency under pressure", ["residency"],
+     "Agents filling the KV pool while interactive requests arrive: move-down to KV-RAM vs recompute; the "
+     "reuse tax of synchronous capture; decode ITL while a large state spills on the step thread; KV pool "
+     "room with retained states in host vs device slots. `python -m bench.residency`"),
     ("Tiers vs raw memcpy and file I/O", ["tiers"],
      "One large state through KV-RAM and KV-disk. `python -m bench.tiers`"),
     ("Gateway overhead", ["gateway"],
      "What the gateway adds on top of the engine's gRPC. `python -m bench.gateway`"),
+    ("Chaos: faults under load", ["chaos"],
+     "A soak with forced spills and a fault schedule (tierstore and engine kill -9, corrupt and deleted blobs, a "
+     "truncated index, a read-only disk, a deleted arena, aborted streams) against the real stack: per fault, "
+     "requests tried, failed, lost and wrong (text unlike the reference answer), and the engine's RSS. "
+     "`python -m bench.chaos`"),
 ]
 
 
