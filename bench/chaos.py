@@ -65,13 +65,11 @@ from typing import Any, Awaitable, Callable
 
 import httpx
 
+from bench.chaos_stack import ENGINE_ARGS, FULL, ROWS, SMOKE, TIERSTORE_ARGS, Mode, Stack, references, rss_mib
+from bench.chaos_traffic import Record, Traffic
 from bench.launch import launch
 from bench.table import RESULTS, markdown, save
 from ignis.v1 import tierstore_pb2
-
-
-from bench.chaos_stack import ENGINE_ARGS, FULL, Mode, ROWS, SMOKE, Stack, TIERSTORE_ARGS, references, rss_mib
-from bench.chaos_traffic import Record, Traffic
 
 
 @dataclass(slots=True)
