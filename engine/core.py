@@ -309,15 +309,13 @@ class EngineCore:
         """Sample the batch in one call; if that raises, sample each sequence alone so that
         one request's failure ends that request only (`failed`: request id -> why)."""
         seqs = [seq for seq, _ in items]
-        # A draw advances a seeded generator: keep their states so a retry draws the same tokens.
-        states = [None if s.request.params.is_greedy else s.sampler.generator.get_state() for s in seqs]
+        # What raises in sampling does so before any draw (the checks and logit processing come
+        # first, and capped logits keep the probabilities finite), so a retry draws what the batch
+        # would have: no generator state needs saving on every step.
         try:
             out = sample(torch.stack([row for _, row in items]), [s.sampler for s in seqs], self.eos_ids,
                          [s.num_output for s in seqs])  # logits: [B, V]
         except Exception:
-            for seq, state in zip(seqs, states):
-                if state is not None:
-                    seq.sampler.generator.set_state(state)
             if len(items) == 1:
                 log.exception("sampling failed for request %s", seqs[0].request.request_id)
                 failed.setdefault(seqs[0].request.request_id, "sampling failed for this request (see the engine log)")

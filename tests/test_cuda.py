@@ -21,45 +21,16 @@ import pytest
 import torch
 
 from checkpoints import ARCHITECTURES
-from engine.kv.device_cache import CacheGeometry, DeviceCache
-from engine.model.batch import ForwardBatch, LogitsWanted, SequenceChunk
 from engine.model.loader import LoadedModel, load_model
 from engine.offline import greedy_generate
 from engine.text.tokenizer import Tokenizer
 from kernels.select import kernels_for
+from test_model import PAGE, hf_logits, make_cache, make_prompt, prefilled_decode_batch, run_chunks
 
 pytestmark = pytest.mark.cuda
 
 CUDA = torch.device("cuda")
-PAGE = 16
 MiB = 1 << 20
-
-
-def make_prompt(n: int, seed: int = 0, vocab: int = 512) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n,), generator=g).tolist()
-
-
-def make_cache(loaded: LoadedModel, pages: int = 64, slots: int = 8) -> DeviceCache:
-    return DeviceCache(loaded.config.state_shape(), CacheGeometry(PAGE, pages, slots, loaded.model.dtype), CUDA)
-
-
-def run_chunks(loaded: LoadedModel, cache: DeviceCache, ids: list[int], sizes: list[int], pages: list[int],
-               slot: int = 0) -> torch.Tensor:
-    out, start = [], 0
-    for size in sizes:
-        chunk = SequenceChunk(ids[start : start + size], start, pages, slot, LogitsWanted.ALL)
-        out.append(loaded.model(ForwardBatch.build([chunk], PAGE, CUDA), cache).float().cpu())
-        start += size
-    return torch.cat(out)
-
-
-def hf_logits(path: Path, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(CUDA).eval()
-    with torch.no_grad():
-        return hf(torch.tensor([ids], device=CUDA)).logits[0].float().cpu()
 
 
 def test_cuda_runs_the_triton_kernels() -> None:
@@ -73,12 +44,12 @@ def test_logits_match_transformers_on_cuda(arch: str, dtype: str, checkpoint_dir
     loaded = load_model(path, dtype=dtype, device=CUDA)
     ids = make_prompt(100)
     ours = run_chunks(loaded, make_cache(loaded), ids, [37, 63], list(range(7)))  # a chunk after a prefix
-    want = hf_logits(path, ids, torch.float32)
+    want = hf_logits(path, ids, torch.float32, CUDA)
     diff = (ours - want).abs().max().item()
     if dtype == "float32":
         assert diff < 1e-3, diff
     else:
-        own = (hf_logits(path, ids, torch.bfloat16) - want).abs().max().item()
+        own = (hf_logits(path, ids, torch.bfloat16, CUDA) - want).abs().max().item()
         assert diff <= max(4 * own, 3e-2), (diff, own)
 
 
@@ -103,16 +74,7 @@ def test_greedy_generation_matches_transformers_on_cuda(arch: str, checkpoint_di
 def test_batched_decode_equals_each_sequence_alone_on_cuda(arch: str, lengths: tuple[int, ...],
                                                            checkpoint_dir: Callable[[str], Path]) -> None:
     loaded = load_model(checkpoint_dir(arch), dtype="float32", device=CUDA)
-    prompts = [make_prompt(n, seed=n) for n in lengths]
-    tables, first = [], 0
-    for n in lengths:
-        tables.append(list(range(first, first + -(-n // PAGE)))[::-1])  # reversed: scattered pages
-        first += len(tables[-1])
-    cache = make_cache(loaded, pages=first)
-    for i, (ids, t) in enumerate(zip(prompts, tables)):
-        loaded.model(ForwardBatch.build([SequenceChunk(ids[:-1], 0, t, i)], PAGE, CUDA), cache)
-    batch = ForwardBatch.build([SequenceChunk(ids[-1:], len(ids) - 1, t, i)
-                                for i, (ids, t) in enumerate(zip(prompts, tables))], PAGE, CUDA)
+    prompts, tables, first, cache, batch = prefilled_decode_batch(loaded, lengths)
     assert batch.decode is not None  # on CUDA every multi-sequence decode is one padded call
     together = loaded.model(batch, cache).float().cpu()
     for i, (ids, t) in enumerate(zip(prompts, tables)):

@@ -25,27 +25,47 @@ def make_prompt(n: int, seed: int = 0, vocab: int = 512) -> list[int]:
 
 
 def make_cache(loaded: LoadedModel, pages: int = 64, slots: int = 8) -> DeviceCache:
-    return DeviceCache(loaded.config.state_shape(), CacheGeometry(PAGE, pages, slots, torch.float32), CPU)
+    """A cache on the model's device, in its dtype (test_cuda.py shares these helpers)."""
+    geometry = CacheGeometry(PAGE, pages, slots, loaded.model.dtype)
+    return DeviceCache(loaded.config.state_shape(), geometry, loaded.model.device)
 
 
 def run_chunks(loaded: LoadedModel, cache: DeviceCache, ids: list[int], sizes: list[int],
                pages: list[int], slot: int = 0) -> torch.Tensor:
-    """Feed `ids` in chunks of `sizes`; return logits for every position, [len(ids), vocab]."""
+    """Feed `ids` in chunks of `sizes`; return fp32 logits on the CPU for every position, [len(ids), vocab]."""
     out, start = [], 0
     for size in sizes:
-        chunk = ids[start : start + size]
-        batch = ForwardBatch.build([SequenceChunk(chunk, start, pages, slot, LogitsWanted.ALL)], PAGE, CPU)
-        out.append(loaded.model(batch, cache))
+        chunk = SequenceChunk(ids[start : start + size], start, pages, slot, LogitsWanted.ALL)
+        out.append(loaded.model(ForwardBatch.build([chunk], PAGE, loaded.model.device), cache).float().cpu())
         start += size
     return torch.cat(out)
 
 
-def hf_logits(path: Path, ids: list[int]) -> torch.Tensor:
+def hf_logits(path: Path, ids: list[int], dtype: torch.dtype = torch.float32, device: torch.device = CPU
+              ) -> torch.Tensor:
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
+        return hf(torch.tensor([ids], device=device)).logits[0].float().cpu()
+
+
+def prefilled_decode_batch(loaded: LoadedModel, lengths: tuple[int, ...]
+                           ) -> tuple[list[list[int]], list[list[int]], int, DeviceCache, ForwardBatch]:
+    """Prompts of `lengths` prefilled but for their last token, on scattered (reversed) pages, and
+    the one decode batch of all their last tokens: (prompts, page tables, pages used, cache, batch)."""
+    device = loaded.model.device
+    prompts = [make_prompt(n, seed=n) for n in lengths]
+    tables, first = [], 0
+    for n in lengths:
+        tables.append(list(range(first, first + -(-n // PAGE)))[::-1])
+        first += len(tables[-1])
+    cache = make_cache(loaded, pages=first)
+    for i, (ids, t) in enumerate(zip(prompts, tables)):
+        loaded.model(ForwardBatch.build([SequenceChunk(ids[:-1], 0, t, i)], PAGE, device), cache)
+    batch = ForwardBatch.build([SequenceChunk(ids[-1:], len(ids) - 1, t, i)
+                                for i, (ids, t) in enumerate(zip(prompts, tables))], PAGE, device)
+    return prompts, tables, first, cache, batch
 
 
 MAX_DIFF: dict[str, float] = {}
@@ -122,16 +142,7 @@ def test_decode_batch_of_many_sequences(arch: str, lengths: tuple[int, ...], che
     """One decode step for several sequences at once equals one at a time: the batched recurrent
     path, and attention both as one padded call (short contexts) and one call per sequence."""
     loaded = load_model(checkpoint_dir(arch))
-    prompts = [make_prompt(n, seed=n) for n in lengths]
-    tables, first = [], 0
-    for n in lengths:
-        tables.append(list(range(first, first + -(-n // PAGE)))[::-1])  # reversed: scattered pages
-        first += len(tables[-1])
-    cache = make_cache(loaded, pages=first)
-    for i, (ids, t) in enumerate(zip(prompts, tables)):
-        loaded.model(ForwardBatch.build([SequenceChunk(ids[:-1], 0, t, i)], PAGE, CPU), cache)
-    batch = ForwardBatch.build([SequenceChunk(ids[-1:], len(ids) - 1, t, i)
-                                for i, (ids, t) in enumerate(zip(prompts, tables))], PAGE, CPU)
+    prompts, tables, first, cache, batch = prefilled_decode_batch(loaded, lengths)
     assert (batch.decode is None) == (max(lengths) >= CPU_PADDED_DECODE_MAX_CONTEXT)
     together = loaded.model(batch, cache)
     for i, (ids, t) in enumerate(zip(prompts, tables)):
