@@ -32,7 +32,7 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -190,20 +190,22 @@ class DiskTier:
     def records(self) -> Iterator[DiskRecord]:
         return iter(list(self._records.values()))
 
-    def states_with_page(self, page_hash: bytes) -> list[bytes]:
-        """Sliceable states whose pages include ``page_hash`` (from the LMDB page index); [] if it fails."""
-        def read(txn: lmdb.Transaction) -> list[bytes]:
+    def states_with_pages(self, page_hashes: Sequence[bytes]) -> list[list[bytes]]:
+        """For each page hash, the sliceable states whose pages include it (from the LMDB page index),
+        all in one read transaction; [] for each if it fails."""
+        def read(txn: lmdb.Transaction) -> list[list[bytes]]:
             cursor = txn.cursor(db=self._index.pages)
-            if not cursor.set_key(page_hash):
-                return []
-            return [bytes(v) for v in cursor.iternext_dup()]
+            return [[bytes(v) for v in cursor.iternext_dup()] if cursor.set_key(h) else [] for h in page_hashes]
 
         try:
             found = self._index_read(read)
         except _FAULTS as exc:
             self._failed("reading the index", exc)
-            return []
-        return [h for h in found if h in self._records]
+            return [[] for _ in page_hashes]
+        return [[h for h in holders if h in self._records] for holders in found]
+
+    def states_with_page(self, page_hash: bytes) -> list[bytes]:
+        return self.states_with_pages([page_hash])[0]
 
     def free_bytes(self) -> int:
         return self.budget - self.used_bytes

@@ -229,8 +229,7 @@ class TierStore:
         pages = [check_hash(p, f"page_hashes[{i}]") for i, p in enumerate(page_hashes)]
         if tail_hash is not None:
             check_hash(tail_hash, "tail_hash")
-        with self._lock:
-            self._check_arena()
+        with self._lock:  # no arena check: Match reads no arena bytes (Acquire and Get check)
             self._expire(self._clock())
             ram = self._best(namespace, pages, tail_hash, in_ram=True)
             disk = self._best(namespace, pages, tail_hash, in_ram=False) if self._disk is not None else None
@@ -393,7 +392,7 @@ class TierStore:
         """Ends leases and reservations past their time, checks the arena file and retries what the
         disk failed to do (the server calls it every second)."""
         with self._lock:
-            self._check_arena()
+            self._check_arena(sweep=True)
             self._expire(self._clock())
             if self._disk is not None:
                 self._disk.retry()
@@ -483,14 +482,20 @@ class TierStore:
             if usable(state):
                 assert state is not None
                 return self._hit(tail, state, state.info.tokens)
+        on_disk: list[list[bytes]] | None = None  # the disk's page index, read once per Match when needed
         for i in range(len(pages) - 1, -1, -1):
             state = self._states.get(pages[i])
             if usable(state):
                 assert state is not None
                 return self._hit(pages[i], state, state.info.tokens)
             # A page-aligned prefix of a longer sliceable state: page i of the prompt is page i of it.
-            holders: Iterable[bytes] = self._ram_pages.get(pages[i], ()) if in_ram else \
-                (self._disk.states_with_page(pages[i]) if self._disk is not None else ())
+            holders: Iterable[bytes] = ()
+            if in_ram:
+                holders = self._ram_pages.get(pages[i], ())
+            elif self._disk is not None:
+                if on_disk is None:
+                    on_disk = self._disk.states_with_pages(pages[:i + 1])
+                holders = on_disk[i]
             found: list[_State] = []
             for h in holders:
                 holder = self._states.get(h)
@@ -686,8 +691,11 @@ class TierStore:
                     if not holders:
                         del self._ram_pages[p]
 
-    def _check_arena(self) -> bool:
-        """Recreates the arena if its file broke; False while none is usable."""
+    def _check_arena(self, sweep: bool = False) -> bool:
+        """Recreates the arena if its file broke; False while none is usable. Once recreating
+        has failed, only the once-a-second sweep (`expire`) tries again, not every call."""
+        if self._arena_fault is not None and not sweep:
+            return False
         reason = self._arena_fault or self.arena.fault()
         return reason is None or self._recreate_arena(reason)
 
