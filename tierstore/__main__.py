@@ -60,7 +60,8 @@ def listeners(args: argparse.Namespace, settings: Settings) -> tuple[list[str], 
     if settings.tierstore.socket:
         path = Path(settings.tierstore.socket)
         # Our own runtime folder is made private; a folder someone chose must already be.
-        private_dir(path.parent, fix=str(path.parent) == os.path.dirname(default_tierstore_socket()))
+        private_dir(path.parent, fix=str(path.parent) == os.path.dirname(default_tierstore_socket()),
+                    follow_symlinks=False)
         lock = SocketLock(path)
         addresses.append(f"unix:{path}")
     if args.port is not None:

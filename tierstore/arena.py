@@ -16,6 +16,7 @@ import mmap
 import os
 import time
 import uuid
+from common.mapped_file import file_fault
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,14 +163,9 @@ class Arena:
         every engine mapping it. Deleted or replaced: an engine that maps it again by
         path gets another file (or none). Both mean a new arena (store.py).
         """
-        try:
-            st = os.fstat(self._lock_fd)
-        except OSError as exc:
-            return f"cannot stat it ({exc})"
-        if st.st_size < self.size:
-            return f"truncated to {st.st_size} of {self.size} bytes"
-        if st.st_nlink == 0:
-            return "deleted"
+        broken = file_fault(self._lock_fd, self.size)
+        if broken is not None:
+            return broken
         try:
             if os.stat(self.path).st_ino != self._inode:
                 return "replaced by another file"

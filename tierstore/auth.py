@@ -20,6 +20,7 @@ import logging
 import os
 import secrets
 import stat
+from common.bearer import read_secret
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,6 @@ import grpc
 log = logging.getLogger("ignis.tierstore")
 
 AUTH_KEY = "authorization"
-MIN_SECRET = 16  # bytes: a shorter secret is refused
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # container healthchecks probe over TCP without the secret
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with its NUL
 
@@ -40,7 +40,7 @@ class AccessError(OSError):
 
 # ------------------------------------------------------------ files only we can read
 
-def private_dir(path: Path, *, fix: bool) -> None:
+def private_dir(path: Path, *, fix: bool, follow_symlinks: bool = True) -> None:
     """Makes ``path`` (and missing parents) a folder of ours, mode 0700.
 
     An existing folder of another user is refused (it could swap what we put in it);
@@ -50,7 +50,11 @@ def private_dir(path: Path, *, fix: bool) -> None:
     if not path.exists():
         path.mkdir(parents=True, mode=0o700, exist_ok=True)
         os.chmod(path, 0o700)  # mkdir's mode passes through the umask
-    st = os.stat(path)  # a symlink to a folder of ours is that folder (a kv-disk on another drive)
+    # A symlink to a folder of ours is that folder (a kv-disk on another drive); but a socket
+    # folder in a shared /tmp must be the folder itself: another user may own and repoint a link.
+    st = os.stat(path) if follow_symlinks else os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise AccessError(f"{path} is a symbolic link: the socket folder must be a folder of its own")
     if not stat.S_ISDIR(st.st_mode):
         raise AccessError(f"{path} is not a folder")
     if st.st_uid != os.getuid():
@@ -84,13 +88,12 @@ def load_secret(path: str | os.PathLike[str], *, create: bool) -> bytes:
                 out.write(secrets.token_hex(32) + "\n")
             log.info("generated a new shared secret in %s", file)
     try:
+        secret = read_secret(file)
         st = os.stat(file)
-        secret = file.read_bytes().strip()
     except OSError as exc:
         raise AccessError(f"cannot read tierstore.secret_file {file}: {exc.strerror or exc}") from None
-    if len(secret) < MIN_SECRET:
-        raise AccessError(f"the secret in {file} is {len(secret)} bytes; use at least {MIN_SECRET} "
-                          "(e.g. `openssl rand -hex 32`)")
+    except ValueError as exc:  # too short, or another user's file (who would have chosen the secret)
+        raise AccessError(str(exc)) from None
     if st.st_mode & 0o077:
         log.warning("%s is readable by other users (mode %04o): chmod 600 it", file, stat.S_IMODE(st.st_mode))
     return secret

@@ -20,17 +20,18 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TypeVar
 
 import grpc
 from opentelemetry import context as otel_context
 import torch
 
-from common.bearer import BearerInterceptor
+from common.bearer import BearerInterceptor, read_secret
+from common.mapped_file import file_fault
 from common.tracing import ClientTracingInterceptor
 from ignis.v1 import tierstore_pb2, tierstore_pb2_grpc
 
@@ -38,15 +39,6 @@ log = logging.getLogger("ignis.engine.tiers")
 
 T = TypeVar("T")
 TIER_FAULT_KEY = "ignis-tier-fault"  # an UNAVAILABLE carrying it is one failing tier of a store that is up
-MIN_SECRET = 16
-
-
-def read_secret(path: str) -> bytes:
-    """The shared secret in ``path`` (whitespace stripped); OSError or ValueError with what to fix."""
-    secret = Path(path).read_bytes().strip()
-    if len(secret) < MIN_SECRET:
-        raise ValueError(f"the tierstore secret in {path} is {len(secret)} bytes; it must be at least {MIN_SECRET}")
-    return secret
 
 
 class TierClient:
@@ -124,6 +116,10 @@ class TierClient:
         if self._down and self._clock() < self._retry_at:
             return None
         if self._stub is None:
+            squatted = _foreign_socket_folder(self.address)
+            if squatted is not None:  # whoever owns the folder could answer as the store
+                self._mark_down(squatted)
+                return None
             # A fresh channel per attempt: a dead one would sit in gRPC's own (long) reconnect backoff.
             channel = self._channel = grpc.insecure_channel(self.address)
             if self._tcp and self.secret_file:
@@ -232,15 +228,8 @@ class TierClient:
 
     def _arena_broken(self) -> str | None:
         """Why the mapped arena file must not be touched, or None."""
-        try:
-            st = os.fstat(self._arena_fd)
-        except OSError as exc:
-            return f"cannot stat the arena ({exc})"
-        if st.st_size < self._arena_size:
-            return f"the arena file was truncated to {st.st_size} of {self._arena_size} bytes"
-        if st.st_nlink == 0:
-            return "the arena file was deleted"
-        return None
+        broken = file_fault(self._arena_fd, self._arena_size)
+        return None if broken is None else f"the arena file: {broken}"
 
     def _lose_arena(self, why: str) -> None:
         log.warning("tierstore at %s: %s; waiting for the store to recreate it (device-only reuse meanwhile)",
@@ -261,10 +250,13 @@ class TierClient:
 
     def _map(self, path: str, size: int) -> None:
         self._unmap()
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            if os.fstat(fd).st_size < size:
-                raise OSError(f"the arena file is {os.fstat(fd).st_size} bytes, not {size}")
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid():  # never write KV bytes into a file another user gave us
+                raise OSError(f"the arena file {path} belongs to uid {st.st_uid}, not to this user")
+            if st.st_size < size:
+                raise OSError(f"the arena file is {st.st_size} bytes, not {size}")
             self._mmap = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
@@ -370,4 +362,18 @@ def _tier_fault(exc: grpc.RpcError) -> str | None:
     for key, value in trailing or ():
         if key == TIER_FAULT_KEY:
             return value if isinstance(value, str) else bytes(value).decode()
+    return None
+
+
+def _foreign_socket_folder(address: str) -> str | None:
+    """Why a `unix:` address's folder is not ours alone (not ours, a symlink, open to others), or None."""
+    if not address.startswith("unix:"):
+        return None
+    folder = os.path.dirname(address.removeprefix("unix:").removeprefix("//"))
+    try:
+        st = os.lstat(folder)
+    except OSError:
+        return None  # not there (yet): nothing answers at it either
+    if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return f"the socket folder {folder} is not a private folder of this user: refusing to connect"
     return None
