@@ -7,12 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.stable_head import stable_head_length
+from common.template_kwargs import RESERVED_TEMPLATE_KWARGS
 from engine.text.tokenizer import Tokenizer
 from ignis.v1 import engine_pb2
-
-
-# Names the template call passes itself; a chat_template_kwargs key among them would clash.
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +71,7 @@ def render_chat(tokenizer: Tokenizer, chat: engine_pb2.ChatInput) -> RenderedPro
         raise ValueError("continue_final_message is not supported")
     tools = _json_field(chat.tools_json, "tools", list)
     kwargs = _json_field(chat.chat_template_kwargs_json, "chat_template_kwargs", dict) or {}
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    reserved = sorted(set(RESERVED_TEMPLATE_KWARGS) & kwargs.keys())
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields do")
     add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True

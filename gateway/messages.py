@@ -9,13 +9,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from common.template_kwargs import RESERVED_TEMPLATE_KWARGS
 from gateway.body import Fields
 from gateway.errors import invalid
 from ignis.v1 import engine_pb2
 
-# Names the engine passes to the chat template itself (the messages, the tools, the opener switch):
-# a chat_template_kwargs key among them would clash with the request's own fields.
-RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # "input_text"/"output_text" are the Responses API spellings of a text part.
 TEXT_PART_TYPES = ("text", "input_text", "output_text")

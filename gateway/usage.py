@@ -15,12 +15,13 @@ from ignis.v1 import common_pb2, engine_pb2
 
 
 
-def _enum_name(enum: Any, prefix: str, value: int) -> str:
-    """The API's name of a proto enum value: REUSE_TIER_RAM -> "ram" (unknown values: "none")."""
-    try:
-        return str(enum.Name(value)).removeprefix(prefix).lower()
-    except ValueError:
-        return "none"
+def _api_names(enum: Any, prefix: str) -> dict[int, str]:
+    """The API's names of a proto enum's values: REUSE_TIER_RAM -> "ram" (built once)."""
+    return {value: name.removeprefix(prefix).lower() for name, value in enum.items()}
+
+
+_TIERS = _api_names(common_pb2.ReuseTier, "REUSE_TIER_")
+_KINDS = _api_names(common_pb2.ReuseKind, "REUSE_KIND_")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +37,7 @@ class Usage:
     @classmethod
     def from_proto(cls, u: engine_pb2.Usage) -> Usage:
         return cls(u.prompt_tokens, u.completion_tokens, u.cached_tokens,
-                   _enum_name(common_pb2.ReuseTier, "REUSE_TIER_", u.reuse.tier),
-                   _enum_name(common_pb2.ReuseKind, "REUSE_KIND_", u.reuse.kind), u.reuse.reused_tokens,
+                   _TIERS.get(u.reuse.tier, "none"), _KINDS.get(u.reuse.kind, "none"), u.reuse.reused_tokens,
                    u.time_to_first_token_ms)
 
     @classmethod

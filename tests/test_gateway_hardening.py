@@ -536,3 +536,19 @@ def test_metrics_auth_needs_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_limits_stop_startup(flags: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--engine", "e:1", *flags])
+
+
+def test_an_unclosed_string_of_escaped_quotes_is_scanned_once() -> None:
+    """`{"a":"` then 8 MiB of `\\"` and no closing quote: the depth scan reads it once (it used to
+    restart at every escaped quote: hours at this size, on the event loop) and it is a 400."""
+    body = b'{"a":"' + b'\\"' * (4 << 20)
+    with pytest.raises(OpenAIError) as info:
+        parse_json_object(body)
+    assert info.value.status_code == 400
+
+
+def test_surrogates_are_found_through_their_escapes_only() -> None:
+    assert parse_json_object(b'{"a": "caf\\u00e9 \\ud83d\\ude00"}') == {"a": "caf\u00e9 \U0001F600"}
+    with pytest.raises(OpenAIError) as info:
+        parse_json_object(b'{"x": ["ok", "\\udc00"]}')
+    assert info.value.status_code == 400 and "x[1]" in f"{info.value.param} {info.value.message}"
