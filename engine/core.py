@@ -232,7 +232,8 @@ class EngineCore:
         live = self._live.get(request.request_id)
         if live is None:  # aborted before it reached the engine thread
             return
-        base = RequestSampler(request.params, request.prompt_ids, self.loaded.model.device)
+        guide = request.guided.new_guide() if request.guided is not None else None
+        base = RequestSampler(request.params, request.prompt_ids, self.loaded.model.device, guide=guide)
         first = self._new_seq(request, 0, base)
         first.hold_forks([self._new_seq(request, i, base.fork(i)) for i in range(1, request.params.n)])
         # The namespace names state below the device too (a live sequence moved down); page

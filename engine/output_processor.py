@@ -111,6 +111,9 @@ class OutputProcessor:
             self.finish(seq, FinishReason.STOP, None, deltas, (token,), lp)
         elif token in params.stop_token_ids:
             self.finish(seq, FinishReason.STOP, token, deltas, (token,), lp)
+        elif seq.sampler.guide is not None and seq.sampler.guide.is_terminated:
+            # A complete grammar took its stop token (EOS under ignore_eos): nothing may follow.
+            self.finish(seq, FinishReason.STOP, token, deltas, (token,), lp)
         else:
             text, matched = seq.stream.push([token])
             if matched is not None:

@@ -5,6 +5,7 @@ use it)."""
 from __future__ import annotations
 
 from engine.facts import RequestClass, ReuseKind, ReuseTier
+from engine.guided.spec import GuideKind, GuidedSpec
 from engine.outputs import RequestUpdate, TokenLogprob
 from engine.request import CommitPolicy, FinishReason
 from engine.sampling.params import SamplingParams
@@ -86,6 +87,24 @@ def sampling_params(msg: engine_pb2.SamplingParams, prompt_len: int, max_model_l
         skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
+
+
+def guided_spec(msg: engine_pb2.GuidedDecoding, tool_format: str) -> GuidedSpec | None:
+    """Proto -> the request's guide (None: unconstrained); `tool_format`: the checkpoint's call syntax."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return GuidedSpec(GuideKind.JSON_OBJECT) if msg.json_object else None
+    if kind == "choice":
+        return GuidedSpec(GuideKind.CHOICE, choices=tuple(msg.choice.choices))
+    if kind == "tool_calls":
+        t = msg.tool_calls
+        parallel = t.parallel_tool_calls if t.HasField("parallel_tool_calls") else True
+        return GuidedSpec(GuideKind.TOOL_CALLS, source=t.tools_json, tool_choice=t.tool_choice,
+                          tool_format=t.format or tool_format, parallel_tool_calls=parallel)
+    source: str = getattr(msg, kind)
+    return GuidedSpec(GuideKind(kind), source=source, strict=msg.strict and kind == "json_schema")
 
 
 def _signed_seed(value: int) -> int:

@@ -12,6 +12,7 @@ import torch
 from opentelemetry.context import Context
 
 from engine.facts import RequestClass, ReuseReport
+from engine.guided.matcher import CompiledGuide
 from engine.kv.chain_hash import BlockHash
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import RequestSampler
@@ -51,6 +52,8 @@ class EngineRequest:
     arrival: float = field(default_factory=time.monotonic)
     # The trace of the RPC that submitted it (None: not traced); its engine spans are children of it.
     trace_context: Context | None = field(default=None, compare=False, repr=False)
+    # Its grammar (guided decoding), compiled before it was queued; None: unconstrained.
+    guided: CompiledGuide | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

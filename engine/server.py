@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
@@ -15,8 +16,9 @@ from grpc_health.v1 import health
 from common.grpc_server import build_server
 from common.grpc_server import set_serving as set_health
 from common.tracing import QUIET_METHODS, ServerTracingInterceptor
-from engine.proto_convert import commit_policy, request_class, sampling_params, update_messages
+from engine.proto_convert import commit_policy, guided_spec, request_class, sampling_params, update_messages
 from engine.core import EngineCore, EngineStopped, QueueFull
+from engine.guided import CompiledGuide, GuidedCompiler, GuidedSpec, ModelFormats, infer_formats
 from engine.outputs import RequestUpdate
 from engine.prompt import RenderedPrompt, check_input_size, render_input
 from engine.request import EngineRequest
@@ -36,6 +38,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self.accepting = True
         self._ids = itertools.count()
         self._prompts = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="ignis-prompt")
+        self._guided: GuidedCompiler | None = None  # built on the first guided request (it reads the vocabulary)
+        self._guided_lock = threading.Lock()
+        self._formats: ModelFormats | None = None
 
     def attach(self, core: EngineCore) -> None:
         self._core = core
@@ -110,6 +115,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         try:
             prompt = await self._render(core, request)
             params = sampling_params(request.sampling, len(prompt.token_ids), core.max_model_len)
+            spec = guided_spec(request.guided, self.formats(core).tool_call) if request.HasField("guided") else None
+            guided = await self._compile_guide(core, spec, params.stop_token_ids) if spec is not None else None
             engine_request = EngineRequest(
                 request_id=request.request_id or f"req-{next(self._ids)}",
                 prompt_ids=prompt.token_ids,
@@ -121,10 +128,26 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 commit=commit_policy(request.reuse.commit),
                 head_tokens=prompt.head_tokens,
                 trace_context=capture_context(),  # this RPC's SERVER span: the parent of the engine's spans
+                guided=guided,
             )
         except ValueError as exc:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         return engine_request
+
+    def formats(self, core: EngineCore) -> ModelFormats:
+        """The tool-call and reasoning syntax of the checkpoint's chat template (read once)."""
+        if self._formats is None:
+            self._formats = infer_formats(core.tokenizer)
+        return self._formats
+
+    async def _compile_guide(self, core: EngineCore, spec: GuidedSpec, stop_ids: tuple[int, ...]) -> CompiledGuide:
+        """Compiled on a prompt worker before the request is queued: it waits here, not in the step."""
+        def compile_() -> CompiledGuide:
+            with self._guided_lock:
+                if self._guided is None:
+                    self._guided = GuidedCompiler(core.tokenizer, core.loaded.config.vocab_size, core.eos_ids)
+            return self._guided.compile(spec, stop_ids)
+        return await asyncio.get_running_loop().run_in_executor(self._prompts, compile_)
 
     async def Tokenize(self, request: engine_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
                        ) -> engine_pb2.TokenizeResponse:
@@ -157,6 +180,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             id=self.model_id, max_model_len=core.max_model_len, owned_by="ignis", created=self.created,
             architecture=cfg.architecture, page_size=core.config.page_size,
             dtype=str(core.loaded.model.dtype).removeprefix("torch."),
+            tool_call_parser=self.formats(core).tool_call, reasoning_parser=self.formats(core).reasoning,
         )
         return engine_pb2.ListModelsResponse(models=[card])
 

@@ -14,7 +14,7 @@ ENGINE = Path(__file__).resolve().parent.parent / "engine"
 
 # Lowest first: a unit may import the ones above it in this list, never those below.
 LAYERS = [
-    "facts", "config", "kv", "sampling", "text", "model",
+    "facts", "config", "kv", "sampling", "text", "guided", "model",
     "request", "outputs", "prompt", "proto_convert",
     "tiers", "cache", "tracing", "live_moves", "scheduler", "runner", "metrics", "output_processor",
     "builder", "offline", "core", "server", "__main__",

@@ -1,8 +1,10 @@
 """From one step's logits to next tokens, for a batch of requests with their own parameters.
 
 Order of operations (each only on the rows that asked for it):
+  0. guided decoding: tokens the row's grammar cannot take next get -inf
   1. logit_bias
   2. min_tokens: eos and stop_token_ids get -inf while too few tokens exist
+     (unless the grammar allows nothing else: a complete grammar only lets a stop token follow)
   3. repetition, then frequency and presence penalties
   -> these are the "processed logits"; logprobs are reported from them
   4. greedy rows: argmax (ties -> lowest id)
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampling.guide import TokenGuide, apply_guides
 from engine.sampling.params import SamplingParams
 from engine.sampling.processors import apply_logit_bias, apply_penalties, mask_tokens, truncated_probs
 
@@ -46,8 +49,10 @@ class RequestSampler:
         device: torch.device | str = "cpu",
         *,
         seed: int | None = None,
+        guide: TokenGuide | None = None,
     ) -> None:
         self.params = params
+        self.guide = guide  # the request's grammar, at this choice's position in it
         self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
         self.output_token_ids: list[int] = []
         # `seed` overrides params.seed (fork uses it); without either, draw one so
@@ -67,6 +72,8 @@ class RequestSampler:
         if token_id < 0:
             raise ValueError(f"token id must be >= 0, got {token_id}")
         self.output_token_ids.append(token_id)
+        if self.guide is not None:
+            self.guide.accept(token_id)
 
     def fork(self, seed_offset: int) -> RequestSampler:
         """A sampler for choice `seed_offset` of an n>1 request, with the same history.
@@ -76,7 +83,8 @@ class RequestSampler:
         fork gets a fresh random seed.
         """
         seed = None if self.params.seed is None else self.params.seed + seed_offset
-        child = RequestSampler(self.params, self.prompt_token_ids, self.generator.device, seed=seed)
+        guide = self.guide.fork() if self.guide is not None else None
+        child = RequestSampler(self.params, self.prompt_token_ids, self.generator.device, seed=seed, guide=guide)
         child.output_token_ids = list(self.output_token_ids)
         return child
 
@@ -117,7 +125,7 @@ def process_logits(
     eos_token_ids: frozenset[int],
     step_counts: list[int],
 ) -> torch.Tensor:
-    """Steps 1-3: bias, min_tokens masking and penalties, on a copy of `logits`."""
+    """Steps 0-3: grammar, bias, min_tokens masking and penalties, on a copy of `logits`."""
     # logits: [B, V]
     batch, vocab = logits.shape
     if len(samplers) != batch or len(step_counts) != batch:
@@ -125,6 +133,9 @@ def process_logits(
             f"logits have {batch} rows but got {len(samplers)} samplers and {len(step_counts)} step counts"
         )
     x = logits.to(torch.float32, copy=True)  # never modify the caller's tensor
+
+    guided = [i for i, s in enumerate(samplers) if s.guide is not None]
+    apply_guides(x, guided, [g for s in samplers if (g := s.guide) is not None])
 
     rows: list[int] = []
     cols: list[int] = []
@@ -145,6 +156,8 @@ def process_logits(
             if not s.params.ignore_eos:
                 stops |= eos_token_ids
             _check_ids("stop token", stops, vocab)
+            if s.guide is not None and _only_these_allowed(x[i], stops):
+                continue  # the grammar is complete: holding back its stop would leave nothing to sample
             rows.extend([i] * len(stops))
             cols.extend(sorted(stops))
     mask_tokens(x, rows, cols)
@@ -236,6 +249,13 @@ def _logprobs(
         if n:
             top[i] = list(zip(indices_l[row][:n], values_l[row][:n]))
     return chosen, top
+
+
+def _only_these_allowed(row: torch.Tensor, ids: set[int]) -> bool:
+    """Whether every token outside `ids` is already masked in `row` ([V])."""
+    rest = row.clone()
+    rest[list(ids)] = float("-inf")
+    return bool(torch.isneginf(rest).all())
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

@@ -1,0 +1,125 @@
+"""Request guides -> compiled grammars, against the engine's vocabulary, cached by content.
+
+Compiling runs on the servicer's prompt workers before a request is queued (never on the
+step thread): a request waits in the queue, not in the step, while its grammar compiles.
+The cache is a bounded LRU keyed by the `GuidedSpec` itself (its whole content).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import xgrammar as xgr
+
+from engine.guided.matcher import CompiledGuide
+from engine.guided.spec import GuideKind, GuidedSpec
+from engine.guided.tool_grammar import tool_call_tag
+from engine.text.tokenizer import Tokenizer
+
+CACHE_ENTRIES = 256
+COMPILE_THREADS = 2
+# xgrammar's C++ errors start "[10:26:46] /project/cpp/regex_converter.cc:94: "; the rest is the reason.
+_LOG_PREFIX = re.compile(r"^\s*\[[\d:.]+\]\s+\S+:\d+:\s*")
+# xgrammar 0.2.9 writes a length-limited JSON string's character as [^"\\\r\n]: control characters
+# pass (invalid JSON) and escapes do not. Replaced by JSON's own rule for an unescaped character.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+class GuidedError(ValueError):
+    """The request's schema, regex, grammar or tool choice is not valid (INVALID_ARGUMENT)."""
+
+
+class GuidedCompiler:
+    """One per engine: the vocabulary xgrammar masks over and the compiled-grammar cache."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int],
+                 cache_entries: int = CACHE_ENTRIES) -> None:
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
+        # Raw token bytes; special tokens (and ids past the tokenizer, a padded embedding) are
+        # empty, which xgrammar never allows inside a grammar, only as a stop token.
+        vocab = [b"" if i in tokenizer.special_token_ids else tokenizer.token_bytes(i)
+                 for i in range(min(tokenizer.vocab_size, vocab_size))]
+        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
+                                 stop_token_ids=list(self.eos_token_ids))
+        self._xgr = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
+        self._cache: OrderedDict[GuidedSpec, xgr.CompiledGrammar] = OrderedDict()
+        self._limit = cache_entries
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def compile(self, spec: GuidedSpec, stop_token_ids: Iterable[int] = ()) -> CompiledGuide:
+        """GuidedError naming what is wrong; `stop_token_ids` also end a completed output."""
+        with self._lock:
+            grammar = self._cache.get(spec)
+            if grammar is not None:
+                self._cache.move_to_end(spec)
+                self.hits += 1
+        if grammar is None:
+            grammar = self._compile(spec)
+            with self._lock:
+                self.misses += 1
+                self._cache[spec] = grammar
+                while len(self._cache) > self._limit:
+                    self._cache.popitem(last=False)
+        stops = tuple(sorted({*self.eos_token_ids, *stop_token_ids}))
+        return CompiledGuide(grammar, stops, spec.kind.value)
+
+    def _compile(self, spec: GuidedSpec) -> xgr.CompiledGrammar:
+        what = spec.kind.value
+        try:
+            if spec.kind is GuideKind.JSON_OBJECT:
+                # Compact JSON: a model must not be able to stall the output on endless whitespace.
+                return self._xgr.compile_grammar(_json_grammar('{"type": "object"}', strict=False))
+            if spec.kind is GuideKind.JSON_SCHEMA:
+                _check_json(spec.source, "json_schema")
+                return self._xgr.compile_grammar(_json_grammar(spec.source, spec.strict))
+            if spec.kind is GuideKind.REGEX:
+                return self._xgr.compile_regex(spec.source)
+            if spec.kind is GuideKind.CHOICE:
+                what = "choice"
+                return self._xgr.compile_grammar("root ::= " + " | ".join(_ebnf_string(c) for c in spec.choices))
+            if spec.kind is GuideKind.GRAMMAR:
+                return self._xgr.compile_grammar(spec.source)
+            if spec.kind is GuideKind.STRUCTURAL_TAG:
+                _check_json(spec.source, "structural_tag")
+                return self._xgr.compile_structural_tag(spec.source)
+            what = "tool_choice"
+            tag = tool_call_tag(spec.source, spec.tool_choice, spec.tool_format, spec.parallel_tool_calls)
+            return self._xgr.compile_structural_tag(tag)
+        except GuidedError:
+            raise
+        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar raises RuntimeError from C++
+            raise GuidedError(f"invalid {what}: {_reason(exc)}") from None
+
+
+def _json_grammar(schema: str, strict: bool) -> xgr.Grammar:
+    # Compact JSON (no free whitespace): a model must not be able to stall the output on it.
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    text = str(grammar)
+    if _BOUNDED_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+
+
+def _check_json(source: str, what: str) -> None:
+    try:
+        json.loads(source)
+    except json.JSONDecodeError as exc:
+        raise GuidedError(f"invalid {what}: not valid JSON ({exc})") from None
+
+
+def _ebnf_string(text: str) -> str:
+    if not text:
+        raise GuidedError("invalid choice: a choice may not be empty")
+    return json.dumps(text, ensure_ascii=False)  # EBNF string literals take JSON's escapes
+
+
+def _reason(exc: Exception) -> str:
+    lines = [_LOG_PREFIX.sub("", line).strip() for line in str(exc).splitlines()]
+    return " ".join(line for line in lines if line) or type(exc).__name__

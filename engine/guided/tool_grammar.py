@@ -1,0 +1,62 @@
+"""The grammar `tool_choice` implies: the checkpoint's own tool-call syntax, with each function's
+arguments held to its parameter schema.
+
+xgrammar ships these for most families (`get_model_structural_tag`); Mistral's
+`[TOOL_CALLS][{...}]` is built here as one JSON array after the marker.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import xgrammar as xgr
+
+# Ours (the gateway's parser names) -> xgrammar's template names.
+_XGRAMMAR_MODEL = {"hermes": "qwen_3", "qwen3_coder": "qwen_3_coder", "llama3_json": "llama"}
+MAX_WHITESPACE = 2  # inside arguments: a model may not stall the call on endless whitespace
+
+
+def tool_call_tag(tools_json: str, tool_choice: str, tool_format: str, parallel: bool) -> xgr.StructuralTag:
+    """`tool_choice`: "required" (any listed function) or the name of one listed function."""
+    tools = _tools(tools_json)
+    names = [t["function"]["name"] for t in tools]
+    if tool_choice != "required" and tool_choice not in names:
+        raise ValueError(f"tool_choice names function {tool_choice!r}, which is not among the tools ({', '.join(names)})")
+    choice: Any = "required" if tool_choice == "required" else {"type": "function", "function": {"name": tool_choice}}
+    fmt = tool_format or "hermes"
+    if fmt == "mistral":
+        return _mistral(tools if tool_choice == "required" else [t for t in tools if t["function"]["name"] == tool_choice],
+                        parallel)
+    model = _XGRAMMAR_MODEL.get(fmt)
+    if model is None:
+        raise ValueError(f"tool-call format {fmt!r} is not one of hermes, llama3_json, mistral, qwen3_coder")
+    return xgr.get_model_structural_tag(model, tools=list[Any](tools), tool_choice=choice, reasoning="disabled",
+                                        max_whitespace_cnt=MAX_WHITESPACE, parallel_tool_calls=parallel)
+
+
+def _tools(tools_json: str) -> list[dict[str, Any]]:
+    try:
+        tools = json.loads(tools_json)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the tools are not valid JSON: {exc}") from None
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("tool_choice needs a non-empty list of tools")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"tools[{i}] is not a function tool with a name")
+    return tools
+
+
+def _mistral(tools: list[dict[str, Any]], parallel: bool) -> xgr.StructuralTag:
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": t["function"]["name"]},
+                             "arguments": t["function"].get("parameters") or {"type": "object"}}}
+             for t in tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return xgr.StructuralTag.from_json({"type": "structural_tag", "format": {
+        "type": "tag", "begin": "[TOOL_CALLS]", "end": "",
+        "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}}})
