@@ -60,6 +60,18 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving (for tests)")
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="deadline of one generation in seconds (default: none)")
+    parser.add_argument("--engine-dns", action="append", default=[], metavar="NAME:PORT",
+                        help="a DNS name (e.g. a Kubernetes headless Service) whose every A/AAAA address is an "
+                             "engine at PORT; repeatable, may be combined with --engine")
+    parser.add_argument("--dns-refresh", type=float, default=10.0,
+                        help="seconds between lookups of the --engine-dns names (default: 10)")
+    parser.add_argument("--routing", choices=["bounded", "affinity", "round-robin"], default="bounded",
+                        help="engine choice: bounded (a conversation's engine unless it carries more than "
+                             "--load-bound x the mean load; the default), affinity (the prompt head's engine "
+                             "always), round-robin")
+    parser.add_argument("--load-bound", type=float, default=1.25,
+                        help="bounded routing: an engine takes at most ceil(BOUND x mean in-flight requests); "
+                             ">= 1 (default: 1.25)")
     parser.add_argument("--probe-interval", type=float, default=2.0, help="seconds between engine health probes")
     parser.add_argument("--header-timeout", type=float, default=10.0,
                         help="seconds a request may take to send its headers; then it is closed (default: 10)")
@@ -80,7 +92,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
                                request_timeout=args.request_timeout, probe_interval=args.probe_interval,
                                header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                                max_connections=args.max_connections, max_request_bytes=args.max_request_bytes,
-                               fault_log_interval=args.fault_log_interval)
+                               fault_log_interval=args.fault_log_interval, routing=args.routing,
+                               load_bound=args.load_bound, engine_dns=args.engine_dns,
+                               dns_refresh=args.dns_refresh)
     except ValueError as exc:
         parser.error(str(exc))
     return args, config
@@ -131,7 +145,8 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
             if server.should_exit:
                 return
             await asyncio.sleep(0.02)
-        log.info("gateway serving on %s:%d, engines: %s", args.host, port, ", ".join(config.engines))
+        log.info("gateway serving on %s:%d, engines: %s, routing: %s", args.host, port,
+                 ", ".join([*config.engines, *(f"dns:{n}" for n in config.engine_dns)]), config.routing)
         if args.port_file:
             tmp = Path(args.port_file + ".tmp")
             tmp.write_text(str(port))

@@ -34,7 +34,7 @@ def create_app(config: GatewayConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        pool = EnginePool(config.engines, config.probe_interval, config.probe_timeout)
+        pool = EnginePool.from_config(config)
         state._pool = pool
         await pool.start()
         summaries = asyncio.create_task(state.faults.run(), name="connection-fault-summaries")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from gateway.discovery import DnsName
+from gateway.routing import RoutingRule
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a 32k-token prompt is well under 1 MiB, as text or as token ids
 
@@ -22,10 +25,20 @@ class GatewayConfig:
     max_connections: int = 2048  # open connections; more are answered 503 and closed
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is a 413
     fault_log_interval: float = 10.0  # seconds between summary lines of slow/refused/malformed connections
+    # Engine choice and discovery (gateway/routing.py, gateway/discovery.py).
+    routing: str = "bounded"  # bounded | affinity | round-robin
+    load_bound: float = 1.25  # bounded: an engine takes at most ceil(load_bound * mean in-flight)
+    engine_dns: list[str] = field(default_factory=list)  # NAME:PORT, each address it resolves to is an engine
+    dns_refresh: float = 10.0  # seconds between lookups of engine_dns
 
     def __post_init__(self) -> None:
-        if not self.engines:
-            raise ValueError("give at least one engine (--engine HOST:PORT)")
+        if not self.engines and not self.engine_dns:
+            raise ValueError("give at least one engine (--engine HOST:PORT or --engine-dns NAME:PORT)")
+        for name in self.engine_dns:
+            DnsName.parse(name)  # raises naming it
+        if not self.dns_refresh > 0:
+            raise ValueError(f"dns_refresh must be > 0 seconds, got {self.dns_refresh}")
+        self.routing_rule()  # raises on an unknown rule or a bound below 1
         for address in self.engines:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -47,6 +60,9 @@ class GatewayConfig:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be at least 1 KiB, got {self.max_request_bytes}")
+
+    def routing_rule(self) -> RoutingRule:
+        return RoutingRule(self.routing, self.load_bound)
 
     @property
     def public_paths(self) -> tuple[str, ...]:

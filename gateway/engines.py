@@ -1,10 +1,23 @@
-"""The engines behind the gateway: one grpc.aio channel each, their health, their models.
+"""The engines behind the gateway: one grpc.aio channel each, their health, their models, their load.
 
-A background loop probes every engine (gRPC health, then ListModels) every
-`interval` seconds; a call that fails with UNAVAILABLE marks its engine down
-at once. `candidates` orders the engines for one request: those serving the
-model, by rendezvous hash (routing.py), healthy ones first; a down engine
-stays in the list as a last resort because its state may be stale.
+Health is watched two ways. Each engine has a gRPC health `Watch` stream open:
+the engine says NOT_SERVING the moment it starts to shut down, and a dead
+process or a lost connection ends the stream at once, so routing stops within
+milliseconds, not at the next probe. A background loop also probes every engine
+(gRPC health, then ListModels) every `interval` seconds: that finds an engine
+that hangs with its connection open, and brings one back (as does its watch,
+retried every `rewatch_delay` seconds). A call that fails with UNAVAILABLE
+marks its engine down at once.
+
+The engine set is the `--engine` addresses plus what the `--engine-dns` names
+resolve to (gateway/discovery.py), looked up again every `dns_refresh` seconds.
+An engine that leaves the set takes no new request; its channel closes once its
+last call ends.
+
+`candidates` orders the engines for one request: those serving the model,
+healthy ones by the routing rule (gateway/routing.py, with each engine's
+in-flight count here as the load), then the down ones as a last resort
+(their state may be stale).
 """
 
 from __future__ import annotations
@@ -16,8 +29,10 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.config import GatewayConfig
+from gateway.discovery import Discovery, DnsName, Resolver, getaddrinfo_resolver
 from gateway.errors import OpenAIError, unavailable
-from gateway.routing import rendezvous_order
+from gateway.routing import RouteKeys, RoutingRule, rendezvous_order
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("ignis.gateway")
@@ -29,6 +44,7 @@ _CHANNEL_OPTIONS = [
     # Reconnect quickly after an engine restart (the default backoff grows to 2 minutes).
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+_SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 @dataclass(eq=False, slots=True)
@@ -40,31 +56,118 @@ class EngineClient:
     healthy: bool = False
     models: dict[str, engine_pb2.ModelCard] = field(default_factory=dict)  # last ListModels answer
     models_known: bool = False
+    in_flight: int = 0  # this gateway's Generate calls on it now: the routing rule's load
+    retired: bool = False  # left the engine set (DNS): no new call; the channel closes after the last one
+    watch: asyncio.Task[None] | None = None
 
 
 class EnginePool:
-    def __init__(self, addresses: list[str], interval: float = 2.0, probe_timeout: float = 2.0) -> None:
-        if not addresses:
-            raise ValueError("at least one engine address is needed")
+    def __init__(self, addresses: list[str], interval: float = 2.0, probe_timeout: float = 2.0,
+                 rule: RoutingRule | None = None, discovery: Discovery | None = None,
+                 dns_refresh: float = 10.0, rewatch_delay: float = 0.5) -> None:
+        if not addresses and discovery is None:
+            raise ValueError("at least one engine address or DNS name is needed")
         self.interval = interval
         self.probe_timeout = probe_timeout
-        self.engines: list[EngineClient] = []
-        for address in addresses:
-            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-            self.engines.append(EngineClient(address, channel, engine_pb2_grpc.EngineStub(channel),
-                                             health_pb2_grpc.HealthStub(channel)))
-        self._loop_task: asyncio.Task[None] | None = None
+        self.rule = rule or RoutingRule()
+        self.discovery = discovery
+        self.dns_refresh = dns_refresh
+        self.rewatch_delay = rewatch_delay
+        self.static = list(dict.fromkeys(addresses))
+        self.engines: list[EngineClient] = [self._client(a) for a in self.static]
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing: set[asyncio.Task[None]] = set()
+        self._started = False
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig, resolver: Resolver = getaddrinfo_resolver) -> EnginePool:
+        discovery = Discovery([DnsName.parse(n) for n in config.engine_dns], resolver) if config.engine_dns else None
+        return cls(config.engines, config.probe_interval, config.probe_timeout, config.routing_rule(), discovery,
+                   config.dns_refresh)
+
+    @staticmethod
+    def _client(address: str) -> EngineClient:
+        channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        return EngineClient(address, channel, engine_pb2_grpc.EngineStub(channel),
+                            health_pb2_grpc.HealthStub(channel))
 
     async def start(self) -> None:
-        """Probe once (without failing: engines may start after the gateway), then keep probing."""
+        """Resolve, probe once (without failing: engines may start after the gateway), then keep watching."""
+        self._started = True
+        if self.discovery is not None:
+            await self.refresh()
         await self.probe_all()
-        self._loop_task = asyncio.create_task(self._probe_loop(), name="engine-probes")
+        for engine in self.engines:
+            self._start_watch(engine)
+        self._tasks.append(asyncio.create_task(self._probe_loop(), name="engine-probes"))
+        if self.discovery is not None:
+            self._tasks.append(asyncio.create_task(self._dns_loop(), name="engine-dns"))
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+        tasks = [*self._tasks, *(e.watch for e in self.engines if e.watch is not None), *self._closing]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(e.channel.close() for e in self.engines), return_exceptions=True)
+
+    # ------------------------------------------------------------ the engine set
+
+    async def refresh(self) -> None:
+        """Look the DNS names up again: add the new addresses, retire the ones no longer there."""
+        if self.discovery is None:
+            return
+        wanted = list(dict.fromkeys([*self.static, *await self.discovery.addresses()]))
+        have = {e.address for e in self.engines}
+        for engine in [e for e in self.engines if e.address not in wanted]:
+            log.info("engine %s left the engine set", engine.address)
+            self.engines.remove(engine)
+            engine.retired = True
+            if engine.watch is not None:
+                engine.watch.cancel()
+            if engine.in_flight == 0:
+                self._close_later(engine)
+        added = [self._client(a) for a in wanted if a not in have]
+        self.engines.extend(added)
+        for engine in added:
+            log.info("engine %s joined the engine set", engine.address)
+            if self._started:
+                await self.probe(engine)
+                self._start_watch(engine)
+
+    async def _dns_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.dns_refresh)
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - a resolver bug must not end discovery for good
+                log.exception("engine DNS refresh failed")
+
+    def _close_later(self, engine: EngineClient) -> None:
+        task = asyncio.create_task(engine.channel.close(), name=f"close-{engine.address}")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    # ------------------------------------------------------------ health
+
+    def _start_watch(self, engine: EngineClient) -> None:
+        if engine.watch is None and not engine.retired:
+            engine.watch = asyncio.create_task(self._watch(engine), name=f"health-watch-{engine.address}")
+
+    async def _watch(self, engine: EngineClient) -> None:
+        """Follow the engine's health stream for as long as it is in the set; reopen it when it breaks."""
+        while not engine.retired:
+            try:
+                async for reply in engine.health.Watch(health_pb2.HealthCheckRequest()):
+                    if reply.status != _SERVING:
+                        self._set_health(engine, False, "not serving")
+                    elif not engine.healthy:
+                        await self.probe(engine)  # the model list too, before it takes requests
+                self._set_health(engine, False, "its health stream ended")
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    return  # no Watch there: the probe loop alone
+                self._set_health(engine, False, f"{exc.code().name}: {exc.details()}")
+            await asyncio.sleep(self.rewatch_delay)
 
     async def _probe_loop(self) -> None:
         while True:
@@ -72,13 +175,13 @@ class EnginePool:
             await self.probe_all()
 
     async def probe_all(self) -> list[bool]:
-        return list(await asyncio.gather(*(self.probe(e) for e in self.engines)))
+        return list(await asyncio.gather(*(self.probe(e) for e in list(self.engines))))
 
     async def probe(self, engine: EngineClient) -> bool:
         """One health check (and a model list refresh); updates and returns `engine.healthy`."""
         try:
             reply = await engine.health.Check(health_pb2.HealthCheckRequest(), timeout=self.probe_timeout)
-            ok = reply.status == health_pb2.HealthCheckResponse.SERVING
+            ok = reply.status == _SERVING
             if ok:
                 models = await engine.stub.ListModels(engine_pb2.ListModelsRequest(), timeout=self.probe_timeout)
                 engine.models = {m.id: m for m in models.models}
@@ -99,22 +202,36 @@ class EnginePool:
                 log.warning("engine %s is unavailable: %s", engine.address, reason)
         engine.healthy = ok
 
+    # ------------------------------------------------------------ routing and load
+
     def served_models(self) -> set[str]:
         return {m for e in self.engines for m in e.models}
 
-    def candidates(self, model: str, key: bytes) -> list[EngineClient]:
+    def candidates(self, model: str, keys: RouteKeys) -> list[EngineClient]:
         """Engines to try for `model`, best first; 404 when no engine is known to serve it."""
+        if not self.engines:
+            raise unavailable("no engine is available (none is configured or discovered yet)")
         serving = [e for e in self.engines if not e.models_known or model in e.models]
         if not serving:
             known = ", ".join(sorted(self.served_models())) or "none"
             raise OpenAIError(404, f"the model {model!r} does not exist; served models: {known}",
                               param="model", code="model_not_found")
-        ordered = rendezvous_order(serving, [e.address for e in serving], key)
-        return [e for e in ordered if e.healthy] + [e for e in ordered if not e.healthy]
+        healthy = [e for e in serving if e.healthy]
+        down = [e for e in serving if not e.healthy]
+        first = self.rule.order(healthy, [e.address for e in healthy], [e.in_flight for e in healthy], keys)
+        return first + rendezvous_order(down, [e.address for e in down], keys.head)
+
+    def acquire(self, engine: EngineClient) -> None:
+        engine.in_flight += 1
+
+    def release(self, engine: EngineClient) -> None:
+        engine.in_flight -= 1
+        if engine.retired and engine.in_flight == 0:
+            self._close_later(engine)
 
     async def list_models(self) -> list[engine_pb2.ModelCard]:
         """Every model an engine answers for now (refreshing the pool's view); 503 when none answers."""
-        results = await asyncio.gather(*(self.probe(e) for e in self.engines))
+        results = await self.probe_all()
         if not any(results):
             raise unavailable("no engine is available")
         cards: dict[str, engine_pb2.ModelCard] = {}

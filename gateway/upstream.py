@@ -2,9 +2,13 @@
 
 `generate` is an async generator over one request's GenerateResponse
 messages. Before the first message arrives, an engine that answers
-UNAVAILABLE is marked down and the next candidate is tried (nothing was
-produced, so the retry is invisible); after it, errors are the client's to
-see. Closing the generator (the client went away) cancels the gRPC call, and
+UNAVAILABLE (down, unreachable, shutting down, the connection lost) is marked
+down and the next candidate is tried, and one that answers RESOURCE_EXHAUSTED
+(its queue is full) is passed over for the next (nothing was produced, so the
+retry is invisible; a full engine stays up). After the first message, errors
+are the client's to see, and so is DEADLINE_EXCEEDED (the request's own
+deadline is spent: a retry could not meet it). While a call runs it counts in
+its engine's in-flight load (the routing rule's load term). Closing the generator (the client went away) cancels the gRPC call, and
 the engine then frees the sequence. Use it under `contextlib.aclosing`.
 """
 
@@ -21,6 +25,7 @@ from opentelemetry import trace
 from common.tracing import client_span, grpc_metadata, set_rpc_status
 from gateway.engines import EnginePool
 from gateway.errors import from_grpc, unavailable
+from gateway.routing import route_keys
 from ignis.v1 import engine_pb2
 
 GENERATE = "/ignis.v1.Engine/Generate"
@@ -38,9 +43,13 @@ class CallSpec:
 async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest, key: bytes, spec: CallSpec
                    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
     reasons: list[str] = []
-    for engine in pool.candidates(request.model, key):
+    full: grpc.aio.AioRpcError | None = None  # the last engine that was at capacity
+    for engine in pool.candidates(request.model, route_keys(request, key)):
+        if full is not None and not engine.healthy:
+            break  # every healthy engine is full: say so (429), rather than try the down ones
         # One CLIENT span per attempt (a child of the request's SERVER span); the engine continues it.
         span = client_span(GENERATE, engine.address)
+        pool.acquire(engine)
         call = engine.stub.Generate(request, timeout=spec.timeout,
                                     metadata=grpc_metadata(trace.set_span_in_context(span)))
         started = False
@@ -53,15 +62,21 @@ async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest, key: b
             return
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
-            if exc.code() == grpc.StatusCode.UNAVAILABLE and not started:
+            if code == grpc.StatusCode.UNAVAILABLE and not started:
                 pool.mark_down(engine, exc.details() or "unavailable")
                 reasons.append(f"{engine.address}: {exc.details()}")
+                continue
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not started:
+                full = exc
                 continue
             raise from_grpc(exc, prompt_param=spec.prompt_param, max_tokens_param=spec.max_tokens_param) from None
         finally:
             call.cancel()  # no-op when the call already ended; frees the engine's work when it did not
+            pool.release(engine)
             set_rpc_status(span, code)
             span.end()
+    if full is not None:
+        raise from_grpc(full, prompt_param=spec.prompt_param, max_tokens_param=spec.max_tokens_param)
     raise unavailable("no engine is available" + (f" ({'; '.join(reasons)})" if reasons else ""))
 
 

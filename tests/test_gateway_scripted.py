@@ -350,7 +350,8 @@ def test_trace_context_reaches_the_engine(engine: ScriptedEngine, tmp_path: Path
 
 def test_routing_keeps_a_head_on_one_engine_and_skips_a_dead_one(tmp_path: Path) -> None:
     engines = [ScriptedEngine(f"e{i}") for i in range(3)]
-    gw = start_gateway(tmp_path, [e.address for e in engines], ["--probe-interval", "0.2"])
+    # The affinity rule (the bounded default spreads a burst by conversation: test_gateway_routing.py).
+    gw = start_gateway(tmp_path, [e.address for e in engines], ["--probe-interval", "0.2", "--routing", "affinity"])
     client = openai.OpenAI(base_url=f"http://{gw.address}/v1", api_key="unused", max_retries=0, timeout=30)
     try:
 
