@@ -7,10 +7,6 @@ from gateway.errors import invalid
 
 
 def reject_unsupported(body: Fields) -> None:
-    fmt = body.obj("response_format")
-    if fmt is not None and fmt.string("type") not in (None, "text"):
-        raise invalid("response_format other than 'text' is not supported (no guided decoding yet)",
-                      param="response_format")
     if body.has("functions") or body.has("function_call"):
         raise invalid("the legacy 'functions' / 'function_call' fields are not supported: use 'tools'",
                       param="functions" if body.has("functions") else "function_call")

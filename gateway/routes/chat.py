@@ -16,6 +16,7 @@ from gateway.body import Fields, read_json
 from gateway.cancel import until_disconnect
 from gateway.choices import accumulate, finish_reason
 from gateway.errors import OpenAIError
+from gateway.guided import chat_guided
 from gateway.messages import chat_input, parses_tool_calls
 from gateway.options import engine_options
 from gateway.routing import chat_head, route_key
@@ -38,6 +39,7 @@ async def chat_completions(request: Request) -> Response:
     chat = chat_input(body)
     sampling = sampling_params(body, LIMIT, "chat")
     reject_unsupported(body)
+    guided = chat_guided(body, chat)
     opts = engine_options(body, request.headers)
     stream = bool(body.boolean("stream"))
     stream_options = body.obj("stream_options")
@@ -46,6 +48,8 @@ async def chat_completions(request: Request) -> Response:
 
     rid = "chatcmpl-" + uuid.uuid4().hex
     req = engine_pb2.GenerateRequest(request_id=rid, model=model, chat=chat, sampling=sampling)
+    if guided is not None:
+        req.guided.CopyFrom(guided)
     opts.apply(req)
     key = route_key(model, opts.cache_salt, opts.route_key or chat_head(chat))
     spec = CallSpec("messages", "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens",

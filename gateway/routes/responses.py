@@ -21,6 +21,7 @@ from gateway.body import Fields, read_json
 from gateway.cancel import until_disconnect
 from gateway.choices import accumulate
 from gateway.errors import OpenAIError, invalid
+from gateway.guided import responses_guided
 from gateway.items import responses_chat
 from gateway.messages import parses_tool_calls
 from gateway.options import engine_options
@@ -44,10 +45,6 @@ def _check_stateless(body: Fields) -> None:
             raise invalid(f"'{name}' is not supported: {_STATELESS}", param=name)
     if body.boolean("background"):
         raise invalid("background responses are not supported: they would need stored state", param="background")
-    text = body.obj("text")
-    fmt = text.obj("format") if text is not None else None
-    if fmt is not None and fmt.string("type") not in (None, "text"):
-        raise invalid("text.format other than 'text' is not supported (no guided decoding yet)", param="text.format")
 
 
 async def responses(request: Request) -> Response:
@@ -56,6 +53,7 @@ async def responses(request: Request) -> Response:
     model = body.string("model", required=True) or ""
     _check_stateless(body)
     chat = responses_chat(body)
+    guided = responses_guided(body, chat)
     sampling = sampling_params(body, LIMIT, "responses")
     opts = engine_options(body, request.headers)
     stream = bool(body.boolean("stream"))
@@ -63,6 +61,8 @@ async def responses(request: Request) -> Response:
 
     rid = "resp_" + uuid.uuid4().hex
     req = engine_pb2.GenerateRequest(request_id=rid, model=model, chat=chat, sampling=sampling)
+    if guided is not None:
+        req.guided.CopyFrom(guided)
     opts.apply(req)
     key = route_key(model, opts.cache_salt, opts.route_key or chat_head(chat))
     upstream = generate(state.pool, req, key, CallSpec("input", "max_output_tokens", state.config.request_timeout))
@@ -72,7 +72,7 @@ async def responses(request: Request) -> Response:
         "tool_choice": body.raw("tool_choice") or "auto", "parallel_tool_calls": True,
         "temperature": body.raw("temperature"), "top_p": body.raw("top_p"),
         "max_output_tokens": body.raw("max_output_tokens"), "previous_response_id": None, "store": False,
-        "text": {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": None,
+        "text": {"format": _text_format(body)}, "truncation": "disabled", "reasoning": None,
         "metadata": metadata.data if metadata is not None else {}, "user": body.string("user"),
         "error": None, "incomplete_details": None,
     }
@@ -81,6 +81,12 @@ async def responses(request: Request) -> Response:
         return EventStream(reply.events(upstream), headers={"X-Request-Id": rid})
     messages = await until_disconnect(request, collect(upstream))
     return JSONResponse(reply.whole(messages), headers={"X-Request-Id": rid})
+
+
+def _text_format(body: Fields) -> object:
+    text = body.obj("text")
+    fmt = text.obj("format") if text is not None else None
+    return fmt.data if fmt is not None else {"type": "text"}
 
 
 def _status(finish: int) -> tuple[str, JSONObject | None]:
