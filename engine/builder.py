@@ -17,6 +17,7 @@ from engine.kv.page_pool import PagePool, SlotPool
 from engine.model.loader import LoadedModel
 from engine.tiers.client import TierClient
 from engine.tiers.codec import StateCodec
+from engine.tiers.copy_worker import CopyWorker
 from engine.tiers.integrity import IntegrityKey
 from engine.tiers.link import TierLink
 
@@ -53,19 +54,25 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     pages = PagePool(num_pages)
     tiers = _tier_link(loaded, config, cache)  # retained state spills there; live sequences move there
     reuse: PromptReuse
+    ahead_pages = _ahead_pages(config, num_pages) if tiers is not None else 0
     if not config.reuse_prompt:
         reuse = NoReuse()
     elif recurrent:
         codec = StateCodec(cache, model_cfg.vocab_size)
         host = _host_slots(config, codec, min(model_cfg.max_position_embeddings, num_pages * config.page_size),
                            pin=cache.kv.device.type == "cuda")
-        # The ring stages the slot and one page; the worker copies the rest into the host slot.
-        ring = StagingRing(codec.sections(config.page_size).logits, pin=cache.kv.device.type == "cuda") \
-            if host is not None and config.staging_ring else None
+        staged = config.staging_ring and (host is not None or tiers is not None)
+        # One worker thread copies off the step: staged captures and states written ahead.
+        worker = CopyWorker() if staged or ahead_pages else None
+        # The ring stages the slot and one page; the worker copies the rest into the host slot or the arena.
+        ring = StagingRing(codec.sections(config.page_size).logits, pin=cache.kv.device.type == "cuda",
+                           worker=worker) if staged else None
         reuse = RetainedStateReuse(cache, pages, live_slots, retained_slots, config.retained_interactive_ttl,
-                                   tiers=tiers, restore_floor=config.restore_floor, host=host, codec=codec, ring=ring)
+                                   tiers=tiers, restore_floor=config.restore_floor, host=host, codec=codec, ring=ring,
+                                   worker=worker, ahead_pages=ahead_pages)
     else:
-        reuse = PageReuse(pages, config.page_size, tiers=tiers, restore_floor=config.restore_floor)
+        reuse = PageReuse(pages, config.page_size, tiers=tiers, restore_floor=config.restore_floor,
+                          worker=CopyWorker() if ahead_pages else None, ahead_pages=ahead_pages)
     capacity = num_pages * config.page_size
     limit = config.max_model_len or model_cfg.max_position_embeddings
     max_model_len = min(limit, model_cfg.max_position_embeddings, capacity)
@@ -75,6 +82,13 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         num_slots * shape.state_bytes_per_slot(dtype) / 2**20, max_model_len,
     )
     return EngineParts(cache, pages, SlotPool(live_slots) if recurrent else None, reuse, tiers, max_model_len)
+
+
+def _ahead_pages(config: EngineConfig, num_pages: int) -> int:
+    """Free pages below which the states the device gives up next are written below ahead of need."""
+    if config.spill_ahead_pages < 0:
+        return 0
+    return config.spill_ahead_pages or max(1, num_pages // 8)
 
 
 def _host_slots(config: EngineConfig, codec: StateCodec, context: int, pin: bool) -> HostSlots | None:

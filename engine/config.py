@@ -18,6 +18,9 @@ class EngineConfig:
     retained_host: int = 0  # reuse.retained_host: retained-state slots in one host block (hybrid models)
     retained_host_tokens: int = 0  # reuse.retained_host_tokens: the longest state a host slot holds; 0: the context
     staging_ring: bool = True  # host captures copy their pages off the step (False: synchronously, for comparison)
+    # States the device gives up next are written to KV-RAM off the step, once fewer pages than this
+    # are free (blank pages, attention-only models); 0: an eighth of the pool; -1: never (on the step).
+    spill_ahead_pages: int = 0
     retained_interactive_ttl: float = 300.0  # reuse.retained_interactive_ttl
     tierstore_address: str = ""  # tierstore.address (unix:/path or host:port); empty = device-only reuse
     tierstore_secret_file: str = ""  # tierstore.secret_file: the shared secret of a TCP tierstore

@@ -72,6 +72,7 @@ class EngineCore:
         self._live: dict[str, LiveRequest] = {}
         self._inbox: deque[tuple[str, object]] = deque()
         self._wake = threading.Event()
+        self.reuse.notify_copies(self._wake.set)  # a copy off the step is through: collect it, even when idle
         self._lock = threading.Lock()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -185,6 +186,9 @@ class EngineCore:
             retained_slot_skips=rc.slot_skips,
             retained_protected_skips=rc.protected_skips,
             retained_staging_skips=rc.staging_skips,
+            spills_ahead=rc.spills_ahead,
+            spills_on_step=rc.spills_on_step,
+            copy_waits=self.reuse.copy_waits,
             inflight_holds=rc.inflight_holds,
             sequences_moved=dict(self.moves.counters.moved),
             sequences_recomputed=t.preempted + self.moves.counters.restore_failures,
@@ -200,6 +204,8 @@ class EngineCore:
         while not self._stopping:
             self.drain_inbox()
             if not self.scheduler.has_work():
+                if self.reuse.copying:
+                    self.reuse.poll()  # frees what finished copies held; makes their states claimable
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue

@@ -111,10 +111,9 @@ class LiveMoves:
     def _write_window(self, move: _Move) -> bool:
         link = self.link
         assert link is not None
-        if not link.still_mapped(move.reservation):
+        arena = link.arena_for(move.reservation)
+        if arena is None:
             return False  # the store restarted: the reservation is gone with its arena
-        arena = link.client.arena
-        assert arena is not None
         first = move.written
         window = move.seq.page_table[first:min(move.num_pages, first + self.window_pages)]
         link.codec.pack_window(arena, move.reservation.offset, move.tokens, move.seq.slot, window, first)

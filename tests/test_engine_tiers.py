@@ -13,6 +13,7 @@ import json
 import logging
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,13 +50,13 @@ class Engine:
     """An EngineCore driven from the test thread."""
 
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, *, reuse: bool = True, tierstore: str = "",
-                 kv_cache_bytes: int = 16 * MiB, interactive_ttl: float = 0.0) -> None:
+                 kv_cache_bytes: int = 16 * MiB, interactive_ttl: float = 0.0, spill_ahead_pages: int = 0) -> None:
         # interactive_ttl=0: these tests move state by recency; protection has tests of its own.
         self.tokenizer = tokenizer
         self.core = EngineCore(loaded, tokenizer, EngineConfig(
             page_size=P, kv_cache_bytes=kv_cache_bytes, max_num_seqs=4, reuse_prompt=reuse, retained_device=2,
             retained_interactive_ttl=interactive_ttl, tierstore_address=tierstore, tier_timeout=2.0,
-            tier_retry_seconds=0.3))
+            tier_retry_seconds=0.3, spill_ahead_pages=spill_ahead_pages))
         self.core.start()
         self.n = 0
 
@@ -89,7 +90,15 @@ class Engine:
                       usage.cached_tokens if usage else 0, usage.reuse.tier.value if usage else "none",
                       usage.reuse.kind.value if usage else "none", last.error)
 
+    def settle(self) -> None:
+        """Wait until the copies the engine runs off the step are collected (counters are final)."""
+        deadline = time.monotonic() + 30
+        while self.core.reuse.copying:
+            assert time.monotonic() < deadline, "copies off the step never finished"
+            time.sleep(0.01)
+
     def check(self) -> None:
+        self.settle()
         self.core.check_integrity()
         assert self.core.stats().used_pages == 0
 
@@ -151,6 +160,7 @@ def serve_topics(engine: Engine, oracle) -> ReuseCounters:  # type: ignore[no-un
     """One conversation per topic, each checked against a cold run; the reuse counters after."""
     for topic in TOPICS:
         same(engine.run(topic), oracle(topic))
+    engine.settle()
     return engine.core.reuse.counters
 
 
@@ -265,6 +275,94 @@ def test_dense_pages_spill_when_the_pool_reuses_them_and_hit_from_ram(tmp_path: 
         assert got.tier == "ram" and got.kind == "pages"
         assert (first_turn // P) * P <= got.cached < n and got.cached % P == 0  # a page-aligned prefix
         assert engine.core.reuse.counters.reused_tokens[ReuseTier.RAM] == got.cached
+        engine.check()
+    finally:
+        engine.close()
+        store.stop()
+
+
+def test_a_dense_chain_is_written_ahead_off_the_step_and_hits_from_ram(tmp_path: Path, dense_model,
+                                                                       dense_oracle) -> None:
+    """With the pool under pressure (here: any page in use) a finished chain is written to KV-RAM by
+    the copy worker while the engine steps on: a request runs to its end while the write is held
+    back, and the store has nothing yet. Once written, the allocator hands the chain's pages out
+    without a copy on the step, and the next turn restores it from RAM, equal to cold."""
+    page_bytes = P * 4 * 2 * 2 * 16 * 4
+    store = tierstore(tmp_path, arena=4 * MiB, disk=0)
+    engine = Engine(*dense_model, tierstore=store.address, kv_cache_bytes=16 * page_bytes, spill_ahead_pages=16)
+    try:
+        worker = engine.core.reuse.worker  # type: ignore[attr-defined]
+        same(engine.run(TOPICS[0]), dense_oracle(TOPICS[0]))
+        worker.running.clear()  # the write ahead starts with the next step and cannot finish
+        same(engine.run(TOPICS[1]), dense_oracle(TOPICS[1]))  # ran to its end beside the write
+        assert worker.in_flight == 1 and engine.core.reuse.counters.spills_ahead == 0
+        first_hashes = engine_page_hashes(engine, TOPICS[0])
+        link = engine.core.tiers
+        assert link is not None
+        first = list(engine.request(TOPICS[0]).prompt_ids)
+        assert link.find(engine.core.namespace_hash(""), first_hashes, first) is None  # not committed: nothing served
+        worker.running.set()
+        engine.settle()
+        assert engine.core.reuse.counters.spills_ahead == 2  # both finished chains, one after the other
+        assert link.find(engine.core.namespace_hash(""), first_hashes, first) is not None
+        for topic in TOPICS[2:]:  # reuse the first chains' pages: written already, nothing to copy
+            same(engine.run(topic), dense_oracle(topic))
+        engine.settle()
+        assert engine.core.reuse.counters.spills_on_step == 0 and engine.core.reuse.counters.spills_ahead >= 2
+        assert engine.core.pages.page_for(first_hashes[0]) is None  # gone from the device
+        got = engine.run(TOPICS[0], turns=2)
+        same(got, dense_oracle(TOPICS[0], turns=2))
+        assert got.tier == "ram" and got.kind == "pages" and got.cached >= len(first_hashes) // 2 * P
+        engine.check()
+    finally:
+        engine.close()
+        store.stop()
+
+
+def test_retained_states_leaving_next_are_written_ahead_and_every_turn_matches_cold(
+        tmp_path: Path, model, oracle) -> None:
+    """Hybrid, 2 device slots: once they are full, the lowest-ranked state is written to KV-RAM off
+    the step; evicting it then copies nothing. Every answer equals cold, the evicted conversations
+    hit from RAM, and the written-ahead and on-the-step writes add up to what left the device."""
+    store = tierstore(tmp_path, arena=16 * MiB, disk=0)
+    engine = Engine(*model, tierstore=store.address)
+    try:
+        counters = serve_topics(engine, oracle)
+        assert counters.spills_ahead >= 1
+        assert counters.spills_ahead + counters.spills_on_step >= counters.evictions >= 2 * (len(TOPICS) - 1) - 1
+        for topic in TOPICS[:3]:
+            got = engine.run(topic)
+            same(got, oracle(topic))
+            assert got.tier in ("ram", "device") and got.cached == len(engine.request(topic).prompt_ids)
+        engine.check()
+    finally:
+        engine.close()
+        store.stop()
+
+
+def test_a_capture_straight_to_ram_is_claimed_only_once_written(tmp_path: Path, model, oracle) -> None:
+    """A protected device state keeps its slot, so the next conversation's captures go straight to
+    KV-RAM through the staging ring. Its retry, sent while the write is held back, waits for it (no
+    torn read, no second prefill) and then claims it from RAM, equal to cold."""
+    store = tierstore(tmp_path, arena=16 * MiB, disk=0)
+    engine = Engine(*model, tierstore=store.address, interactive_ttl=300.0, spill_ahead_pages=-1)
+    try:
+        for topic in TOPICS[:2]:  # the first two fill the device's two slots (protected: interactive)
+            same(engine.run(topic), oracle(topic))
+        worker = engine.core.reuse.worker  # type: ignore[attr-defined]
+        engine.settle()
+        worker.running.clear()
+        same(engine.run(TOPICS[2]), oracle(TOPICS[2]))  # its captures are staged, their writes held back
+        assert worker.in_flight >= 1
+        result: list[Result] = []
+        retry = threading.Thread(target=lambda: result.append(engine.run(TOPICS[2])))
+        retry.start()
+        retry.join(0.5)
+        assert retry.is_alive() and engine.core.stats().inflight_holds >= 1  # held, not prefilled again
+        worker.running.set()
+        retry.join(60)
+        same(result[0], oracle(TOPICS[2]))
+        assert (result[0].tier, result[0].cached) == ("ram", len(engine.request(TOPICS[2]).prompt_ids))
         engine.check()
     finally:
         engine.close()

@@ -6,6 +6,13 @@ chain it belongs to is written to KV-RAM as one state (every page hash indexed,
 so any page-aligned prefix of it matches later) while all its pages still hold
 their content. A chain that is a prefix of a longer tracked chain is not kept:
 the longer one covers it.
+
+With a copy worker, that write happens ahead of need, off the step: once fewer than
+`ahead_pages` blank pages are free, the chain whose pages the allocator will give up
+first is written by the worker while its pages stay findable, so handing them out
+later costs nothing. Should the allocator reach a page of the chain being written, it
+waits for that write (`ignis_tier_spill_waits_total`); a chain whose write ahead fails
+is not tried again.
 """
 
 from __future__ import annotations
@@ -15,7 +22,10 @@ from dataclasses import dataclass
 
 from engine.kv.chain_hash import BlockHash
 from engine.kv.page_pool import PagePool
-from engine.facts import RequestClass, ReuseKind
+from engine.cache.retained_state import StateView
+from engine.cache.reuse import ReuseCounters
+from engine.facts import RequestClass, ReuseKind, ReuseTier
+from engine.tiers.copy_worker import CopyJob, CopyWorker
 from engine.tiers.link import Spillable, TierLink
 
 
@@ -27,14 +37,19 @@ class PageChain:
 
 
 class PageChains:
-    def __init__(self, pages: PagePool, link: TierLink, page_size: int, max_chains: int = 4096) -> None:
+    def __init__(self, pages: PagePool, link: TierLink, page_size: int, max_chains: int = 4096,
+                 worker: CopyWorker | None = None, ahead_pages: int = 0, counters: ReuseCounters | None = None) -> None:
         self.pages = pages
         self.link = link
         self.page_size = page_size
         self.max_chains = max_chains
+        self.worker = worker
+        self.ahead_pages = ahead_pages
         self._chains: OrderedDict[BlockHash, PageChain] = OrderedDict()  # by last hash, oldest first
         self._holders: dict[BlockHash, set[BlockHash]] = {}  # page hash -> chains containing it
+        self._writing: dict[BlockHash, BlockHash] = {}  # page hash -> the chain being written ahead holding it
         self.spills = 0
+        self.counters = counters or ReuseCounters()  # spills_ahead / spills_on_step: off or on the step
         pages.on_evict = self._evicting
 
     def add(self, chain: PageChain) -> None:
@@ -55,18 +70,55 @@ class PageChains:
 
     def _evicting(self, page: int, page_hash: BlockHash) -> None:
         """PagePool hook: `page` (content intact) is about to be handed out fresh."""
+        writing = self._writing.get(page_hash)
+        if writing is not None and self.worker is not None:
+            self.worker.wait_for(writing)  # the write ahead still reads this page
         for name in list(self._holders.get(page_hash, ())):
-            chain = self._chains.get(name)
-            if chain is None:
-                continue
-            self._forget(name)
-            pages = [self.pages.page_for(h) for h in chain.hashes]
-            if any(p is None for p in pages):
-                continue  # a page went without passing through here: nothing whole to write
-            spilled = self.link.spill(Spillable(
-                name, chain.namespace, len(chain.hashes) * self.page_size, ReuseKind.PAGES, chain.request_class,
-                tuple(chain.hashes), None, [p for p in pages if p is not None], None))
-            self.spills += int(spilled)
+            spillable = self._take(name)
+            if spillable is not None:
+                self.counters.spills_on_step += 1
+                self.spills += int(self.link.spill(spillable))
+
+    def _take(self, name: BlockHash) -> Spillable | None:
+        """Stop tracking chain `name`; what writing it below needs, if all its pages are intact."""
+        chain = self._chains.get(name)
+        if chain is None:
+            return None
+        self._forget(name)
+        pages = [self.pages.page_for(h) for h in chain.hashes]
+        if any(p is None for p in pages):
+            return None  # a page went without passing through here: nothing whole to write
+        return Spillable(name, chain.namespace, len(chain.hashes) * self.page_size, ReuseKind.PAGES,
+                         chain.request_class, tuple(chain.hashes), None, [p for p in pages if p is not None], None)
+
+    def write_ahead(self) -> None:
+        """Once blank pages run short, hand the chain the allocator reaches first to the worker
+        (engine thread, each step). One chain at a time."""
+        if self.worker is None or not self.ahead_pages or self._writing or self.pages.num_blank >= self.ahead_pages \
+                or not self.link.client.available:
+            return
+        for _, page_hash in self.pages.next_cached(self.ahead_pages):
+            for name in list(self._holders.get(page_hash, ())):
+                spillable = self._take(name)
+                if spillable is not None:
+                    self._submit(spillable)
+                    return
+
+    def _submit(self, spillable: Spillable) -> None:
+        assert self.worker is not None
+        name, link = spillable.name, self.link
+        for h in spillable.page_hashes:
+            self._writing[h] = name
+
+        def done(written: bool) -> None:  # engine thread
+            for h in spillable.page_hashes:
+                if self._writing.get(h) == name:
+                    del self._writing[h]
+            if written:
+                self.spills += 1
+                self.counters.spills_ahead += 1
+
+        self.worker.submit(CopyJob(name, lambda: link.spill(spillable), done))
 
     def _forget(self, name: BlockHash) -> None:
         chain = self._chains.pop(name)
@@ -79,6 +131,13 @@ class PageChains:
 
     def __len__(self) -> int:
         return len(self._chains)
+
+    def views(self) -> list[StateView]:
+        """The tracked chains, oldest first, as the Monitor lists them (engine thread)."""
+        page_bytes = self.link.codec.page_bytes
+        return [StateView(name, ReuseKind.PAGES, ReuseTier.DEVICE, c.request_class, len(c.hashes) * self.page_size,
+                          len(c.hashes) * page_bytes, len(c.hashes), None, None)
+                for name, c in self._chains.items()]
 
     def check_integrity(self) -> None:
         want: dict[BlockHash, set[BlockHash]] = {}

@@ -13,6 +13,9 @@ of the same or a lower class); otherwise the capture is skipped and counted.
 With a tierstore (`tiers`), a state the device evicts is spilled to KV-RAM
 instead of lost, and a lookup also asks the store; a lower-tier state is used
 only if it beats the device match by more than `restore_floor` tokens (ties go up).
+With a copy worker, the state the device will give up next (the lowest-ranked one,
+once no slot or few pages are free) is written to KV-RAM ahead of need, off the step,
+so that its eviction costs no copy; captures that go straight down a tier are staged.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
 from common.eviction import EvictionOrder
 from common.logs import log_event
 from engine.cache.reuse import Claim, HeldState
-from engine.cache.retained_state import RetainedState
+from engine.cache.retained_state import RetainedState, StateView
 from engine.cache.staging import StagedCopy, StagingRing
 from engine.cache.tier_claims import LowerTierClaims, TieredReuse
 from engine.facts import RequestClass, ReuseKind, ReuseTier
@@ -37,6 +41,7 @@ from engine.kv.host_slots import HostSlots
 from engine.kv.page_pool import PagePool
 from engine.request import CommitPolicy, EngineSequence
 from engine.tiers.codec import StateCodec
+from engine.tiers.copy_worker import CopyJob, CopyWorker
 from engine.tiers.link import Spillable, TierLink
 
 log = logging.getLogger("ignis.request")
@@ -46,11 +51,16 @@ class RetainedStateReuse(TieredReuse):
     def __init__(self, cache: DeviceCache, pages: PagePool, first_slot: int, num_slots: int,
                  interactive_ttl: float, max_per_lineage: int = 2, tiers: TierLink | None = None,
                  restore_floor: int = 32, host: HostSlots | None = None, codec: StateCodec | None = None,
-                 ring: StagingRing | None = None) -> None:
+                 ring: StagingRing | None = None, worker: CopyWorker | None = None, ahead_pages: int = 0) -> None:
         super().__init__()
-        if host is not None and codec is None:
-            raise ValueError("host slots need the state codec: this is a bug")
+        if (host is not None or ring is not None) and codec is None:
+            raise ValueError("host slots and staging need the state codec: this is a bug")
         self.host, self.codec, self.ring = host, codec, ring
+        # One worker runs staged copies and writes ahead (the ring's, unless one is given).
+        self.worker = worker if worker is not None else (ring.worker if ring is not None else None)
+        self.ahead_pages = ahead_pages  # write ahead once fewer device pages than this are free
+        self._ahead: RetainedState | None = None  # the state being written ahead now (one at a time)
+        self._releasing: list[RetainedState] = []  # dropped while a copy still reads them: freed once it is done
         self.cache = cache
         self.pages = pages
         self.page_size = cache.page_size
@@ -305,14 +315,133 @@ class RetainedStateReuse(TieredReuse):
 
         self.ring.submit(StagedCopy(buffer, copy, done))
 
+    def _stage_below(self, seq: EngineSequence, name: BlockHash, m: int, kind: ReuseKind,
+                     logits: torch.Tensor | None, buffer: int) -> None:
+        """A capture straight to KV-RAM through the ring: on the step the slot and the partial
+        page into the buffer and a reference to the full pages; the worker reserves, writes
+        them in the arena's layout and commits."""
+        assert self.ring is not None and self.tiers is not None and self.codec is not None and seq.slot is not None
+        codec, tiers = self.codec, self.tiers
+        full = m // self.page_size
+        partial = [seq.page_table[full]] if m % self.page_size else []
+        codec.pack_window(self.ring.buffers[buffer], 0, self.page_size, seq.slot, partial, 0)  # [slot | one page]
+        pages = seq.page_table[:full]
+        self.pages.share(pages)  # immutable full pages, kept alive until the write is done
+        namespace, cls, hashes = seq.namespace, seq.request.request_class, tuple(seq.page_hashes[:full])
+        # Held claimants wait for it (in_flight) instead of prefilling it again.
+        pending = RetainedState(
+            name=name, anchor=hashes[-1] if hashes else namespace, num_tokens=m, kind=kind, tier=ReuseTier.RAM,
+            slot=-1, pages=pages, request_class=cls, lineage=None, logits=logits, namespace=namespace,
+            page_hashes=hashes, ready=False)
+        self._pending.append(pending)
+        staged = self._staged_write(m, pages, bool(partial), logits)
+        nbytes = codec.nbytes(m, logits is not None)
+
+        def copy(buf: torch.Tensor) -> bool:  # worker thread; False: the store did not take it (no room, down)
+            return tiers.write_state(name, namespace, m, kind, cls, hashes, nbytes,
+                                     lambda arena, offset: staged(buf, arena, offset), source="staged")
+
+        def done(written: bool) -> None:  # engine thread
+            self._pending.remove(pending)
+            self.pages.release(pages)
+            if written:
+                self.counters.captures_below += 1
+                if self.lower is not None:
+                    self.lower.forget()  # a claimant held for it asks the store again
+            else:
+                self.counters.slot_skips += 1
+
+        self.ring.submit(StagedCopy(buffer, copy, done))
+
+    def _staged_write(self, m: int, full_pages: list[int], partial: bool, logits: torch.Tensor | None
+                      ) -> Callable[[torch.Tensor, torch.Tensor, int], None]:
+        """(staging buffer, destination, offset) -> writes the state at `m` in the codec's layout:
+        its slot and partial page from the buffer, its full pages from the device."""
+        assert self.codec is not None
+        codec, full = self.codec, m // self.page_size
+        head = codec.sections(0).kv
+
+        def write(buf: torch.Tensor, dest: torch.Tensor, offset: int) -> None:
+            dest[offset:offset + head].copy_(buf[:head])
+            codec.pack_pages(dest, offset, m, full_pages, 0)
+            if partial:
+                start = offset + codec.sections(m).kv + full * codec.page_bytes
+                dest[start:start + codec.page_bytes].copy_(buf[head:head + codec.page_bytes])
+            if logits is not None:
+                codec.write_logits(dest, offset, m, logits)
+        return write
+
     def poll(self) -> None:
-        if self.ring is not None:
-            self.ring.collect()
+        if self.worker is not None:
+            self.worker.collect()  # staged captures and writes ahead that are through
+            self._write_ahead()
+
+    def notify_copies(self, wake: Callable[[], None]) -> None:
+        if self.worker is not None:
+            self.worker.notify = wake
+
+    @property
+    def copying(self) -> bool:
+        return self.worker is not None and self.worker.in_flight > 0
+
+    @property
+    def copy_waits(self) -> int:
+        return self.worker.waits if self.worker is not None else 0
+
+    def _write_ahead(self) -> None:
+        """Write the state the device gives up next to KV-RAM now, off the step, so that its eviction
+        is free: the lowest-ranked device state once no retained slot (or fewer than `ahead_pages`
+        pages) is free, the lowest-ranked host state once the host block is full. One at a time;
+        a state is tried once."""
+        if self.tiers is None or self.worker is None or self._ahead is not None or not self.ahead_pages \
+                or not self.tiers.client.available:
+            return
+        pressed = []
+        if self.num_slots and (not self._free_slots or self.pages.num_free < self.ahead_pages):
+            pressed.append(ReuseTier.DEVICE)
+        if self.host is not None and not self.host.num_free:
+            pressed.append(ReuseTier.HOST)
+        now = time.monotonic()
+        for tier in pressed:
+            ranked = self.eviction_order(now, tier)
+            if ranked and not ranked[0].below and not ranked[0].ahead_tried:
+                self._submit_ahead(ranked[0])
+                return
+
+    def _submit_ahead(self, state: RetainedState) -> None:
+        assert self.tiers is not None and self.worker is not None
+        tiers, host, codec = self.tiers, self.host, self.codec
+        state.ahead_tried = True
+        self._ahead = state
+        if state.tier is ReuseTier.HOST:
+            assert host is not None and codec is not None
+            data = host.view(state.slot, codec.nbytes(state.num_tokens, state.logits is not None))
+
+            def run() -> bool:  # worker thread: the host slot is in the arena's layout already
+                return tiers.spill_bytes(state.name, state.namespace, state.num_tokens, state.kind,
+                                         state.request_class, state.page_hashes, data)
+        else:
+            spillable = self._spillable(state)
+
+            def run() -> bool:  # worker thread: the slot and pages are immutable while it is retained
+                return tiers.spill(spillable)
+
+        def done(written: bool) -> None:  # engine thread
+            self._ahead = None
+            if written:
+                state.below = True
+                self.counters.spills_ahead += 1
+            if state in self._releasing:  # dropped while it was being written
+                self._releasing.remove(state)
+                self._release_memory(state)
+
+        self.worker.submit(CopyJob(state, run, done))
 
     def close(self) -> None:
         if self.ring is not None:
-            self.ring.collect(wait=True)
             self.ring.close()
+        if self.worker is not None:
+            self.worker.close()
 
     def _lineage_for(self, seq: EngineSequence, kind: ReuseKind) -> int | None:
         if kind is not ReuseKind.CHECKPOINT:
@@ -335,9 +464,16 @@ class RetainedStateReuse(TieredReuse):
     def _capture_below(self, seq: EngineSequence, name: BlockHash, m: int, kind: ReuseKind,
                        logits: torch.Tensor | None) -> None:
         """Write the state at `m` from the sequence's own slot and pages to the tier below;
-        without one the capture is skipped (never allocated on the fly)."""
+        without one the capture is skipped (never allocated on the fly). With the staging ring
+        only the slot and the partial page are copied on the step; with both buffers busy it
+        is written here and now."""
         assert seq.slot is not None
         full = m // self.page_size
+        if self.tiers is not None and self.ring is not None and self.tiers.client.available:
+            buffer = self.ring.acquire()
+            if buffer is not None:
+                self._stage_below(seq, name, m, kind, logits, buffer)
+                return
         spilled = self.tiers is not None and self.tiers.spill(Spillable(
             name, seq.namespace, m, kind, seq.request.request_class, tuple(seq.page_hashes[:full]), seq.slot,
             seq.page_table[:-(-m // self.page_size)], logits))
@@ -376,8 +512,14 @@ class RetainedStateReuse(TieredReuse):
         return self.pages.num_free >= pages_needed
 
     def _evict(self, state: RetainedState) -> None:
-        """Its slot (or pages) are needed: move the state down a tier if there is one, then free it."""
-        spilled = self.tiers is not None and self._spill(state)
+        """Its slot (or pages) are needed: move the state down a tier if there is one, then free it.
+        A state written ahead is below already; one being written ahead is waited for."""
+        if self.worker is not None and self.worker.pending(state):
+            self.worker.wait_for(state)  # its write reads the memory about to be reused
+        spilled = state.below
+        if not spilled and self.tiers is not None:
+            self.counters.spills_on_step += 1
+            spilled = self._spill(state)
         if not spilled:
             log_event(log, "ignis.request.evicted", hash=state.name.hex(), tokens=state.num_tokens,
                       kind=state.kind.value, tier="device")
@@ -391,9 +533,12 @@ class RetainedStateReuse(TieredReuse):
             nbytes = self.codec.nbytes(state.num_tokens, state.logits is not None)
             return self.tiers.spill_bytes(state.name, state.namespace, state.num_tokens, state.kind,
                                           state.request_class, state.page_hashes, self.host.view(state.slot, nbytes))
-        return self.tiers.spill(Spillable(
-            state.name, state.namespace, state.num_tokens, state.kind, state.request_class,
-            state.page_hashes, state.slot, state.pages, state.logits))
+        return self.tiers.spill(self._spillable(state))
+
+    @staticmethod
+    def _spillable(state: RetainedState) -> Spillable:
+        return Spillable(state.name, state.namespace, state.num_tokens, state.kind, state.request_class,
+                         state.page_hashes, state.slot, list(state.pages), state.logits)
 
     def _drop(self, state: RetainedState) -> None:
         if self._by_name.pop(state.name, None) is None:
@@ -408,18 +553,39 @@ class RetainedStateReuse(TieredReuse):
                 chain.remove(state)
                 if not chain:
                     del self._lineages[state.lineage]
+        if state.tier is ReuseTier.HOST and not state.ready:  # its staged copy is running: done() frees it
+            return
+        if self.worker is not None and self.worker.pending(state):  # being written ahead: freed once written
+            self._releasing.append(state)
+            return
+        self._release_memory(state)
+
+    def _release_memory(self, state: RetainedState) -> None:
+        """Give back the slot (and device pages) of a state no longer indexed."""
         if state.tier is ReuseTier.HOST:
             assert self.host is not None
-            if not state.ready:  # its copy is still running: done() finishes dropping it
-                return
             self.host.release(state.slot)
         else:
             self.pages.release(state.pages)
             self._free_slots.append(state.slot)
 
     # --- introspection ------------------------------------------------------------
+    def describe(self) -> list[StateView]:
+        """Every indexed state as a copy (the Monitor; engine thread): one list walk, no ranking."""
+        shape, geometry = self.cache.shape, self.cache.geometry
+        page_bytes = shape.kv_bytes_per_page(self.page_size, geometry.dtype)
+        slot_bytes = shape.state_bytes_per_slot(geometry.dtype)
+        views = []
+        for s in self._by_name.values():
+            if s.tier is ReuseTier.HOST and self.codec is not None:
+                nbytes = self.codec.nbytes(s.num_tokens, s.logits is not None)
+            else:
+                nbytes = len(s.pages) * page_bytes + slot_bytes
+            views.append(s.view(nbytes))
+        return views
+
     def held_pages(self) -> set[int]:
-        return {p for s in [*self._by_name.values(), *self._pending] for p in s.pages}
+        return {p for s in [*self._by_name.values(), *self._pending, *self._releasing] for p in s.pages}
 
     @property
     def retained_slots(self) -> tuple[int, int]:
@@ -431,12 +597,12 @@ class RetainedStateReuse(TieredReuse):
         return (self.host.num_slots, self.host.num_used) if self.host is not None else (0, 0)
 
     def check_integrity(self) -> None:
-        on_host = {s for s in [*self._by_name.values(), *self._pending] if s.tier is ReuseTier.HOST}
+        on_host = {s for s in [*self._by_name.values(), *self._pending, *self._releasing] if s.tier is ReuseTier.HOST}
         if self.host is not None:
             self.host.check_used({s.slot for s in on_host})
         elif on_host:
             raise AssertionError("host states without host slots")
-        device = [s for s in self._by_name.values() if s.tier is ReuseTier.DEVICE]
+        device = [s for s in [*self._by_name.values(), *self._releasing] if s.tier is ReuseTier.DEVICE]
         used = {s.slot for s in device}
         if len(used) != len(device) or used & set(self._free_slots):
             raise AssertionError("retained slots are double-booked")
@@ -449,3 +615,4 @@ class RetainedStateReuse(TieredReuse):
             for page in state.pages:
                 if self.pages.refcount(page) <= 0:
                     raise AssertionError(f"retained state holds free page {page}")
+

@@ -33,8 +33,34 @@ class RetainedState:
     page_hashes: tuple[BlockHash, ...]  # hashes of its full pages (for the tierstore)
     last_used: float = field(default_factory=time.monotonic)
     ready: bool = True  # False while a staged copy is still filling its host slot: not claimable yet
+    below: bool = False  # a copy is committed in KV-RAM (written ahead of its eviction): leaving costs no copy
+    ahead_tried: bool = False  # a write ahead was attempted (it is not tried again)
+    created: float = field(default_factory=time.monotonic)  # for the Monitor's age column
+    hits: int = 0  # claims of it (counted by PromptReuse.record)
 
     def resident(self) -> Resident:
         """What the one eviction order needs to know about it."""
         return Resident(interactive=self.request_class is RequestClass.INTERACTIVE, last_used=self.last_used,
                         prefix=self.kind is ReuseKind.PREFIX, tiebreak=self.name)
+
+    def view(self, nbytes: int) -> StateView:
+        """A copy for the Monitor (taken on the engine thread; read anywhere after)."""
+        return StateView(self.name, self.kind, self.tier, self.request_class, self.num_tokens, nbytes,
+                         len(self.pages), self.created, self.resident(), self.hits, self.ready)
+
+
+@dataclass(frozen=True, slots=True)
+class StateView:
+    """One retained state (or an attention-only page chain) as the Monitor lists it."""
+
+    name: BlockHash
+    kind: ReuseKind
+    tier: ReuseTier
+    request_class: RequestClass
+    tokens: int
+    nbytes: int
+    pages: int  # device pages it holds
+    created: float | None  # monotonic; None when not known (a page chain)
+    resident: Resident | None  # what the eviction order ranks; None: not ranked by it (a page chain)
+    hits: int = 0
+    ready: bool = True

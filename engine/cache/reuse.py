@@ -9,11 +9,12 @@ strategy when `reuse.prompt` is off.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.cache.retained_state import RetainedState
+from engine.cache.retained_state import RetainedState, StateView
 from engine.facts import ReuseKind, ReuseReport, ReuseTier
 from engine.request import EngineSequence
 from engine.tiers.link import TierHit
@@ -72,6 +73,8 @@ class ReuseCounters:
     protected_skips: int = 0  # captures that found the lowest-ranked state protected (not displaced)
     captures_below: int = 0  # captures written straight to the tier below (no device slot to take)
     staging_skips: int = 0  # host captures skipped because both staging buffers were busy
+    spills_ahead: int = 0  # states written to KV-RAM off the step, before the device gave them up
+    spills_on_step: int = 0  # states written to KV-RAM on the step, as the device gave them up
     inflight_holds: int = 0  # admissions held back while a running sequence computed what they would claim
     captures: int = 0
     evictions: int = 0
@@ -130,6 +133,12 @@ class PromptReuse(ABC):
             self.counters.misses += 1
         else:
             self.counters.count_hit(seq, claim, claim.tier)
+            if isinstance(claim.source, HeldState):
+                claim.source.state.hits += 1
+
+    def describe(self) -> list[StateView]:
+        """A copy of what it retains, one row per state (engine thread; the Monitor's listing)."""
+        return []
 
     def held_pages(self) -> set[int]:
         """Pages kept in use by retained state (not by any live sequence)."""
@@ -146,7 +155,21 @@ class PromptReuse(ABC):
         return (0, 0)
 
     def poll(self) -> None:
-        """At the start of each step: finish work done off the step (staged copies)."""
+        """At the start of each step, and when idle after `notify_copies` fired: finish work done
+        off the step (staged copies, writes ahead) and start what is due."""
+
+    def notify_copies(self, wake: Callable[[], None]) -> None:
+        """Call `wake` (from the copy worker) whenever a copy off the step is through."""
+
+    @property
+    def copying(self) -> bool:
+        """Copies off the step are in flight (the engine polls them even when it has no work)."""
+        return False
+
+    @property
+    def copy_waits(self) -> int:
+        """Times a step waited for a copy off the step to finish before reusing the memory it read."""
+        return 0
 
     def close(self) -> None:
         """The engine stops: finish or drop work in flight."""

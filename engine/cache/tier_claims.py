@@ -30,6 +30,10 @@ class LowerTierClaims:
         self._memo: dict[int, tuple[float, int, TierHit | None]] = {}  # seq_id -> (at, tokens, hit)
         self._restored: tuple[int, ReuseTier] | None = None  # (seq_id, tier) of the last apply
 
+    def forget(self) -> None:
+        """A state was just written below: answers remembered from before may be stale."""
+        self._memo.clear()
+
     def worth_asking(self, seq: EngineSequence, have: int) -> bool:
         """Could anything below the device beat a device match of `have` tokens?"""
         return len(seq.token_ids) - have > self.restore_floor

@@ -26,10 +26,10 @@ class HostSlots(SlotPool):
     def offset(self, slot: int) -> int:
         return slot * self.slot_bytes
 
-    def view(self, slot: int, nbytes: int) -> memoryview:
-        """The first `nbytes` of a slot as bytes (to copy it elsewhere in one go)."""
+    def view(self, slot: int, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of a slot (uint8), to copy it elsewhere in one go."""
         start = self.offset(slot)
-        return self.block.numpy().data[start:start + nbytes]
+        return self.block[start:start + nbytes]
 
     def check_used(self, used: set[int]) -> None:
         """The slots the retained states hold are exactly the ones not free."""

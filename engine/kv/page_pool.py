@@ -43,8 +43,30 @@ class PagePool:
         return self._num_cached_free
 
     @property
+    def num_blank(self) -> int:
+        """Free pages holding no findable content: allocate() hands these out first."""
+        return len(self._blank)
+
+    def next_cached(self, limit: int) -> list[tuple[int, BlockHash]]:
+        """The first `limit` cached free pages allocate() will give up, in that order, with their
+        hashes (after the blank ones): what to write below before the pool needs them."""
+        out: list[tuple[int, BlockHash]] = []
+        for page in self._free:
+            if len(out) >= limit:
+                break
+            page_hash = self._hash_of.get(page)
+            if page_hash is not None:
+                out.append((page, page_hash))
+        return out
+
+    @property
     def num_used(self) -> int:
         return self.num_pages - len(self._free)
+
+    @property
+    def num_registered(self) -> int:
+        """Pages holding findable content, in use or free."""
+        return len(self._hash_of)
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]

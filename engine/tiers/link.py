@@ -1,14 +1,23 @@
 """Retained states moving between the device and the tierstore: spill, look up, restore.
 
-Used by RetainedStateReuse on the engine thread. Every failure ends in "nothing
-happened": a spill that fails loses the state (as without a store), a restore that
-fails leaves the sequence cold.
+Used on the engine thread, and by the copy worker (engine/tiers/copy_worker.py) for
+spills written ahead of need. Every failure ends in "nothing happened": a spill that
+fails loses the state (as without a store), a restore that fails leaves the sequence
+cold.
+
+Two threads share the link, so its calls to the store and its use of the arena mapping
+are serialised by one lock; the bulk of a spill (the copy into its reservation, the
+checksum and the integrity tag) runs outside it, on the arena tensor the reservation was
+made in: holding that tensor keeps its mapping alive, and a store restart meanwhile
+voids the reservation at Commit (`still_mapped`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -75,99 +84,111 @@ class TierLink:
         self.restores = 0
         self.restore_failures = 0
         self.rejected = 0  # restores refused: the bytes or metadata are not what this engine wrote
+        self._lock = threading.RLock()  # the store calls and the mapping: the engine thread and the copy worker
 
     # --- down ----------------------------------------------------------------------------
     def spill(self, s: Spillable) -> bool:
         """Write a state leaving the device into KV-RAM; True if the store now holds it."""
+        nbytes = self.codec.nbytes(s.tokens, s.logits is not None)
+        return self.write_state(s.name, s.namespace, s.tokens, s.kind, s.request_class, s.page_hashes, nbytes,
+                                lambda arena, offset: self.codec.pack(arena, offset, s.tokens, s.slot, s.pages,
+                                                                      s.logits))
+
+    def spill_bytes(self, name: BlockHash, namespace: BlockHash, tokens: int, kind: ReuseKind,
+                    request_class: RequestClass, page_hashes: tuple[BlockHash, ...], data: torch.Tensor) -> bool:
+        """Write a state already in the arena's byte layout (`data`, uint8: a host slot) into KV-RAM:
+        one copy."""
+        return self.write_state(name, namespace, tokens, kind, request_class, page_hashes, len(data),
+                                lambda arena, offset: arena[offset:offset + len(data)].copy_(data), source="host")
+
+    def write_state(self, name: BlockHash, namespace: BlockHash, tokens: int, kind: ReuseKind,
+                    request_class: RequestClass, page_hashes: tuple[BlockHash, ...], nbytes: int,
+                    write: Callable[[torch.Tensor, int], object], source: str = "device") -> bool:
+        """Reserve `nbytes`, let `write(arena, offset)` fill them in the codec's layout, Commit; True if
+        the store now holds the state. Runs on the engine thread or the copy worker."""
         if not self.client.available:
             return False
         # One trace per spill (it belongs to no request): Register, Reserve and Commit are its children.
         with trace.get_tracer("ignis.engine").start_as_current_span(
-                "engine.spill", attributes={"ignis.hash": s.name.hex(), "ignis.tokens": s.tokens,
-                                            "ignis.kind": s.kind.value}) as span:
-            spilled = self._spill(s)
+                "engine.spill", attributes={"ignis.hash": name.hex(), "ignis.tokens": tokens,
+                                            "ignis.kind": kind.value}) as span:
+            started = time.perf_counter()
+            with self._lock:
+                reservation = self.reserve(name, namespace, nbytes, request_class)
+                if reservation is None:
+                    # ALREADY_EXISTS: states are immutable, the store already holds this one.
+                    return self.client.last_code is grpc.StatusCode.ALREADY_EXISTS
+                arena = self.arena_for(reservation)
+            if arena is None:
+                return self._abandon(reservation)
+            write(arena, reservation.offset)
+            spilled = self.commit(reservation, tokens, kind, request_class, page_hashes, arena)
             span.set_attribute("ignis.spilled", spilled)
+            if spilled:
+                log_event(log, "ignis.request.spilled", hash=name.hex(), tokens=tokens, kind=kind.value, tier="ram",
+                          bytes=nbytes, ms=round((time.perf_counter() - started) * 1000, 3), source=source)
             return spilled
-
-    def _spill(self, s: Spillable) -> bool:
-        started = time.perf_counter()
-        nbytes = self.codec.nbytes(s.tokens, s.logits is not None)
-        reservation = self.reserve(s.name, s.namespace, nbytes, s.request_class)
-        if reservation is None:
-            # ALREADY_EXISTS: states are immutable, the store already holds this one.
-            return self.client.last_code is grpc.StatusCode.ALREADY_EXISTS
-        arena = self.client.arena
-        assert arena is not None
-        self.codec.pack(arena, reservation.offset, s.tokens, s.slot, s.pages, s.logits)
-        if not self.commit(reservation, s.tokens, s.kind, s.request_class, s.page_hashes):
-            return False
-        log_event(log, "ignis.request.spilled", hash=s.name.hex(), tokens=s.tokens, kind=s.kind.value, tier="ram",
-                  bytes=nbytes, ms=round((time.perf_counter() - started) * 1000, 3))
-        return True
-
-    def spill_bytes(self, name: BlockHash, namespace: BlockHash, tokens: int, kind: ReuseKind,
-                    request_class: RequestClass, page_hashes: tuple[BlockHash, ...], data: memoryview) -> bool:
-        """Write a state already in the arena's byte layout (a host slot) into KV-RAM: one copy."""
-        if not self.client.available:
-            return False
-        started = time.perf_counter()
-        reservation = self.reserve(name, namespace, len(data), request_class)
-        if reservation is None:
-            return self.client.last_code is grpc.StatusCode.ALREADY_EXISTS
-        self.client.arena_bytes(reservation.offset, len(data))[:] = data
-        if not self.commit(reservation, tokens, kind, request_class, page_hashes):
-            return False
-        log_event(log, "ignis.request.spilled", hash=name.hex(), tokens=tokens, kind=kind.value, tier="ram",
-                  bytes=len(data), ms=round((time.perf_counter() - started) * 1000, 3), source="host")
-        return True
 
     def reserve(self, name: BlockHash, namespace: BlockHash, nbytes: int, request_class: RequestClass,
                 protect_seconds: float = 0.0) -> Reservation | None:
         """An arena extent to write a state into, in the arena mapped now; None (counted as a
         failed spill unless the state exists already) when the store is down or has no room."""
-        if not self.client.ensure(namespace):
-            return None
-        reply = self.client.reserve(name, nbytes, request_class_pb(request_class), protect_seconds)
-        if reply is None:
-            if self.client.last_code is not grpc.StatusCode.ALREADY_EXISTS:
-                self.spill_failures += 1  # no room, or the store is down
-            return None
-        if not self.client.same_instance(reply.instance_id) and not self.client.ensure(namespace):
-            self.client.drop(name)  # the store restarted under us and cannot be mapped
-            self.spill_failures += 1
-            return None
-        return Reservation(name, namespace, reply.extent.offset, nbytes, reply.instance_id)
+        with self._lock:
+            if not self.client.ensure(namespace):
+                return None
+            reply = self.client.reserve(name, nbytes, request_class_pb(request_class), protect_seconds)
+            if reply is None:
+                if self.client.last_code is not grpc.StatusCode.ALREADY_EXISTS:
+                    self.spill_failures += 1  # no room, or the store is down
+                return None
+            if not self.client.same_instance(reply.instance_id) and not self.client.ensure(namespace):
+                self.client.drop(name)  # the store restarted under us and cannot be mapped
+                self.spill_failures += 1
+                return None
+            return Reservation(name, namespace, reply.extent.offset, nbytes, reply.instance_id)
 
     def still_mapped(self, reservation: Reservation) -> bool:
         """Whether the reservation's arena is the one mapped now (a store restart voids it)."""
         return self.client.arena is not None and self.client.instance_id == reservation.instance
 
+    def arena_for(self, reservation: Reservation) -> torch.Tensor | None:
+        """The arena the reservation lives in while it is the one mapped, else None. Holding the
+        tensor keeps its mapping alive, so bytes can be copied into it outside the lock."""
+        with self._lock:
+            return self.client.arena if self.still_mapped(reservation) else None
+
     def commit(self, reservation: Reservation, tokens: int, kind: ReuseKind, request_class: RequestClass,
-               page_hashes: tuple[BlockHash, ...] = ()) -> bool:
-        """Publish a written reservation; on failure the reservation is abandoned."""
+               page_hashes: tuple[BlockHash, ...] = (), arena: torch.Tensor | None = None) -> bool:
+        """Publish a written reservation (written into `arena`, the one mapped now if not given);
+        on failure the reservation is abandoned."""
         r = reservation
-        if not self.still_mapped(r):
-            self.client.drop(r.name)
-            self.spill_failures += 1
-            return False
-        data = self.client.arena_bytes(r.offset, r.nbytes)
+        arena = arena if arena is not None else self.arena_for(r)
+        if arena is None:
+            return self._abandon(r)
+        data = arena[r.offset:r.offset + r.nbytes].numpy().data  # a view: hashed outside the lock
         # Our own checksum: Commit rejects it if the bytes landed in a stale mapping (store restarted).
         # The tag is what a restore trusts: the store cannot make one (engine/tiers/integrity.py).
         meta = tierstore_pb2.StateMetadata(
             namespace=r.namespace, tokens=tokens, kind=reuse_kind_pb(kind), request_class=request_class_pb(request_class),
             page_hashes=page_hashes, checksum=xxhash.xxh3_128_digest(data), nbytes=r.nbytes,
             engine_tag=self.key.tag(r.name, r.namespace, tokens, data))
-        if not self.client.commit(r.name, meta):
-            self.client.drop(r.name)  # abandon the reservation
-            self.spill_failures += 1
-            return False
-        self.spills += 1
+        with self._lock:
+            if not self.still_mapped(r) or not self.client.commit(r.name, meta):
+                return self._abandon(r)
+            self.spills += 1
         return True
+
+    def _abandon(self, reservation: Reservation) -> bool:
+        with self._lock:
+            self.client.drop(reservation.name)
+            self.spill_failures += 1
+        return False
 
     def drop(self, name: BlockHash) -> None:
         """Remove a state from every tier (a live sequence's, once it is restored or cancelled)."""
-        if self.client.available:
-            self.client.drop(name)
+        with self._lock:
+            if self.client.available:
+                self.client.drop(name)
 
     # --- lookup --------------------------------------------------------------------------
     def find(self, namespace: BlockHash, page_hashes: list[BlockHash], tokens: list[int]) -> TierHit | None:
@@ -178,6 +199,10 @@ class TierLink:
         opener) come back as anchored candidates, and we keep those whose name is the
         hash of our own tokens up to their end.
         """
+        with self._lock:
+            return self._find(namespace, page_hashes, tokens)
+
+    def _find(self, namespace: BlockHash, page_hashes: list[BlockHash], tokens: list[int]) -> TierHit | None:
         if not self.client.available:
             return None
         n = len(tokens)
@@ -220,6 +245,11 @@ class TierLink:
         A hit of kind `pages` may be a page-aligned prefix of a longer attention-only
         state: its first len(pages) pages are copied (the whole blob is still checksummed).
         """
+        with self._lock:
+            return self._restore(namespace, hit, slot, pages, request_id)
+
+    def _restore(self, namespace: BlockHash, hit: TierHit, slot: int | None, pages: list[int], request_id: str
+                 ) -> tuple[ReuseTier, torch.Tensor | None] | None:
         if not self.client.ensure(namespace):
             self.restore_failures += 1
             return None
