@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from concurrent.futures import Future
 
 import torch
 import xxhash
@@ -31,6 +32,7 @@ from engine.request import EngineRequest, EngineSequence, FinishReason, SeqStatu
 from engine.runner import ModelRunner
 from engine.sampling.sampler import RequestSampler, sample
 from engine.scheduler import Scheduler, SchedulerLimits
+from engine.state_listing import EngineSnapshot, take_snapshot
 from engine.text.detokenizer import TextStream
 from engine.text.tokenizer import Tokenizer
 
@@ -195,6 +197,22 @@ class EngineCore:
             moving=len(self.moves.moving),
         )
 
+    def request_snapshot(self) -> Future[EngineSnapshot]:
+        """A copy of the stats and the retained-state index for the Monitor (any thread): taken by the
+        step thread between two steps, so it never holds a step up for more than the copy."""
+        future: Future[EngineSnapshot] = Future()
+        if self._thread is None or not self._thread.is_alive():  # a synchronous driver, or stopped
+            future.set_result(self.snapshot())
+            return future
+        self._inbox.append(("snapshot", future))
+        self._wake.set()
+        return future
+
+    def snapshot(self) -> EngineSnapshot:
+        """The copy itself (the thread that steps)."""
+        return take_snapshot(self.stats(), self.reuse, self.pages, list(self._namespaces.values()),
+                             list(self.outputs.recent))
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
@@ -228,6 +246,15 @@ class EngineCore:
             elif kind == "abort":
                 assert isinstance(item, str)
                 self._cancel(item)
+            elif kind == "snapshot":
+                assert isinstance(item, Future)
+                if not item.set_running_or_notify_cancel():  # the caller gave up waiting
+                    continue
+                try:
+                    item.set_result(self.snapshot())
+                except Exception as exc:  # a bug: the listing fails, the engine goes on
+                    log.exception("taking the Monitor's snapshot failed")
+                    item.set_exception(exc)
 
     def _new_seq(self, request: EngineRequest, choice: int, sampler: RequestSampler) -> EngineSequence:
         self._next_seq += 1

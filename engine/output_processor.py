@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ events = logging.getLogger("ignis.request")  # ignis.request.done, one JSON line
 
 Sink = Callable[[RequestUpdate], None]
 Deltas = dict[str, list[ChoiceDelta]]  # request id -> this step's deltas
+RECENT_REQUESTS = 200  # finished requests the Monitor lists (a ring: the oldest leaves)
 
 
 @dataclass
@@ -62,6 +64,8 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.totals = totals
+        # (wall time it finished, its ignis.request.done fields); engine thread only, copied by the listing.
+        self.recent: deque[tuple[float, FinishedRequest]] = deque(maxlen=RECENT_REQUESTS)
 
     # --- per step -------------------------------------------------------------------------
     def collect_prompt_logprobs(self, live: LiveRequest, res: ChunkLogits) -> None:
@@ -177,4 +181,5 @@ class OutputProcessor:
             kind=usage.reuse.kind.value, ttft_ms=usage.time_to_first_token_ms, tokens_out=usage.completion_tokens,
             finish_reason=finish_reason, duration_ms=(time.monotonic() - live.request.arrival) * 1000)
         log_event(events, "ignis.request.done", **done.event_fields())
+        self.recent.append((time.time(), done))
         self.metrics.on_done(done, (s.seq_id for s in live.seqs))

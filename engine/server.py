@@ -13,6 +13,7 @@ from typing import AsyncIterator
 import grpc
 from grpc_health.v1 import health
 
+from common.eviction import EvictionOrder
 from common.grpc_server import build_server
 from common.grpc_server import set_serving as set_health
 from common.tracing import QUIET_METHODS, ServerTracingInterceptor
@@ -22,12 +23,14 @@ from engine.guided import CompiledGuide, GuidedCompiler, GuidedSpec, ModelFormat
 from engine.outputs import RequestUpdate
 from engine.prompt import RenderedPrompt, check_input_size, render_input
 from engine.request import EngineRequest
+from engine.state_listing import StateLister, parse_page, stats_message
 from engine.tracing import capture_context
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("ignis.engine")
 SERVICE_NAME = "ignis.v1.Engine"
 PROMPT_WORKERS = 2  # threads rendering and tokenizing prompts (off the event loop)
+SNAPSHOT_TIMEOUT = 30.0  # seconds ListState waits for the step thread's copy (a step runs at most that long)
 
 
 class EngineService(engine_pb2_grpc.EngineServicer):
@@ -38,6 +41,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self.accepting = True
         self._ids = itertools.count()
         self._prompts = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="ignis-prompt")
+        # ListState's ranking and tierstore calls: one worker, so a burst of monitors queues up.
+        self._listings = ThreadPoolExecutor(1, thread_name_prefix="ignis-listing")
+        self._lister: StateLister | None = None
         self._guided: GuidedCompiler | None = None  # built on the first guided request (it reads the vocabulary)
         self._guided_lock = threading.Lock()
         self._formats: ModelFormats | None = None
@@ -191,22 +197,29 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         except _Abort as exc:
             await context.abort(exc.code, exc.message)
             raise
-        return engine_pb2.GetStatsResponse(
-            waiting=engine_pb2.ClassCounts(interactive=s.waiting_interactive, agent=s.waiting_agent),
-            running=engine_pb2.ClassCounts(interactive=s.running_interactive, agent=s.running_agent),
-            page_pool=engine_pb2.PagePoolStats(total_pages=s.total_pages, used_pages=s.used_pages,
-                                               cached_pages=s.cached_pages, page_size=s.page_size),
-            state_slots=engine_pb2.SlotStats(total=s.total_slots, used=s.used_slots),
-            retained_device_slots=engine_pb2.SlotStats(total=s.retained_slots_total, used=s.retained_slots_used),
-            retained_host_slots=engine_pb2.SlotStats(total=s.retained_host_slots_total, used=s.retained_host_slots_used),
-            counters=engine_pb2.EngineCounters(
-                requests_finished=s.requests_finished, requests_cancelled=s.requests_cancelled,
-                requests_preempted=s.requests_preempted, prompt_tokens=s.prompt_tokens,
-                generated_tokens=s.generated_tokens, retained_state_hits=s.retained_hits,
-                retained_state_misses=s.retained_misses, reused_tokens=sum(s.reused_tokens.values()),
-                retained_slot_skips=s.retained_slot_skips, inflight_holds=s.inflight_holds,
-            ),
-        )
+        return stats_message(s)
+
+    async def ListState(self, request: engine_pb2.ListStateRequest, context: grpc.aio.ServicerContext
+                        ) -> engine_pb2.ListStateResponse:
+        try:
+            core = self.core
+            offset, rows = parse_page(request.page_size, request.page_token)
+        except _Abort as exc:
+            await context.abort(exc.code, exc.message)
+            raise
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise
+        try:
+            snap = await asyncio.wait_for(asyncio.wrap_future(core.request_snapshot()), SNAPSHOT_TIMEOUT)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine step did not hand over its state "
+                                f"within {SNAPSHOT_TIMEOUT:.0f} s")
+            raise
+        if self._lister is None:
+            self._lister = StateLister(self.model_id, EvictionOrder(core.config.retained_interactive_ttl), core.tiers)
+        return await asyncio.get_running_loop().run_in_executor(self._listings, self._lister.listing, snap,
+                                                                offset, rows)
 
 
 class _Abort(Exception):
@@ -223,7 +236,8 @@ def create_server(service: EngineService, address: str, tracing: bool = False
     With `tracing`, each RPC is a SERVER span continuing the caller's trace; gateways poll
     ListModels and monitors GetStats, so those are traced only inside a caller's trace.
     """
-    quiet = (*QUIET_METHODS, f"/{SERVICE_NAME}/ListModels", f"/{SERVICE_NAME}/GetStats")
+    quiet = (*QUIET_METHODS, f"/{SERVICE_NAME}/ListModels", f"/{SERVICE_NAME}/GetStats",
+             f"/{SERVICE_NAME}/ListState")
     return build_server(lambda server: engine_pb2_grpc.add_EngineServicer_to_server(service, server),
                         engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name, address, "engine",
                         [ServerTracingInterceptor(quiet)] if tracing else [])

@@ -23,6 +23,7 @@ from gateway.routes.completions import completions
 from gateway.routes.health import health
 from gateway.routes.metrics import metrics
 from gateway.routes.models import get_model, list_models
+from gateway.routes.monitor import MONITOR_PATHS, ignis_state, monitor_file
 from gateway.routes.responses import responses
 from gateway.state import GatewayState
 from gateway.tracing import TracingMiddleware
@@ -53,6 +54,8 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/ignis/state", ignis_state, methods=["GET"]),
+        *(Route(path, monitor_file, methods=["GET"]) for path in MONITOR_PATHS),
     ]
     # Outermost first: unexpected errors end as a 500 here, metrics see every answer (401s included),
     # then the trace span, the key check, and the body deadline around the routes' reads.
@@ -60,7 +63,9 @@ def create_app(config: GatewayConfig) -> Starlette:
     if config.tracing:  # without an exporter the spans would go nowhere: skip their per-request cost
         middleware.append(Middleware(TracingMiddleware))
     if config.api_key is not None:
-        middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key, public_paths=config.public_paths))
+        # The Monitor's page carries no data: it asks for the key and sends it with /v1/ignis/state.
+        middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key,
+                                     public_paths=(*config.public_paths, *MONITOR_PATHS)))
     middleware.append(Middleware(BodyDeadline, timeout=config.body_timeout, faults=state.faults))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={HTTPException: handle_http_exception})

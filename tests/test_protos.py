@@ -166,12 +166,12 @@ def test_put_stream_messages_are_oneofs() -> None:
 def test_services_have_the_expected_methods() -> None:
     engine = engine_pb2.DESCRIPTOR.services_by_name["Engine"]
     assert engine.full_name == "ignis.v1.Engine"
-    assert [m.name for m in engine.methods] == ["Generate", "Tokenize", "ListModels", "GetStats"]
+    assert [m.name for m in engine.methods] == ["Generate", "Tokenize", "ListModels", "GetStats", "ListState"]
     assert engine.methods_by_name["Generate"].server_streaming
     tierstore = tierstore_pb2.DESCRIPTOR.services_by_name["TierStore"]
     assert tierstore.full_name == "ignis.v1.TierStore"
     assert [m.name for m in tierstore.methods] == [
-        "Register", "Match", "Reserve", "Commit", "Acquire", "Release", "Drop", "Stats", "Put", "Get",
+        "Register", "Match", "Reserve", "Commit", "Acquire", "Release", "Drop", "Stats", "ListStates", "Put", "Get",
     ]
     assert tierstore.methods_by_name["Put"].client_streaming
     assert tierstore.methods_by_name["Get"].server_streaming

@@ -133,6 +133,15 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
                     ) -> tierstore_pb2.StatsResponse:
         return stats_message(await self._call(context, self.store.stats))
 
+    async def ListStates(self, request: tierstore_pb2.ListStatesRequest, context: grpc.aio.ServicerContext
+                         ) -> tierstore_pb2.ListStatesResponse:
+        rows, total = await self._call(context, self.store.list_states, [bytes(n) for n in request.namespaces],
+                                       request.offset, request.limit)
+        return tierstore_pb2.ListStatesResponse(total=total, states=[tierstore_pb2.StoredStateRow(
+            hash=v.info.hash, tier=v.tier, kind=v.info.kind, request_class=v.info.request_class,  # type: ignore[arg-type]
+            tokens=v.info.tokens, nbytes=v.info.nbytes, age_seconds=v.age_seconds, idle_seconds=v.idle_seconds,
+            hits=v.hits, protected=v.protected, rank=v.rank) for v in rows])
+
     async def Put(self, request_iterator: AsyncIterator[tierstore_pb2.PutRequest],
                   context: grpc.aio.ServicerContext) -> tierstore_pb2.PutResponse:
         messages = request_iterator.__aiter__()

@@ -122,6 +122,23 @@ class StoreStats:
     arena_usable: bool = True
 
 
+MAX_LIST_ROWS = 1000  # rows of one ListStates page
+MAX_LIST_NAMESPACES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class StoredStateView:
+    """One stored state as ListStates shows it (a copy: it never changes after the call)."""
+
+    info: StateInfo
+    tier: int  # RAM | DISK
+    age_seconds: float
+    idle_seconds: float
+    hits: int
+    protected: bool
+    rank: int  # place in its tier's eviction order, 0 leaves first
+
+
 # ------------------------------------------------------------ internal, mutable
 
 @dataclass(slots=True, eq=False)
@@ -133,6 +150,8 @@ class _State:
     leases: int = 0  # Acquire leases
     reads: int = 0  # Get streams in flight
     dropped: bool = False  # gone from the index; its extent waits for the last unpin
+    hits: int = 0  # Acquires (restores into an engine), for the Monitor
+    created: float = 0.0  # when this store took it (set by _add)
 
     @property
     def pinned(self) -> bool:
@@ -250,6 +269,7 @@ class TierStore:
         return found[:MAX_CANDIDATES]
 
     def _add(self, state: _State) -> None:
+        state.created = state.created or self._clock()
         self._states[state.info.hash] = state
         anchor = _anchor(state.info)
         if anchor is not None:
@@ -328,6 +348,7 @@ class TierStore:
                     return None
                 from_tier = DISK
             state.leases += 1
+            state.hits += 1
             state.last_used = now
             lease_id = next(self._lease_ids)
             self._leases[lease_id] = _LeaseEntry(state, now + (lease_seconds or self.config.lease_seconds))
@@ -418,6 +439,27 @@ class TierStore:
                 arena_recreations=c.arena_recreations, ram_states_lost=c.ram_states_lost,
                 arena_path=str(self.arena.path), instance_id=self.instance_id, arena_usable=self._arena_fault is None,
             )
+
+    def list_states(self, namespaces: Iterable[bytes], offset: int = 0, limit: int = 100
+                    ) -> tuple[list[StoredStateView], int]:
+        """The states of ``namespaces``, RAM's in eviction order then disk's: (this page, total rows).
+
+        Under the lock only a copy of the index is taken; the ranking happens after."""
+        wanted = {check_hash(ns, "namespaces[]") for ns in namespaces}
+        if len(wanted) > MAX_LIST_NAMESPACES:
+            raise InvalidArgument(f"at most {MAX_LIST_NAMESPACES} namespaces, got {len(wanted)}")
+        limit = min(limit or 100, MAX_LIST_ROWS)
+        with self._lock:
+            now = self._clock()
+            rows = [(s, self._resident(s), s.extent is not None, s.hits, s.created)
+                    for s in self._states.values() if s.info.namespace in wanted]
+        views: list[StoredStateView] = []
+        for tier, in_ram in ((RAM, True), (DISK, False)):
+            ranked = sorted((r for r in rows if r[2] is in_ram), key=lambda r: self._order.rank(r[1], now))
+            views += [StoredStateView(state.info, tier, max(now - created, 0.0), max(now - res.last_used, 0.0), hits,
+                                      self._order.is_protected(res, now), rank)
+                      for rank, (state, res, _, hits, created) in enumerate(ranked)]
+        return views[offset:offset + limit], len(views)
 
     def check_integrity(self) -> None:
         """Arena, index and disk agree; raises AssertionError."""

@@ -80,6 +80,9 @@ class TierClient:
         self._detached = "not attached yet (no spill or restore has registered)"  # why no arena is mapped
         # Release runs off the engine thread: the copy is done, nothing waits for the answer.
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="ignis-tier-release")
+        # The Monitor's read-only calls, on a channel of their own (side_stats, side_list).
+        self._side_channel: grpc.Channel | None = None
+        self._side_stub: tierstore_pb2_grpc.TierStoreStub | None = None
 
     # --- availability ----------------------------------------------------------------
     @property
@@ -348,7 +351,39 @@ class TierClient:
 
         self._releaser.submit(send)
 
+    # --- read-only side calls (the Monitor, off the engine thread) ------------------------
+    def side_stats(self) -> tierstore_pb2.StatsResponse | None:
+        """The store's Stats, or None. On a channel of its own: it never touches what the engine
+        thread's calls read (last_code, up/down), and a failure marks nothing down."""
+        return self._side(lambda s: s.Stats(tierstore_pb2.StatsRequest(), timeout=self.timeout))
+
+    def side_list(self, namespaces: Sequence[bytes], offset: int, limit: int
+                  ) -> tierstore_pb2.ListStatesResponse | None:
+        """One page of the store's states of `namespaces` (ListStates), or None; as side_stats."""
+        request = tierstore_pb2.ListStatesRequest(namespaces=list(namespaces), offset=offset, limit=limit)
+        return self._side(lambda s: s.ListStates(request, timeout=self.timeout))
+
+    def _side(self, fn: Callable[[tierstore_pb2_grpc.TierStoreStub], T]) -> T | None:
+        side = self._side_stub
+        if side is None:
+            if _foreign_socket_folder(self.address) is not None:
+                return None
+            channel: grpc.Channel = grpc.insecure_channel(self.address)
+            if self._tcp and self.secret_file:
+                try:
+                    channel = grpc.intercept_channel(channel, BearerInterceptor(read_secret(self.secret_file)))
+                except (OSError, ValueError):
+                    return None
+            side = self._side_stub = tierstore_pb2_grpc.TierStoreStub(channel)
+            self._side_channel = channel
+        try:
+            return fn(side)
+        except grpc.RpcError:
+            return None
+
     def close(self) -> None:
+        if self._side_channel is not None:
+            self._side_channel.close()
         self._releaser.shutdown(wait=True)
         self._unmap()
         if self._channel is not None:

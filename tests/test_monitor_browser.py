@@ -1,0 +1,74 @@
+"""The Monitor in a real browser (issue 21): headless Chromium (the system's, driven over the
+DevTools protocol) shows a real stack's state. After a repeated chat the page shows a checkpoint
+on the device and the request row with its cached tokens; after two more conversations push it
+out of the two device slots, the same state is shown in `ram` (and flashes). The DOM is checked,
+not pixels; a screenshot is saved under the test's tmp dir (IGNIS_MONITOR_SCREENSHOT=path copies
+it there too, e.g. docs/monitor.png)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench.browser import Page, chromium, chromium_path
+from test_monitor import KEY, chat, start_stack, stop_stack
+
+pytestmark = pytest.mark.skipif(chromium_path() is None,
+                                reason="chromium is not installed (.ci/run installs it: apt-get install chromium)")
+
+ROWS = "[...document.querySelectorAll('.engine .state')]"
+
+
+def state_rows(page: Page) -> list[dict[str, str]]:
+    return page.evaluate(f"{ROWS}.map(r => ({{name: r.dataset.name, tier: r.dataset.tier, kind: r.dataset.kind, "
+                         f"rank: r.dataset.rank, flash: r.classList.contains('flash')}}))")
+
+
+def test_the_monitor_shows_a_checkpoint_move_from_the_device_to_ram(tmp_path: Path) -> None:
+    stack = start_stack(tmp_path / "stack")
+    try:
+        chat(stack, "tides")
+        retry = chat(stack, "tides")
+        assert retry.usage is not None and retry.usage.prompt_tokens_details is not None
+        cached = retry.usage.prompt_tokens_details.cached_tokens
+        assert cached > 0
+        with chromium() as page:
+            page.navigate(f"{stack.url}/monitor")
+            # The gateway has --api-key: the page asks for it, as it would ask a person.
+            page.wait_for("!document.getElementById('keyform').hidden")
+            page.evaluate(f"document.getElementById('key').value = {json.dumps(KEY)}; "
+                          "document.getElementById('keyform').requestSubmit(); true")
+            page.wait_for(f"{ROWS}.some(r => r.dataset.tier === 'device' && r.dataset.kind === 'checkpoint')")
+            on_device = {r["name"] for r in state_rows(page) if r["tier"] == "device" and r["kind"] == "checkpoint"}
+            assert len(on_device) == 2
+            assert {r["rank"] for r in state_rows(page) if r["tier"] == "device"} == {"0", "1"}
+            # The retry's row: its cached tokens, from the device, a checkpoint.
+            row = page.wait_for("[...document.querySelectorAll('tr.request')].map(r => "
+                                "[...r.cells].map(c => c.textContent)).find(c => c[4] !== '0')")
+            assert row[4] == f"{cached:,}" and row[5:7] == ["device", "checkpoint"]
+            assert page.evaluate("document.querySelector('[data-field=\"pool-total\"]').textContent") != ""
+            assert page.evaluate("document.querySelectorAll('.engine').length") == 1
+
+            chat(stack, "glaciers")  # its two captures take both device slots: the tides states move to KV-RAM
+            names = json.dumps(sorted(on_device))
+            moved = page.wait_for(f"(m => m.length && m)({ROWS}.filter(r => {names}.includes(r.dataset.name) && "
+                                  "r.dataset.tier === 'ram').map(r => [r.dataset.name, r.classList.contains('flash')]))")
+            assert {name for name, _ in moved} <= on_device
+            assert any(flash for _, flash in moved)  # the move is shown (a flash), not only its result
+            chat(stack, "volcanoes")
+            page.wait_for("document.querySelectorAll('tr.request').length === 4")
+            rows = state_rows(page)
+            assert {r["name"] for r in rows if r["tier"] == "ram"} >= on_device
+            assert not any(r["tier"] == "device" and r["name"] in on_device for r in rows)
+            ram_bar = page.evaluate("document.querySelector('[data-field=\"tiers\"]').textContent")
+            assert "KV-RAM" in ram_bar and "16.0 MiB" in ram_bar
+            shot = page.screenshot(tmp_path / "monitor.png")
+            assert shot.stat().st_size > 10_000
+            if target := os.environ.get("IGNIS_MONITOR_SCREENSHOT"):
+                shutil.copyfile(shot, target)
+    finally:
+        stop_stack(stack)
