@@ -4,9 +4,12 @@ on the benchmark geometry (bench/geometry.py), CPU fp32 unless CUDA is there:
 1. pressure (hybrid): 8 agent requests decode in a KV pool sized so that they fill it, then
    interactive requests arrive one at a time: move-down (a real tierstore process: displaced
    sequences go to KV-RAM and resume) vs recompute (the same config without a tierstore);
-2. reuse tax (hybrid): cold TTFT with reuse on (synchronous capture in the step) vs off;
-3. inter-token latency of 4 running decodes while a ~150 MiB state spills on the step thread
-   vs nothing spilling (dense: its state is KV only, so 150 MiB is a prompt it can prefill);
+2. reuse tax (hybrid): cold TTFT with reuse on vs off, on two ways of capturing: device slots
+   (the slot and a partial page copied in the step) and host slots through the staging ring
+   (the same two copies in the step into a ring buffer, the pages copied by the worker);
+3. inter-token latency of 4 running decodes while a ~150 MiB state spills, written on the step
+   thread as the allocator reaches it vs written ahead by the copy worker, each vs nothing
+   spilling (dense: its state is KV only, so 150 MiB is a prompt it can prefill);
 4. KV pool pages free with 8 retained states in host slots vs in device slots (hybrid).
 
     python -m bench.residency [--hidden 1024 --layers 16] [--repeats 5] [--smoke] [--out DIR]
@@ -27,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +187,12 @@ class Stepper:
             if held == before:
                 return
 
+    def drain_copies(self) -> None:
+        """Collect every copy the worker runs off the step (what a step's poll would do)."""
+        while self.core.reuse.copying:
+            self.core.reuse.poll()
+            time.sleep(0.001)
+
     def close(self) -> None:
         self.core.check_integrity()
         self.core.stop()
@@ -300,50 +309,72 @@ def reuse_tax(model: Model, z: Sizes) -> dict[str, Any]:
     # room and nothing is evicted, so each repeat does the same work.
     pages = -(-longest // P) + 4 + sum(z.repeats * -(-n // P) for n in z.tax_sizes)
     config = {"kv_cache_bytes": pages * page_bytes(model), "max_num_seqs": 2, "prefill_chunk_tokens": 2048}
-    on = Stepper(model, reuse_prompt=True, retained_device=captures, **config)
-    off = Stepper(model, reuse_prompt=False, **config)
+    sides = {
+        "on": Stepper(model, reuse_prompt=True, retained_device=captures, **config),
+        "ring": Stepper(model, reuse_prompt=True, retained_device=0, retained_host=captures,
+                        retained_host_tokens=longest, staging_ring=True, **config),
+        "off": Stepper(model, reuse_prompt=False, **config),
+    }
     out: list[dict[str, Any]] = []
     try:
-        on.warm_up()
-        off.warm_up()
+        for s in sides.values():
+            s.warm_up()
         for n in z.tax_sizes:
             head = (n // 2) // P * P  # a chat-shaped prompt: half of it is the stable head
-            ms: dict[str, list[float]] = {"on": [], "off": []}
+            ms: dict[str, list[float]] = {side: [] for side in sides}
             for r in range(z.repeats):
                 prompt = random_prompt(n, 1000 * n + r)  # distinct every repeat: nothing hits
-                order = [("on", on), ("off", off)] if r % 2 == 0 else [("off", off), ("on", on)]
-                for side, s in order:  # alternated, so drift in the machine's load falls on both
+                names = list(sides)
+                order = names[r % len(names):] + names[:r % len(names)]  # rotated: load drift falls on all
+                for side in order:
+                    s = sides[side]
                     rid = s.run(f"tax-{side}-{n}-{r}", prompt, head_tokens=head)
                     if s.updates[rid][-1].usage.cached_tokens:  # type: ignore[union-attr]
                         raise RuntimeError(f"{rid} hit reused state: the tax must be measured cold")
                     ms[side].append(s.ttft_ms(rid))
-            out.append({"tokens": n, "head": head, "on_ms": ms["on"], "off_ms": ms["off"]})
-        stats = on.core.stats()
-        captured = stats.retained_slots_used
+            out.append({"tokens": n, "head": head, "on_ms": ms["on"], "ring_ms": ms["ring"], "off_ms": ms["off"]})
+        sides["ring"].settle()
+        on, ring = sides["on"].core.stats(), sides["ring"].core.stats()
     finally:
-        on.close()
-        off.close()
-    return {"sizes": out, "captured": captured, "skips": stats.retained_slot_skips}
+        for s in sides.values():
+            s.close()
+    return {"sizes": out, "captured": on.retained_slots_used, "skips": on.retained_slot_skips,
+            "ring_captured": ring.retained_host_slots_used,
+            "ring_skips": ring.retained_slot_skips + ring.retained_staging_skips}
 
 
 def tax_rows(res: dict[str, Any]) -> list[list[Any]]:
     rows = []
     for r in res["sizes"]:
-        on, off = statistics.median(r["on_ms"]), statistics.median(r["off_ms"])
-        best = 100 * (min(r["on_ms"]) / min(r["off_ms"]) - 1)
-        rows.append([r["tokens"], round(on), f"{min(r['on_ms']):.0f}–{max(r['on_ms']):.0f}", round(off),
-                     f"{min(r['off_ms']):.0f}–{max(r['off_ms']):.0f}", f"{100 * (on / off - 1):+.1f}", f"{best:+.1f}",
-                     f"synchronous: prefix at {r['head']} + opener at {r['tokens']}"])
+        off = statistics.median(r["off_ms"])
+        for side, how in (("on", "device slots: slot + partial page copied in the step"),
+                          ("ring", "host slots, staging ring: slot + partial page staged, pages by the worker")):
+            ms = r[f"{side}_ms"]
+            on = statistics.median(ms)
+            best = 100 * (min(ms) / min(r["off_ms"]) - 1)
+            rows.append([r["tokens"], how, round(on), f"{min(ms):.0f}–{max(ms):.0f}", round(off),
+                         f"{min(r['off_ms']):.0f}–{max(r['off_ms']):.0f}", f"{100 * (on / off - 1):+.1f}",
+                         f"{best:+.1f}", f"prefix at {r['head']} + opener at {r['tokens']}"])
     return rows
 
 
-TAX_HEADERS = ["prompt tokens", "reuse on p50 ms", "on min–max", "reuse off p50 ms", "off min–max",
-               "tax % (p50)", "tax % (min)", "capture (on the step)"]
+TAX_HEADERS = ["prompt tokens", "reuse on: captures to", "reuse on p50 ms", "on min–max", "reuse off p50 ms",
+               "off min–max", "tax % (p50)", "tax % (min)", "captures"]
 
 
 # --- 3. decodes while a state spills -------------------------------------------------------------
 
 def spill_itl(model: Model, store: Service, z: Sizes) -> dict[str, Any]:
+    """Both ways a spill can run: on the step (spill_ahead_pages=-1) and written ahead."""
+    out: dict[str, Any] = {}
+    for mode, ahead in (("on the step", -1), ("written ahead", 0)):
+        out[mode] = _spill_itl(model, store, z, ahead)
+    first = out["on the step"]
+    return {"tokens": first["tokens"], "state_bytes": first["state_bytes"], "blank_pages": first["blank_pages"],
+            "modes": out}
+
+
+def _spill_itl(model: Model, store: Service, z: Sizes, ahead: int) -> dict[str, Any]:
     big_pages = max(4, z.spill_mib * MiB // page_bytes(model))
     big = big_pages * P  # page-aligned: its every page is registered, the chain is big_pages long
     first = -(-z.decoder_prompt // P) + 1  # each decoder's pages once it decodes
@@ -352,7 +383,8 @@ def spill_itl(model: Model, store: Service, z: Sizes) -> dict[str, Any]:
         raise ValueError("the decoders must outgrow their first pages inside the window")
     blank = z.decoders * first + z.decoders // 2  # runs out mid-window: the next page is one of the chain's
     s = Stepper(model, kv_cache_bytes=(big_pages + blank) * page_bytes(model), max_num_seqs=z.decoders,
-                prefill_chunk_tokens=2048, tierstore_address=store.address, tier_timeout=60.0)
+                prefill_chunk_tokens=2048, tierstore_address=store.address, tier_timeout=60.0,
+                spill_ahead_pages=ahead)
     runs: dict[str, dict[str, Any]] = {}
     try:
         s.warm_up()
@@ -360,13 +392,17 @@ def spill_itl(model: Model, store: Service, z: Sizes) -> dict[str, Any]:
         def window(name: str, seed: int) -> None:
             rids = [s.submit(f"{name}-{i}", random_prompt(z.decoder_prompt, seed + i), z.decoder_tokens, lookup=False)
                     for i in range(z.decoders)]  # bypass: their own pages never become a chain to spill
+            waits = s.core.stats().copy_waits
             with spilled_events() as spills:
                 s.step_until(lambda: all(s.done(r) for r in rids))
+                s.drain_copies()  # a write ahead still in flight is part of this window
             itl = [(b - a) * 1000 for r in rids for a, b in zip(s.token_times[r], s.token_times[r][1:])]
-            runs[name] = {"itl_ms": itl, "spills": spills}
+            runs[name] = {"itl_ms": itl, "spills": spills, "waits": s.core.stats().copy_waits - waits,
+                          "ahead": s.core.stats().spills_ahead}
 
         window("no-spill", 600)  # the pool is all blank pages: nothing to spill
-        s.run("big", random_prompt(big, 700))  # finished: its pages stay cached on the free list
+        s.run("big", random_prompt(big, 700 + ahead))  # finished: its pages stay cached on the free list
+        # (a prompt of its own per mode: the store, shared by both, would already hold the other's)
         if s.core.pages.num_cached != big_pages:
             raise RuntimeError(f"expected {big_pages} cached pages, found {s.core.pages.num_cached}")
         window("spill", 800)
@@ -379,17 +415,21 @@ def spill_itl(model: Model, store: Service, z: Sizes) -> dict[str, Any]:
 
 def spill_rows(res: dict[str, Any]) -> list[list[Any]]:
     rows = []
-    for name, r in res["runs"].items():
-        itl, spills = r["itl_ms"], r["spills"]
-        what = "nothing" if not spills else \
-            ", ".join(f"{int(e['bytes']) / MiB:.0f} MiB ({e['tokens']} tokens, {e['kind']})" for e in spills)
-        rows.append([name, len(itl), round(statistics.median(itl), 1), round(pct(itl, 0.9), 1), round(max(itl), 1),
-                     what, round(sum(float(e["ms"]) for e in spills), 1) if spills else "-"])
+    for mode, m in res["modes"].items():
+        base = statistics.median(m["runs"]["no-spill"]["itl_ms"])
+        for name, r in m["runs"].items():
+            itl, spills = r["itl_ms"], r["spills"]
+            what = "nothing" if not spills else \
+                ", ".join(f"{int(e['bytes']) / MiB:.0f} MiB ({e['tokens']} tokens, {e['kind']})" for e in spills)
+            p50 = statistics.median(itl)
+            rows.append([mode, name, len(itl), round(p50, 1), f"{100 * (p50 / base - 1):+.1f}", round(pct(itl, 0.9), 1),
+                         round(max(itl), 1), what, round(sum(float(e["ms"]) for e in spills), 1) if spills else "-",
+                         r["waits"]])
     return rows
 
 
-SPILL_HEADERS = ["run", "inter-token gaps", "ITL p50 ms", "p90 ms", "max ms", "spilled in the window",
-                 "spill ms (on the step thread)"]
+SPILL_HEADERS = ["spill written", "run", "inter-token gaps", "ITL p50 ms", "p50 vs no-spill %", "p90 ms", "max ms",
+                 "spilled in the window", "write ms (wall, its thread)", "step waited for it"]
 
 
 # --- 4. host slots vs device slots ---------------------------------------------------------------
@@ -446,10 +486,10 @@ ROOM_HEADERS = ["retained states in", "states held", "device pages they hold", "
 
 # --- the run -------------------------------------------------------------------------------------
 
-# Whether this engine has a staging ring at all (EngineConfig.staging_ring); it stages host-slot captures only.
-RING_NOTE = ("These are device-slot captures, copied on the step: the staging ring (EngineConfig.staging_ring) "
-             "serves host-slot captures only." if "staging_ring" in {f.name for f in fields(EngineConfig)}
-             else "The staging ring is not built.")
+RING_NOTE = ("Device-slot captures copy the slot and a partial page inside the step (device to device); "
+             "host-slot captures stage the same two copies into a ring buffer inside the step and leave the "
+             "pages to the copy worker, so in the step the two cost the same copies; the difference is where "
+             "the state lives afterwards.")
 
 
 def render(a: argparse.Namespace, z: Sizes, res: dict[str, Any], loads: tuple[float, float]) -> str:
@@ -476,22 +516,25 @@ def render(a: argparse.Namespace, z: Sizes, res: dict[str, Any], loads: tuple[fl
         "greedy, every request's tokens compared between the two modes.",
         "#### 2. Reuse tax: cold TTFT, reuse on vs off (hybrid)",
         table.markdown(TAX_HEADERS, tax_rows(t)),
-        f"{z.repeats} repeats per size, a distinct prompt each time (no hit), the same prompt on both sides, "
-        "max_tokens=1, the order alternated; on a loaded machine the min is the figure other work disturbs "
-        "least, the max is mostly that work. Reuse on captures synchronously inside the step: the prefill is cut "
-        "at the publish point (the stable head, half the prompt) and at the prompt's end, and each capture copies "
-        f"the recurrent slot and a partial page. {RING_NOTE} Every capture found a free retained slot "
-        f"({t['captured']} captured, {t['skips']} skipped).",
+        f"{z.repeats} repeats per size, a distinct prompt each time (no hit), the same prompt on every side, "
+        "max_tokens=1, the order of the three rotated; on a loaded machine the min is the figure other work disturbs "
+        "least, the max is mostly that work. With reuse on the prefill is cut at the publish point (the stable "
+        f"head, half the prompt) and at the prompt's end, and each cut captures a state. {RING_NOTE} Every capture "
+        f"found a free slot (device: {t['captured']} captured, {t['skips']} skipped; host: {t['ring_captured']} "
+        f"captured, {t['ring_skips']} skipped).",
         f"#### 3. ITL of {z.decoders} running decodes while a {sp['state_bytes'] / MiB:.0f} MiB state spills (dense)",
         table.markdown(SPILL_HEADERS, spill_rows(sp)),
-        f"One engine with a tierstore, {z.decoders} decoders ({z.decoder_prompt}-token prompts, {z.decoder_tokens} "
-        "tokens, reuse bypassed so their own pages are never a chain) in both runs. Before the spill run a "
-        f"{sp['tokens']}-token prompt finished and its {sp['state_bytes'] / MiB:.0f} MiB of pages stayed cached on "
-        f"the free list; the pool's {sp['blank_pages']} blank pages run out mid-window and the next allocation "
-        "writes that whole chain to KV-RAM (copy, checksum, integrity tag, Commit) before it hands a page out: "
-        "on the step thread, so every running decode waits for it (the max). The no-spill run is the same "
-        "decoders before the big prompt existed. Dense because its state is KV pages only: a hybrid state this "
-        "size is ~17k tokens, minutes of prefill here. This is the baseline for the staging ring.",
+        f"One engine with a tierstore per mode, {z.decoders} decoders ({z.decoder_prompt}-token prompts, "
+        f"{z.decoder_tokens} tokens, reuse bypassed so their own pages are never a chain) in every run. Before the "
+        f"spill run a {sp['tokens']}-token prompt finished and its {sp['state_bytes'] / MiB:.0f} MiB of pages stayed "
+        f"cached on the free list; the pool's {sp['blank_pages']} blank pages run out mid-window. *On the step* "
+        "(`spill_ahead_pages = -1`): the allocation that reaches the chain writes it whole to KV-RAM (copy, "
+        "checksum, integrity tag, Commit) before it hands a page out, so every running decode waits for it (the "
+        "max). *Written ahead* (the default): once fewer blank pages than an eighth of the pool are left, the "
+        "copy worker writes the chain while the decodes step on; the allocator then hands its pages out with nothing "
+        "to copy, unless it reaches them before the write is done (*step waited for it*). The no-spill run is "
+        "the same decoders before the big prompt existed, on the same engine. Dense because its state is KV "
+        "pages only: a hybrid state this size is ~17k tokens, minutes of prefill here.",
         f"#### 4. KV pool free with {z.retained} retained states of {room['tokens']} tokens: host vs device slots "
         "(hybrid)",
         table.markdown(ROOM_HEADERS, room_rows(room)),

@@ -191,6 +191,7 @@ class EngineCore:
             spills_ahead=rc.spills_ahead,
             spills_on_step=rc.spills_on_step,
             copy_waits=self.reuse.copy_waits,
+            retained_promotions=rc.promotions,
             inflight_holds=rc.inflight_holds,
             sequences_moved=dict(self.moves.counters.moved),
             sequences_recomputed=t.preempted + self.moves.counters.restore_failures,

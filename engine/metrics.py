@@ -128,6 +128,8 @@ class EngineCollector(Collector):
              s.spills_ahead),
             ("ignis_tier_spills_on_step", "States written to KV-RAM on the step, as the device gave them up",
              s.spills_on_step),
+            ("ignis_retained_promotions", "Host retained states moved up to a free device slot when claimed",
+             s.retained_promotions),
             ("ignis_copy_waits", "Steps that waited for a copy off the step to finish before reusing its memory",
              s.copy_waits),
             ("ignis_reuse_inflight_holds", "Admissions held while a running request computed the state they reuse",

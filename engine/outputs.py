@@ -78,6 +78,7 @@ class EngineStats:  # noqa: D101 - a snapshot for GetStats and /metrics
     spills_ahead: int = 0  # states written to KV-RAM off the step, before the device gave them up
     spills_on_step: int = 0  # states written to KV-RAM on the step, as the device gave them up
     copy_waits: int = 0  # steps that waited for a copy off the step before reusing the memory it read
+    retained_promotions: int = 0  # host states moved up to a free device slot when claimed
     inflight_holds: int = 0
     sequences_moved: dict[ReuseTier, int] = field(default_factory=dict)  # live sequences moved down, by tier
     sequences_recomputed: int = 0  # live sequences that lost their state and prefilled it again

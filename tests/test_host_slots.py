@@ -55,6 +55,30 @@ def test_later_turns_and_subagents_hit_host_slots(hybrid: tuple[LoadedModel, Tok
         cold.close()
 
 
+def test_a_claimed_host_state_moves_up_to_a_free_device_slot(hybrid: tuple[LoadedModel, Tokenizer]) -> None:
+    """Captures go to the host first; a host state claimed while a device slot is free is promoted
+    to it, and the next claim of it shares device pages. Every answer equals cold."""
+    loaded, tokenizer = hybrid
+    warm = Harness(loaded, tokenizer, reuse=True, retained_device=1, retained_host=4)
+    cold = Harness(loaded, tokenizer, reuse=False)
+    try:
+        task = conversation("Find the flaky test.")
+        want = cold.run(cold.request(task, tools=TOOLS))[0]
+        same(warm.run(warm.request(task, tools=TOOLS))[0], want)
+        assert warm.core.reuse.retained_slots == (1, 0)  # captured on the host, not the device
+        tiers = []
+        for _ in range(2):
+            again = warm.run(warm.request(task, tools=TOOLS))[0]
+            same(again, want)
+            tiers.append(again.tier)
+        assert tiers == ["host", "device"]
+        assert warm.core.stats().retained_promotions == 1 and warm.core.reuse.retained_slots == (1, 1)
+        warm.core.check_integrity()
+    finally:
+        warm.close()
+        cold.close()
+
+
 def test_a_full_host_block_moves_its_lowest_state_down_to_ram(hybrid: tuple[LoadedModel, Tokenizer],
                                                               store: RunningService) -> None:
     loaded, tokenizer = hybrid

@@ -20,6 +20,7 @@ so that its eviction costs no copy; captures that go straight down a tier are st
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -111,11 +112,12 @@ class RetainedStateReuse(TieredReuse):
         state = claim.source.state
         if state.tier is ReuseTier.HOST:
             self._claim_from_host(seq, state)
+            self._promote(seq, state)
         else:
             self._claim_from_device(seq, state)
         if state.kind is ReuseKind.CHECKPOINT and state.lineage is not None:
             seq.join_lineage(state.lineage)
-        state.last_used = time.monotonic()
+        self._by_name.get(state.name, state).last_used = time.monotonic()  # the device copy, if promoted
 
     def _claim_from_host(self, seq: EngineSequence, state: RetainedState) -> None:
         """One host-to-device copy: the slot, then fresh pages."""
@@ -126,6 +128,36 @@ class RetainedStateReuse(TieredReuse):
         nbytes = self.codec.nbytes(state.num_tokens, state.logits is not None)
         self.codec.unpack(self.host.block, self.host.offset(state.slot), state.num_tokens, nbytes, seq.slot, got)
         seq.adopt(got, state.num_tokens, state.logits)
+
+    def _promote(self, seq: EngineSequence, state: RetainedState) -> None:
+        """A host state claimed while a device retained slot is free moves up to it: the claimant's
+        fresh pages and slot hold exactly that state now, so this is a device capture (pages
+        shared, the partial page and the slot copied), and the host slot is given back. The next
+        claim of a hot state shares its pages instead of copying them all from the host."""
+        if not self._free_slots or not state.ready or (self.worker is not None and self.worker.pending(state)):
+            return  # no slot to spare, or a copy still reads the host slot
+        assert self.host is not None and seq.slot is not None
+        m, full = state.num_tokens, state.num_tokens // self.page_size
+        private: list[int] = []
+        if m % self.page_size:
+            got = self.pages.allocate(1)
+            if got is None:
+                return
+            private = got
+            self.cache.kv[got[0]].copy_(self.cache.kv[seq.page_table[full]])
+        shared = seq.page_table[:full]
+        self.pages.share(shared)
+        slot = self._free_slots.popleft()
+        self.cache.copy_slot(seq.slot, slot)
+        self.host.release(state.slot)
+        up = dataclasses.replace(state, tier=ReuseTier.DEVICE, slot=slot, pages=shared + private)
+        self._by_name[state.name] = up  # the claim in hand still names the host state: it reports `host`
+        group = self._by_anchor[state.anchor]
+        group[group.index(state)] = up
+        chain = self._lineages.get(state.lineage) if state.lineage is not None else None
+        if chain is not None and state in chain:
+            chain[chain.index(state)] = up
+        self.counters.promotions += 1
 
     def _claim_from_device(self, seq: EngineSequence, state: RetainedState) -> None:
         assert seq.slot is not None

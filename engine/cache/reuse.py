@@ -75,6 +75,7 @@ class ReuseCounters:
     staging_skips: int = 0  # host captures skipped because both staging buffers were busy
     spills_ahead: int = 0  # states written to KV-RAM off the step, before the device gave them up
     spills_on_step: int = 0  # states written to KV-RAM on the step, as the device gave them up
+    promotions: int = 0  # host states moved up to a free device slot when claimed
     inflight_holds: int = 0  # admissions held back while a running sequence computed what they would claim
     captures: int = 0
     evictions: int = 0
