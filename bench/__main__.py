@@ -21,6 +21,7 @@ SUITES: list[tuple[list[str], bool]] = [
     (["bench.residency"], True),  # where state lives under pressure: move-down vs recompute, spills, host slots
     (["bench.gateway"], False),
     (["bench.chaos"], False),  # a soak with forced spills and a fault schedule: wrong / failed / lost per fault, RSS
+    (["bench.scale"], False),  # 2 and 3 engines behind one gateway by routing rule, then one engine killed
     (["bench.swarm", "--peer", "llama.cpp"], True),
     (["bench.profile", "--peer", "llama.cpp"], True),  # where the step's time goes, per-token rates vs llama.cpp  # ignis alone, and says so, where llama.cpp cannot be built
 ]

@@ -232,13 +232,13 @@ async def pool_of(addresses: list[str], **kwargs: object) -> AsyncIterator[Engin
 async def open_calls(pool: EnginePool, count: int, max_tokens: int = 4096
                      ) -> list[tuple[AsyncIterator[engine_pb2.GenerateResponse], EngineClient]]:
     """`count` swarm calls (one head, a task each), each held open after its first message."""
-    held = []
+    held: list[tuple[AsyncIterator[engine_pb2.GenerateResponse], EngineClient]] = []
     spec = CallSpec("messages", "max_tokens")
     for i in range(count):
         request = swarm_request(f"task {i}", max_tokens)
         stream = generate(pool, request, head_key(request), spec)
         await anext(stream)
-        busy = [e for e in pool.engines if e.in_flight > sum(1 for _, h in held if h is e)]
+        busy = [e for e in pool.engines if e.in_flight > len([h for _, h in held if h is e])]
         assert len(busy) == 1
         held.append((stream, busy[0]))
     return held

@@ -1,0 +1,298 @@
+"""deploy/helm/ignis rendered by Helm itself (helm-python-sdk: Helm's Go SDK behind a C ABI, from PyPI; no
+cluster needed), then checked like the compose file (tests/test_compose.py): every container command
+parses with its service's own argument parser and settings, and ports, probes, volumes, the engines'
+headless Service and the gateway's DNS name agree; every object validates against the Kubernetes schema
+(kubernetes-validate); `helm lint` finds nothing. One probe runs for real: the tierstore's exec probe
+against a real tierstore on its Unix socket."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any, Iterator
+
+import helm_python as helm
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml  # type: ignore[import-untyped]
+
+from common import healthcheck
+from common.settings import load_settings
+from common.sizes import parse_size
+from gateway.discovery import DnsName
+from services import start_tierstore
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "deploy" / "helm" / "ignis"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+KUBE_VERSION = "1.31.0"
+RELEASE, NAMESPACE = "prod", "llm"
+BASE = {"apiKey": {"value": "a-key"}}
+
+
+def render(values: dict[str, Any] | None = None) -> dict[tuple[str, str], dict[str, Any]]:
+    """`helm template` of the chart: {(kind, name): object}."""
+    with helm.Chart.load(str(CHART)) as chart:
+        files = chart.render({**BASE, **(values or {})}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    objects: dict[tuple[str, str], dict[str, Any]] = {}
+    for path, text in files.items():
+        if not path.endswith((".yaml", ".yml")):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                objects[(doc["kind"], doc["metadata"]["name"])] = doc
+    return objects
+
+
+@pytest.fixture(scope="module")
+def objects() -> dict[tuple[str, str], dict[str, Any]]:
+    return render()
+
+
+def engine_pod(objects: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    return objects[("StatefulSet", f"{RELEASE}-ignis-engine")]["spec"]["template"]
+
+
+def gateway_pod(objects: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    return objects[("Deployment", f"{RELEASE}-ignis-gateway")]["spec"]["template"]
+
+
+def container(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in pod["spec"]["containers"] if c["name"] == name)
+
+
+def env_of(c: dict[str, Any]) -> dict[str, str]:
+    """Plain values, and `secret:NAME/KEY` for one taken from a Secret."""
+    out = {}
+    for item in c.get("env", []):
+        if "value" in item:
+            out[item["name"]] = str(item["value"])
+        else:
+            ref = item["valueFrom"]["secretKeyRef"]
+            out[item["name"]] = f"secret:{ref['name']}/{ref['key']}"
+    return out
+
+
+def mounts(pod: dict[str, Any], c: dict[str, Any]) -> dict[str, tuple[dict[str, Any], bool]]:
+    """mountPath -> (the pod volume, or {"claimTemplate": NAME} for a StatefulSet's per-pod claim; read-only)."""
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    return {m["mountPath"]: (volumes.get(m["name"], {"claimTemplate": m["name"]}), bool(m.get("readOnly")))
+            for m in c.get("volumeMounts", [])}
+
+
+def entry_module(script: str) -> Any:
+    target = PYPROJECT["project"]["scripts"][script]
+    return importlib.import_module(target.partition(":")[0])
+
+
+@pytest.fixture
+def parse(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Iterator[Any]:
+    """parse(container, secrets) -> (args, config) from the service's own parse_args, in its environment."""
+
+    def _parse(c: dict[str, Any], secrets: dict[str, str] | None = None) -> tuple[argparse.Namespace, Any]:
+        for key in [k for k in os.environ if k.startswith("IGNIS_")]:
+            monkeypatch.delenv(key)
+        for key, value in env_of(c).items():
+            monkeypatch.setenv(key, (secrets or {}).get(value, value))
+        command = c["command"]
+        try:
+            parsed: tuple[argparse.Namespace, Any] = entry_module(command[0]).parse_args(command[1:])
+            return parsed
+        except SystemExit:
+            pytest.fail(f"{c['name']}: {command} does not parse:\n{capsys.readouterr().err}", pytrace=False)
+
+    yield _parse
+
+
+# ---------------------------------------------------------------- Helm's and Kubernetes' own checks
+
+
+def test_the_objects(objects: dict[tuple[str, str], dict[str, Any]]) -> None:
+    assert set(objects) == {("StatefulSet", f"{RELEASE}-ignis-engine"), ("Service", f"{RELEASE}-ignis-engine"),
+                            ("Deployment", f"{RELEASE}-ignis-gateway"), ("Service", f"{RELEASE}-ignis-gateway"),
+                            ("Secret", f"{RELEASE}-ignis-api-key")}
+
+
+@pytest.mark.parametrize("values", [{}, {"otlpEndpoint": "http://jaeger-collector.obs:4317",
+                                         "gateway": {"metricsAuth": False},
+                                         "engine": {"models": {"existingClaim": "checkpoints"}, "onePerHost": False,
+                                                    "extraArgs": ["--max-num-seqs", "128"]},
+                                         "tierstore": {"kvDisk": {"storageClassName": "fast-ssd"}}}])
+def test_every_object_validates_against_the_kubernetes_schema(values: dict[str, Any]) -> None:
+    for key, obj in render(values).items():
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)  # raises naming the field
+
+
+def test_helm_lint_is_clean() -> None:
+    result = helm.lint(str(CHART), BASE, strict=True)
+    messages = [m for m in result.get("messages", []) if str(m.get("severity", "")).upper() not in ("INFO", "1")]
+    assert not result.get("errors") and not messages, result
+
+
+def test_no_api_key_no_chart() -> None:
+    with pytest.raises(helm.HelmError, match="apiKey"):
+        with helm.Chart.load(str(CHART)) as chart:
+            chart.render({}, name=RELEASE, namespace=NAMESPACE)
+    objects = render({"apiKey": {"existingSecret": "ignis-keys", "value": ""}})
+    assert ("Secret", f"{RELEASE}-ignis-api-key") not in objects  # the operator's Secret is used instead
+    env = env_of(container(gateway_pod(objects), "gateway"))
+    assert env["IGNIS_API_KEY"] == "secret:ignis-keys/api-key"
+
+
+# ---------------------------------------------------------------- the commands, by their own parsers
+
+
+def test_every_command_parses(objects: dict[tuple[str, str], dict[str, Any]], parse: Any) -> None:
+    for pod, name in ((engine_pod(objects), "tierstore"), (engine_pod(objects), "engine"),
+                      (gateway_pod(objects), "gateway")):
+        c = container(pod, name)
+        args, settings = parse(c, {f"secret:{RELEASE}-ignis-api-key/api-key": "a-key"})
+        assert entry_module(c["command"][0]).__name__ == f"{name}.__main__"
+        assert args.host == "0.0.0.0", f"{name} must listen beyond the pod's loopback"
+        assert pod["spec"]["terminationGracePeriodSeconds"] > args.grace, f"{name} would be killed mid-drain"
+        if name != "gateway":
+            load_settings(None, env=env_of(c))  # raises on an unknown key or a bad value
+
+
+def test_engine_and_tierstore_share_the_arena_and_the_socket(objects: dict[tuple[str, str], dict[str, Any]],
+                                                              parse: Any) -> None:
+    pod = engine_pod(objects)
+    store, engine = container(pod, "tierstore"), container(pod, "engine")
+    store_args, store_settings = parse(store)
+    engine_args, engine_settings = parse(engine)
+    store_mounts, engine_mounts = mounts(pod, store), mounts(pod, engine)
+    shm, _ = store_mounts["/dev/shm"]
+    assert engine_mounts["/dev/shm"] == (shm, False)  # one memory-backed folder: the arena file the engine maps
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert parse_size(shm["emptyDir"]["sizeLimit"].replace("Gi", "GiB")) > store_settings.reuse.kv_host_pool_bytes
+    assert store_args.port is None  # no TCP: the private Unix socket only (no secret needed)
+    socket = Path(store_settings.tierstore.socket)
+    assert engine_settings.tierstore.address == f"unix:{socket}"
+    sockets = [p for p in store_mounts if socket.is_relative_to(p) and p != "/"]
+    assert sockets and engine_mounts[sockets[0]] == store_mounts[sockets[0]]
+    assert socket.parent != Path(sockets[0])  # the tierstore makes its 0700 folder inside the shared one
+    kv = Path(store_settings.kv_disk.path)
+    assert store_settings.kv_disk.bytes > 0
+    disk = next(p for p in store_mounts if kv.is_relative_to(p) and p != "/dev/shm")
+    assert kv != Path(disk)  # a folder of the tierstore's own inside the claim (the claim's root is root's)
+    claim = objects[("StatefulSet", f"{RELEASE}-ignis-engine")]["spec"]["volumeClaimTemplates"][0]
+    assert store_mounts[disk] == ({"claimTemplate": claim["metadata"]["name"]}, False)
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert parse_size(claim["spec"]["resources"]["requests"]["storage"].replace("Gi", "GiB")) > \
+        store_settings.kv_disk.bytes
+    assert "kv-disk" not in {v["name"] for v in pod["spec"]["volumes"]}  # per pod, from the claim template
+    assert pod["spec"]["securityContext"]["runAsUser"] == 10001  # one user: its 0600 arena opens in the engine
+
+
+def test_probes_ask_the_ports_and_socket_the_services_bind(objects: dict[tuple[str, str], dict[str, Any]],
+                                                           parse: Any) -> None:
+    pod = engine_pod(objects)
+    engine = container(pod, "engine")
+    engine_args, _ = parse(engine)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert engine[probe]["grpc"] == {"port": engine_args.port}  # whole-server health: SERVING once loaded
+    assert engine["startupProbe"]["periodSeconds"] * engine["startupProbe"]["failureThreshold"] >= 600
+    ports = {p["name"]: p["containerPort"] for p in engine["ports"]}
+    assert ports == {"grpc": engine_args.port, "metrics": engine_args.metrics_port}
+    store = container(pod, "tierstore")
+    _, store_settings = parse(store)
+    for probe in ("startupProbe", "livenessProbe"):
+        command = store[probe]["exec"]["command"]
+        assert command[:3] == ["python", "-m", "common.healthcheck"]
+        probe_args = healthcheck.parse_args(command[3:])
+        assert (probe_args.kind, probe_args.address) == ("grpc", f"unix:{store_settings.tierstore.socket}")
+    store_args, _ = parse(store)
+    assert {p["name"]: p["containerPort"] for p in store["ports"]} == {"store-metrics": store_args.metrics_port}
+    gateway = container(gateway_pod(objects), "gateway")
+    gw_args, gw_config = parse(gateway, {f"secret:{RELEASE}-ignis-api-key/api-key": "a-key"})
+    assert gateway["ports"] == [{"name": "http", "containerPort": gw_args.port}]
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert "/health" in gw_config.public_paths  # the probe needs no key
+    assert gateway["livenessProbe"]["tcpSocket"] == {"port": "http"}  # no engine up is not a reason to restart
+
+
+def test_the_tierstore_probe_answers_on_a_real_socket(tmp_path: Path) -> None:
+    store = start_tierstore(tmp_path, ["--kv-host-pool-bytes", "1MiB", "--kv-disk-bytes", "0"])
+    try:
+        done = subprocess.run([sys.executable, "-m", "common.healthcheck", "grpc", store.address], cwd=ROOT,
+                              capture_output=True, text=True, timeout=30)
+        assert store.address.startswith("unix:") and done.returncode == 0, done.stderr
+    finally:
+        store.stop()
+
+
+def test_gateways_find_the_engines_through_the_headless_service(objects: dict[tuple[str, str], dict[str, Any]],
+                                                                parse: Any) -> None:
+    service = objects[("Service", f"{RELEASE}-ignis-engine")]
+    statefulset = objects[("StatefulSet", f"{RELEASE}-ignis-engine")]
+    assert service["spec"]["clusterIP"] == "None"  # headless: DNS answers every ready pod's address
+    assert statefulset["spec"]["serviceName"] == service["metadata"]["name"]
+    pod_labels = statefulset["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    engine_args, _ = parse(container(engine_pod(objects), "engine"))
+    [port] = service["spec"]["ports"]
+    assert port["port"] == engine_args.port and port["targetPort"] == "grpc"
+    _, config = parse(container(gateway_pod(objects), "gateway"), {f"secret:{RELEASE}-ignis-api-key/api-key": "k"})
+    assert config.engines == [] and len(config.engine_dns) == 1
+    name = DnsName.parse(config.engine_dns[0])
+    assert name == DnsName(f"{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local", engine_args.port)
+    assert (config.routing, config.load_bound, config.dns_refresh) == ("bounded", 1.25, 10.0)
+    assert config.api_key == "k" and config.metrics_auth
+    gw_service = objects[("Service", f"{RELEASE}-ignis-gateway")]
+    assert gw_service["spec"]["ports"][0]["targetPort"] == "http"
+    assert gw_service["spec"]["selector"].items() <= gateway_pod(objects)["metadata"]["labels"].items()
+    assert not gw_service["spec"]["selector"].items() <= pod_labels.items()  # gateways only
+
+
+def test_gpus_hosts_and_the_knobs(parse: Any) -> None:
+    objects = render({"engine": {"hosts": 5, "model": "/models/Qwen3-8B", "servedModelName": "qwen3",
+                                 "extraArgs": ["--max-num-seqs", "96"],
+                                 "env": {"IGNIS_REUSE__RETAINED_DEVICE": "16"}},
+                      "tierstore": {"arenaBytes": "3GiB", "shmSizeLimit": "4Gi"},
+                      "gateway": {"replicas": 3, "routing": "affinity", "loadBound": 1.5, "dnsRefresh": 30}})
+    statefulset = objects[("StatefulSet", f"{RELEASE}-ignis-engine")]
+    assert statefulset["spec"]["replicas"] == 5
+    pod = statefulset["spec"]["template"]
+    anti = pod["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti[0]["topologyKey"] == "kubernetes.io/hostname"  # one engine pod per GPU host
+    engine = container(pod, "engine")
+    assert engine["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    assert all("resources" not in container(pod, n) for n in ("tierstore",))
+    assert "resources" not in container(gateway_pod(objects), "gateway")
+    args, settings = parse(engine)
+    assert (args.model, args.served_model_name, settings.engine.max_num_seqs) == ("/models/Qwen3-8B", "qwen3", 96)
+    assert settings.reuse.retained_device == 16
+    _, store_settings = parse(container(pod, "tierstore"))
+    assert store_settings.reuse.kv_host_pool_bytes == 3 << 30
+    assert objects[("Deployment", f"{RELEASE}-ignis-gateway")]["spec"]["replicas"] == 3
+    _, config = parse(container(gateway_pod(objects), "gateway"), {f"secret:{RELEASE}-ignis-api-key/api-key": "k"})
+    assert (config.routing, config.load_bound, config.dns_refresh) == ("affinity", 1.5, 30.0)
+
+
+def test_models_volume_otlp_and_scrape_annotations(parse: Any) -> None:
+    plain = render()
+    assert mounts(engine_pod(plain), container(engine_pod(plain), "engine"))["/models"][0]["emptyDir"] == {}
+    assert not any(k.startswith("OTEL_") for c in engine_pod(plain)["spec"]["containers"] for k in env_of(c))
+    assert "annotations" not in gateway_pod(plain)["metadata"]  # /metrics is behind the key there
+    objects = render({"otlpEndpoint": "http://jaeger-collector.obs:4317", "gateway": {"metricsAuth": False},
+                      "engine": {"models": {"existingClaim": "checkpoints"}}})
+    pod = engine_pod(objects)
+    volume, read_only = mounts(pod, container(pod, "engine"))["/models"]
+    assert volume["persistentVolumeClaim"] == {"claimName": "checkpoints", "readOnly": True} and read_only
+    for p, name in ((pod, "engine"), (pod, "tierstore"), (gateway_pod(objects), "gateway")):
+        env = env_of(container(p, name))
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger-collector.obs:4317"
+        assert env["OTEL_SERVICE_NAME"] == f"ignis-{name}"
+    engine_args, _ = parse(container(pod, "engine"))
+    assert pod["metadata"]["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/path": "/metrics",
+                                              "prometheus.io/port": str(engine_args.metrics_port)}
+    gw_args, config = parse(container(gateway_pod(objects), "gateway"), {f"secret:{RELEASE}-ignis-api-key/api-key": "k"})
+    assert not config.metrics_auth and "/metrics" in config.public_paths
+    assert gateway_pod(objects)["metadata"]["annotations"]["prometheus.io/port"] == str(gw_args.port)
+    off = render({"prometheus": {"annotations": False}})
+    assert "annotations" not in engine_pod(off)["metadata"]
