@@ -20,6 +20,7 @@ SUITES: list[tuple[list[str], bool]] = [
     (["bench.tiers"], False),
     (["bench.residency"], True),  # where state lives under pressure: move-down vs recompute, spills, host slots
     (["bench.gateway"], False),
+    (["bench.monitor"], False),  # the Monitor's page with 1,000 retained states in headless Chromium
     (["bench.chaos"], False),  # a soak with forced spills and a fault schedule: wrong / failed / lost per fault, RSS
     (["bench.scale"], False),  # 2 and 3 engines behind one gateway by routing rule, then one engine killed
     (["bench.swarm", "--peer", "llama.cpp"], True),

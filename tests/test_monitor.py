@@ -63,6 +63,12 @@ def stop_stack(stack: Stack) -> None:
         service.stop()
 
 
+def cached_tokens(reply: openai.types.chat.ChatCompletion) -> int:
+    """The completion's usage.prompt_tokens_details.cached_tokens."""
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    return reply.usage.prompt_tokens_details.cached_tokens or 0
+
+
 def chat(stack: Stack, topic: str) -> openai.types.chat.ChatCompletion:
     with stack.client() as client:
         return client.chat.completions.create(
@@ -75,9 +81,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = start_stack(tmp_path_factory.mktemp("monitor"))
     try:
         chat(s, "tides")
-        again = chat(s, "tides")  # the exact retry: its prompt checkpoint
-        assert again.usage is not None and again.usage.prompt_tokens_details is not None
-        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        assert cached_tokens(chat(s, "tides")) > 0  # the exact retry: its prompt checkpoint
         for topic in ("glaciers", "volcanoes"):  # two slots: the tides states move down to KV-RAM
             chat(s, topic)
         yield s
@@ -236,10 +240,22 @@ def test_a_bad_page_token_is_a_400_and_the_gateway_keeps_serving(stack: Stack) -
 def test_a_claim_counts_as_a_hit(stack: Stack) -> None:
     """Runs last: it adds a request. The exact retry of the newest conversation claims its device checkpoint."""
     before = {r.name: r.hits for r in list_state(stack).states if r.tier == common_pb2.REUSE_TIER_DEVICE}
-    again = chat(stack, "volcanoes")
-    assert again.usage is not None and again.usage.prompt_tokens_details is not None
-    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    again = cached_tokens(chat(stack, "volcanoes"))
+    assert again > 0
     after = list_state(stack)
     hits = {r.name: r.hits for r in after.states if r.tier == common_pb2.REUSE_TIER_DEVICE}
     assert sum(hits.values()) == sum(before.values()) + 1
-    assert after.recent[-1].cached_tokens == again.usage.prompt_tokens_details.cached_tokens
+    assert after.recent[-1].cached_tokens == again
+
+
+def test_tierstore_lists_only_the_namespaces_named(stack: Stack) -> None:
+    from ignis.v1 import tierstore_pb2, tierstore_pb2_grpc
+
+    with grpc.insecure_channel(stack.store.address) as channel:
+        store = tierstore_pb2_grpc.TierStoreStub(channel)
+        assert store.ListStates(tierstore_pb2.ListStatesRequest(), timeout=10).total == 0  # none named: none
+        other = store.ListStates(tierstore_pb2.ListStatesRequest(namespaces=[b"\x00" * 16]), timeout=10)
+        assert other.total == 0 and list(other.states) == []
+        with pytest.raises(grpc.RpcError) as info:
+            store.ListStates(tierstore_pb2.ListStatesRequest(namespaces=[b"short"]), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

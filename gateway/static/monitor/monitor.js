@@ -10,6 +10,9 @@ const FLASH_MS = 2000;
 const MAX_REMEMBERED = 5000; // names whose last tier is kept (for the flash)
 const views = new Map(); // engine address -> view
 let apiKey = sessionStorage.getItem("ignis-api-key") || "";
+// /monitor?limit=N asks for the first N states per engine (the JSON's own bound is 1000).
+const limit = new URLSearchParams(location.search).get("limit");
+const stateUrl = limit ? `/v1/ignis/state?limit=${encodeURIComponent(limit)}` : "/v1/ignis/state";
 let inFlight = false;
 let updates = 0;
 
@@ -39,7 +42,7 @@ async function poll() {
   inFlight = true;
   try {
     const headers = apiKey ? { Authorization: `Bearer ${apiKey}` } : {};
-    const reply = await fetch("/v1/ignis/state", { headers, cache: "no-store" });
+    const reply = await fetch(stateUrl, { headers, cache: "no-store" });
     if (reply.status === 401) {
       document.getElementById("keyform").hidden = false;
       setStatus("this gateway needs an API key", true);
@@ -50,8 +53,12 @@ async function poll() {
       setStatus(body?.error?.message || `HTTP ${reply.status}`, true);
       return;
     }
+    const started = performance.now();
     render(body);
     updates++;
+    // For bench/monitor.py: how long drawing took, and when the first update was on screen.
+    document.body.dataset.renderMs = (performance.now() - started).toFixed(3);
+    if (updates === 1) document.body.dataset.firstRenderAt = performance.now().toFixed(3);
     document.body.dataset.updates = String(updates);
     setStatus(`updated ${new Date(body.time * 1000).toLocaleTimeString()}`);
   } catch (err) {
