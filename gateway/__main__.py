@@ -84,6 +84,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
     parser.add_argument("--fault-log-interval", type=float, default=10.0,
                         help="seconds between the summary log lines of slow, refused and malformed connections "
                              "(default: 10)")
+    parser.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral", "qwen3_coder"],
+                        default="", help="how tool calls are read from model text, for every model "
+                                         "(default: what each engine reads off its chat template, else hermes)")
+    parser.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1", "none"], default="",
+                        help="split <think>...</think> into reasoning_content, for every model "
+                             "(default: what each engine reads off its chat template)")
     parser.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds to finish open streams on shutdown")
     args = parser.parse_args(argv)
@@ -94,7 +100,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
                                max_connections=args.max_connections, max_request_bytes=args.max_request_bytes,
                                fault_log_interval=args.fault_log_interval, routing=args.routing,
                                load_bound=args.load_bound, engine_dns=args.engine_dns,
-                               dns_refresh=args.dns_refresh)
+                               dns_refresh=args.dns_refresh, tool_call_parser=args.tool_call_parser,
+                               reasoning_parser=args.reasoning_parser)
     except ValueError as exc:
         parser.error(str(exc))
     return args, config

@@ -30,6 +30,9 @@ class GatewayConfig:
     load_bound: float = 1.25  # bounded: an engine takes at most ceil(load_bound * mean in-flight)
     engine_dns: list[str] = field(default_factory=list)  # NAME:PORT, each address it resolves to is an engine
     dns_refresh: float = 10.0  # seconds between lookups of engine_dns
+    # Output parsers (gateway/output_formats.py); "": the one the engine reads off the chat template.
+    tool_call_parser: str = ""  # hermes | llama3_json | mistral | qwen3_coder
+    reasoning_parser: str = ""  # qwen3 | deepseek_r1 | none
 
     def __post_init__(self) -> None:
         if not self.engines and not self.engine_dns:
@@ -39,6 +42,10 @@ class GatewayConfig:
         if not self.dns_refresh > 0:
             raise ValueError(f"dns_refresh must be > 0 seconds, got {self.dns_refresh}")
         self.routing_rule()  # raises on an unknown rule or a bound below 1
+        if self.tool_call_parser not in ("", "hermes", "llama3_json", "mistral", "qwen3_coder"):
+            raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}")
+        if self.reasoning_parser not in ("", "qwen3", "deepseek_r1", "none"):
+            raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}")
         for address in self.engines:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -1,9 +1,10 @@
 """The Responses API's output items, built from text and tool-call events in order.
 
 Used for both answers: streamed, each step returns the ``response.*`` events
-to send (without sequence numbers); whole, only `items` is read. Content
-opens a ``message`` item; a tool call closes it and adds a ``function_call``
-item; content after a call opens a new message item.
+to send (without sequence numbers); whole, only `items` is read. Reasoning
+opens a ``reasoning`` item (closed by whatever follows it); content opens a
+``message`` item; a tool call closes it and adds a ``function_call`` item;
+content after a call opens a new message item.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import uuid
 
 from gateway.aliases import JSONObject
+from gateway.reasoning import ReasoningDelta
 from gateway.tool_calls import ContentDelta, Event, ToolCall
 
 
@@ -24,10 +26,17 @@ class OutputBuilder:
         self._open: JSONObject | None = None  # the message item being written
         self._text = ""
         self._lps: list[JSONObject] = []  # logprobs of the open message's text
+        self._thinking: JSONObject | None = None  # the reasoning item being written
+        self._reasoning_text = ""
 
-    def feed(self, events: list[Event], logprobs: list[JSONObject] | None = None) -> list[JSONObject]:
+    def feed(self, events: list[Event | ReasoningDelta], logprobs: list[JSONObject] | None = None
+             ) -> list[JSONObject]:
         out: list[JSONObject] = []
         for event in events:
+            if isinstance(event, ReasoningDelta):
+                out += self._reasoning(event.text)
+                continue
+            out += self._close_reasoning()
             if isinstance(event, ContentDelta):
                 out += self._content(event.text, logprobs)
                 logprobs = None  # a step's logprobs ride on its first delta
@@ -40,8 +49,8 @@ class OutputBuilder:
 
     def finish(self) -> list[JSONObject]:
         """Close what is open; an answer with no items gets one empty message (output_text is "")."""
-        out = self._close_message()
-        if not self.items:
+        out = self._close_reasoning() + self._close_message()
+        if not any(item["type"] != "reasoning" for item in self.items):
             out += self._content("", None) + self._close_message()
         return out
 
@@ -65,6 +74,33 @@ class OutputBuilder:
                         "output_index": len(self.items) - 1, "content_index": 0, "delta": text,
                         "logprobs": logprobs or []})
         return out
+
+    def _reasoning(self, text: str) -> list[JSONObject]:
+        out: list[JSONObject] = []
+        if self._thinking is None:
+            out += self._close_message()
+            self._thinking = {"type": "reasoning", "id": _id("rs"), "summary": [], "status": "in_progress",
+                              "content": []}
+            self._reasoning_text = ""
+            self.items.append(self._thinking)
+            out.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                        "item": dict(self._thinking)})
+        self._reasoning_text += text
+        out.append({"type": "response.reasoning_text.delta", "item_id": self._thinking["id"],
+                    "output_index": len(self.items) - 1, "content_index": 0, "delta": text})
+        return out
+
+    def _close_reasoning(self) -> list[JSONObject]:
+        item = self._thinking
+        if item is None:
+            return []
+        self._thinking = None
+        index = self.items.index(item)
+        item["content"] = [{"type": "reasoning_text", "text": self._reasoning_text}]
+        item["status"] = "completed"
+        return [{"type": "response.reasoning_text.done", "item_id": item["id"], "output_index": index,
+                 "content_index": 0, "text": self._reasoning_text},
+                {"type": "response.output_item.done", "output_index": index, "item": item}]
 
     def _close_message(self) -> list[JSONObject]:
         item = self._open

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 OPEN = "<tool_call>"
@@ -73,19 +74,23 @@ def parse_block(body: str) -> ToolCall | None:
     return ToolCall(id=new_call_id(), name=data["name"], arguments=args)
 
 
-def _partial_open_suffix(text: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of OPEN (it may become a tag)."""
-    for n in range(min(len(text), len(OPEN) - 1), 0, -1):
-        if OPEN.startswith(text[-n:]):
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag` (it may become the tag)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 
 
 @dataclass(slots=True)
 class ToolCallStream:
-    """Incremental parser for one choice."""
+    """Incremental parser for one choice. The tags and the body parser are Hermes' by default;
+    Qwen3-Coder uses the same blocks with an XML body (gateway/tool_parsers.py)."""
 
     calls: list[ToolCall] = field(default_factory=list)
+    parse: Callable[[str], ToolCall | None] = parse_block
+    open_tag: str = OPEN
+    close_tag: str = CLOSE
     _buf: str = ""  # unconsumed text: outside a block (held back) or a block's body so far
     _in_block: bool = False
     _ws_before: str = ""  # whitespace before the open block, restored if the block does not parse
@@ -96,18 +101,18 @@ class ToolCallStream:
         out: list[Event] = []
         while True:
             if self._in_block:
-                end = self._buf.find(CLOSE)
+                end = self._buf.find(self.close_tag)
                 if end < 0:
                     return out
-                body, self._buf = self._buf[:end], self._buf[end + len(CLOSE):]
+                body, self._buf = self._buf[:end], self._buf[end + len(self.close_tag):]
                 self._in_block = False
                 self._close_block(body, out)
                 continue
-            start = self._buf.find(OPEN)
+            start = self._buf.find(self.open_tag)
             if start < 0:
                 self._emit_safe_prefix(out)
                 return out
-            before, self._buf = self._buf[:start], self._buf[start + len(OPEN):]
+            before, self._buf = self._buf[:start], self._buf[start + len(self.open_tag):]
             stripped = before.rstrip()
             self._content(stripped, out)
             self._ws_before = before[len(stripped):]
@@ -118,7 +123,7 @@ class ToolCallStream:
         out: list[Event] = []
         if self._in_block:
             self._in_block = False
-            self._content(self._ws_before + OPEN + self._buf, out, verbatim=True)
+            self._content(self._ws_before + self.open_tag + self._buf, out, verbatim=True)
         else:
             tail = self._buf
             if self.calls:  # trailing whitespace after the last call is formatting
@@ -128,9 +133,9 @@ class ToolCallStream:
         return out
 
     def _close_block(self, body: str, out: list[Event]) -> None:
-        call = parse_block(body.strip())
+        call = self.parse(body.strip())
         if call is None:
-            self._content(self._ws_before + OPEN + body + CLOSE, out, verbatim=True)
+            self._content(self._ws_before + self.open_tag + body + self.close_tag, out, verbatim=True)
             return
         self._ws_before = ""
         self.calls.append(call)
@@ -140,7 +145,7 @@ class ToolCallStream:
     def _emit_safe_prefix(self, out: list[Event]) -> None:
         # Hold back a possible start of OPEN, and trailing whitespace (it may turn
         # out to sit before a block, where it is dropped).
-        hold = _partial_open_suffix(self._buf)
+        hold = partial_suffix(self._buf, self.open_tag)
         safe = self._buf[: len(self._buf) - hold]
         stripped = safe.rstrip()
         if not stripped.strip() and self._after_block:

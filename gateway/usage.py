@@ -33,6 +33,7 @@ class Usage:
     kind: str = "none"
     reused_tokens: int = 0
     time_to_first_token_ms: float = 0.0
+    reasoning_tokens: int = 0  # counted by the gateway's reasoning parser (gateway/reasoning.py)
 
     @classmethod
     def from_proto(cls, u: engine_pb2.Usage) -> Usage:
@@ -57,6 +58,7 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
         }
 
     def responses(self) -> JSONObject:
@@ -64,7 +66,7 @@ class Usage:
             "input_tokens": self.prompt_tokens,
             "input_tokens_details": {"cached_tokens": self.cached_tokens},
             "output_tokens": self.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
 

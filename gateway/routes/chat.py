@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from typing import AsyncIterator
+from dataclasses import replace
+from typing import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -23,7 +24,9 @@ from gateway.routing import chat_head, route_key
 from gateway.sampling import TokenLimit, sampling_params
 from gateway.sse import DONE, EventStream, data_event
 from gateway.state import GatewayState, state_of
-from gateway.tool_calls import ContentDelta, Event, ToolCallStream, parse_tool_calls
+from gateway.output_formats import ChoiceParser, Piece, output_formats
+from gateway.reasoning import ReasoningDelta
+from gateway.tool_calls import ContentDelta
 from gateway.unsupported import reject_unsupported
 from gateway.upstream import CallSpec, collect, generate
 from gateway.usage import Usage, close_stream
@@ -54,9 +57,14 @@ async def chat_completions(request: Request) -> Response:
     key = route_key(model, opts.cache_salt, opts.route_key or chat_head(chat))
     spec = CallSpec("messages", "max_completion_tokens" if body.has("max_completion_tokens") else "max_tokens",
                     state.config.request_timeout)
+    formats = output_formats(state.pool, model, state.config.tool_call_parser, state.config.reasoning_parser)
+    tools = parses_tool_calls(chat)
+    if tools and formats.tool_call == "mistral" and not sampling.HasField("skip_special_tokens"):
+        req.sampling.skip_special_tokens = False  # [TOOL_CALLS] is a special token: keep it in the text
     upstream = generate(state.pool, req, key, spec)
-    reply = _Reply(rid, int(time.time()), model, parses_tool_calls(chat), sampling.logprobs,
-                   sampling.n if sampling.HasField("n") else 1, state)
+    n = sampling.n if sampling.HasField("n") else 1
+    reply = _Reply(rid, int(time.time()), model, lambda: ChoiceParser.make(formats, chat.tools_json, tools),
+                   sampling.logprobs, n, state)
     if stream:
         return EventStream(reply.events(upstream, include_usage), headers={"X-Request-Id": rid})
     messages = await until_disconnect(request, collect(upstream))
@@ -66,34 +74,43 @@ async def chat_completions(request: Request) -> Response:
 class _Reply:
     """Builds one request's answer, whole or as chunks."""
 
-    def __init__(self, rid: str, created: int, model: str, tools: bool, logprobs: bool, n: int,
-                 state: GatewayState) -> None:
+    def __init__(self, rid: str, created: int, model: str, parser: Callable[[], ChoiceParser], logprobs: bool,
+                 n: int, state: GatewayState) -> None:
         self.rid, self.created, self.model = rid, created, model
-        self.tools, self.logprobs, self.n = tools, logprobs, n
+        self.parser, self.logprobs, self.n = parser, logprobs, n
         self.state = state
 
     def whole(self, messages: list[engine_pb2.GenerateResponse]) -> JSONObject:
         collected = accumulate(messages)
+        parsers = {i: self.parser() for i in collected.choices}
+        pieces: dict[int, list[Piece]] = {i: [] for i in collected.choices}
+        for msg in messages:  # message by message, as a stream is read: reasoning tokens are counted per message
+            if msg.index in parsers:
+                finished = msg.finish_reason != engine_pb2.FINISH_REASON_NONE
+                pieces[msg.index] += parsers[msg.index].feed(msg.text, len(msg.token_ids), finished)
         choices = []
         for c in collected.choices.values():
-            message: JSONObject = {"role": "assistant", "content": c.text, "refusal": None}
-            calls = []
-            if self.tools:
-                parsed = parse_tool_calls(c.text)
-                message["content"] = parsed.content
-                calls = parsed.tool_calls
-                if calls:
-                    message["tool_calls"] = [call.openai() for call in calls]
+            parser = parsers[c.index]
+            content = "".join(p.text for p in pieces[c.index] if isinstance(p, ContentDelta))
+            calls = parser.calls
+            message: JSONObject = {"role": "assistant", "content": None if calls and not content else content,
+                                   "refusal": None}
+            if parser.reasoning is not None:
+                message["reasoning_content"] = "".join(p.text for p in pieces[c.index]
+                                                       if isinstance(p, ReasoningDelta)) or None
+            if calls:
+                message["tool_calls"] = [call.openai() for call in calls]
             choices.append({
                 "index": c.index,
                 "message": message,
                 "logprobs": {"content": lp.chat_content(c.logprobs)} if self.logprobs else None,
                 "finish_reason": finish_reason(c.finish, bool(calls)),
             })
-        self.state.metrics.observe_usage(collected.usage)
+        usage = replace(collected.usage, reasoning_tokens=sum(p.reasoning_tokens for p in parsers.values()))
+        self.state.metrics.observe_usage(usage)
         return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": collected.usage.openai(), "system_fingerprint": None,
-                "ignis": collected.usage.ignis()}
+                "choices": choices, "usage": usage.openai(), "system_fingerprint": None,
+                "ignis": usage.ignis()}
 
     def _chunk(self, choices: list[JSONObject], include_usage: bool) -> JSONObject:
         out: JSONObject = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
@@ -104,7 +121,7 @@ class _Reply:
 
     async def events(self, upstream: AsyncIterator[engine_pb2.GenerateResponse], include_usage: bool
                      ) -> AsyncIterator[SSEBytes]:
-        parsers = [ToolCallStream() for _ in range(self.n)]
+        parsers = [self.parser() for _ in range(self.n)]
         started = False
         async with contextlib.aclosing(upstream):  # type: ignore[type-var]
             try:
@@ -116,7 +133,8 @@ class _Reply:
                                                            "logprobs": None, "finish_reason": None}], include_usage))
                     chunks = self._message_chunks(msg, parsers, include_usage)
                     if msg.HasField("usage"):
-                        usage = Usage.from_proto(msg.usage)
+                        usage = replace(Usage.from_proto(msg.usage),
+                                        reasoning_tokens=sum(p.reasoning_tokens for p in parsers))
                         self.state.metrics.observe_usage(usage)
                         close_stream(chunks, usage, include_usage, lambda: self._chunk([], False))
                     for chunk in chunks:
@@ -127,28 +145,30 @@ class _Reply:
                 yield data_event(err.body())
         yield DONE
 
-    def _message_chunks(self, msg: engine_pb2.GenerateResponse, parsers: list[ToolCallStream],
+    def _message_chunks(self, msg: engine_pb2.GenerateResponse, parsers: list[ChoiceParser],
                         include_usage: bool) -> list[JSONObject]:
         i = msg.index
         finished = msg.finish_reason != engine_pb2.FINISH_REASON_NONE
-        events: list[Event]
-        if self.tools and i < len(parsers):
-            events = parsers[i].feed(msg.text) + (parsers[i].finish() if finished else [])
-        else:
-            events = [ContentDelta(msg.text)] if msg.text else []
+        pieces: list[Piece] = []
+        if i < len(parsers):
+            pieces = parsers[i].feed(msg.text, len(msg.token_ids), finished)
+        elif msg.text:
+            pieces = [ContentDelta(msg.text)]
         deltas: list[JSONObject] = []
-        for event in events:
-            if isinstance(event, ContentDelta):
-                deltas.append({"content": event.text})
+        for piece in pieces:
+            if isinstance(piece, ReasoningDelta):
+                deltas.append({"reasoning_content": piece.text})
+            elif isinstance(piece, ContentDelta):
+                deltas.append({"content": piece.text})
             else:
-                deltas.append({"tool_calls": [event.call.openai(event.index)]})
+                deltas.append({"tool_calls": [piece.call.openai(piece.index)]})
         logprobs = {"content": lp.chat_content(msg.logprobs)} if self.logprobs and msg.logprobs else None
         if logprobs is not None and not deltas:
             deltas.append({"content": ""})
         choices: list[JSONObject] = [{"index": i, "delta": d, "logprobs": logprobs if k == 0 else None, "finish_reason": None}
                    for k, d in enumerate(deltas)]
         if finished:
-            calls = bool(parsers[i].calls) if self.tools and i < len(parsers) else False
+            calls = bool(parsers[i].calls) if i < len(parsers) else False
             choices.append({"index": i, "delta": {}, "logprobs": None,
                             "finish_reason": finish_reason(msg.finish_reason, calls)})
         return [self._chunk([c], include_usage) for c in choices]

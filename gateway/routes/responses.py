@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from typing import AsyncIterator
+from dataclasses import replace
+from typing import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -30,7 +31,7 @@ from gateway.routing import chat_head, route_key
 from gateway.sampling import TokenLimit, sampling_params
 from gateway.sse import EventStream, named_event
 from gateway.state import GatewayState, state_of
-from gateway.tool_calls import ContentDelta, Event, ToolCallStream
+from gateway.output_formats import ChoiceParser, output_formats
 from gateway.upstream import CallSpec, collect, generate
 from gateway.usage import Usage
 from ignis.v1 import engine_pb2
@@ -76,7 +77,11 @@ async def responses(request: Request) -> Response:
         "metadata": metadata.data if metadata is not None else {}, "user": body.string("user"),
         "error": None, "incomplete_details": None,
     }
-    reply = _Reply(base, parses_tool_calls(chat), sampling.logprobs, state)
+    formats = output_formats(state.pool, model, state.config.tool_call_parser, state.config.reasoning_parser)
+    tools = parses_tool_calls(chat)
+    if tools and formats.tool_call == "mistral" and not sampling.HasField("skip_special_tokens"):
+        req.sampling.skip_special_tokens = False  # [TOOL_CALLS] is a special token: keep it in the text
+    reply = _Reply(base, lambda: ChoiceParser.make(formats, chat.tools_json, tools), sampling.logprobs, state)
     if stream:
         return EventStream(reply.events(upstream), headers={"X-Request-Id": rid})
     messages = await until_disconnect(request, collect(upstream))
@@ -98,16 +103,13 @@ def _status(finish: int) -> tuple[str, JSONObject | None]:
 
 
 class _Reply:
-    def __init__(self, base: JSONObject, tools: bool, logprobs: bool, state: GatewayState) -> None:
-        self.base, self.tools, self.logprobs, self.state = base, tools, logprobs, state
+    def __init__(self, base: JSONObject, parser: Callable[[], ChoiceParser], logprobs: bool,
+                 state: GatewayState) -> None:
+        self.base, self.parser, self.logprobs, self.state = base, parser, logprobs, state
 
-    def _events(self, parser: ToolCallStream, text: str, finished: bool) -> list[Event]:
-        if not self.tools:
-            return [ContentDelta(text)] if text else []
-        return parser.feed(text) + (parser.finish() if finished else [])
-
-    def _final(self, builder: OutputBuilder, finish: int, usage: Usage) -> JSONObject:
+    def _final(self, builder: OutputBuilder, finish: int, usage: Usage, parser: ChoiceParser) -> JSONObject:
         status, incomplete = _status(finish)
+        usage = replace(usage, reasoning_tokens=parser.reasoning_tokens)
         self.state.metrics.observe_usage(usage)
         return dict(self.base, status=status, incomplete_details=incomplete, output=builder.items,
                     usage=usage.responses(), ignis=usage.ignis())
@@ -115,12 +117,15 @@ class _Reply:
     def whole(self, messages: list[engine_pb2.GenerateResponse]) -> JSONObject:
         collected = accumulate(messages)
         choice = collected.choices.get(0)
-        builder = OutputBuilder()
-        if choice is not None:
-            logprobs = lp.chat_content(choice.logprobs) if self.logprobs else None
-            builder.feed(self._events(ToolCallStream(), choice.text, True), logprobs)
+        builder, parser = OutputBuilder(), self.parser()
+        for msg in messages:  # message by message, as a stream is read: reasoning tokens are counted per message
+            if msg.index == 0:
+                logprobs = lp.chat_content(msg.logprobs) if self.logprobs and msg.logprobs else None
+                finished = msg.finish_reason != engine_pb2.FINISH_REASON_NONE
+                builder.feed(parser.feed(msg.text, len(msg.token_ids), finished), logprobs)
         builder.finish()
-        return self._final(builder, choice.finish if choice else engine_pb2.FINISH_REASON_STOP, collected.usage)
+        return self._final(builder, choice.finish if choice else engine_pb2.FINISH_REASON_STOP, collected.usage,
+                           parser)
 
     async def events(self, upstream: AsyncIterator[engine_pb2.GenerateResponse]) -> AsyncIterator[SSEBytes]:
         seq = 0
@@ -131,7 +136,7 @@ class _Reply:
             seq += 1
             return named_event(event["type"], event)
 
-        parser, builder = ToolCallStream(), OutputBuilder()
+        parser, builder = self.parser(), OutputBuilder()
         finish = engine_pb2.FINISH_REASON_NONE
         started = False
         async with contextlib.aclosing(upstream):  # type: ignore[type-var]
@@ -148,12 +153,12 @@ class _Reply:
                     if finished:
                         finish = msg.finish_reason
                     logprobs = lp.chat_content(msg.logprobs) if self.logprobs and msg.logprobs else None
-                    for event in builder.feed(self._events(parser, msg.text, finished), logprobs):
+                    for event in builder.feed(parser.feed(msg.text, len(msg.token_ids), finished), logprobs):
                         yield sse(event)
                     if msg.HasField("usage"):
                         for event in builder.finish():
                             yield sse(event)
-                        final = self._final(builder, finish, Usage.from_proto(msg.usage))
+                        final = self._final(builder, finish, Usage.from_proto(msg.usage), parser)
                         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
                         yield sse({"type": kind, "response": final})
             except OpenAIError as err:
