@@ -13,13 +13,16 @@ import grpc
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
+from bench.launch import free_port
 from engine.state_listing import MAX_PAGE_ROWS, Throughput, parse_page
 from ignis.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services import RunningService, start_engine, start_gateway, start_tierstore
 
 MiB = 1 << 20
 KEY = "monitor-key"
+LONG_SYSTEM = "You are a careful assistant. Answer briefly, name your sources, and say when you are unsure."
 
 
 @dataclass
@@ -40,16 +43,17 @@ class Stack:
                          timeout=30)
 
 
-def start_stack(workdir: Path, retained_device: int = 2, extra: list[str] | None = None) -> Stack:
-    """Tiny budgets: `retained_device` slots on the device, nothing protected (TTL 0), 16 MiB of KV-RAM."""
+def start_stack(workdir: Path, retained_device: int = 2, model: str = "ignis-tiny",
+                more_engines: tuple[str, ...] = ()) -> Stack:
+    """Tiny budgets: `retained_device` slots on the device, nothing protected (TTL 0), 16 MiB of KV-RAM.
+    `more_engines`: further addresses behind the gateway (e.g. one where nothing listens)."""
     store = start_tierstore(workdir / "ts", ["--kv-host-pool-bytes", str(16 * MiB), "--kv-disk-bytes", "0"])
     engine = gateway = None
     try:
-        engine = start_engine(workdir / "engine", "ignis-tiny", [
+        engine = start_engine(workdir / "engine", model, [
             "--served-model-name", "ignis-tiny", "--tierstore", store.address,
-            "--set", f"reuse.retained_device={retained_device}", "--set", "reuse.retained_interactive_ttl=0",
-            *(extra or [])])
-        gateway = start_gateway(workdir / "gw", [engine.address], ["--api-key", KEY])
+            "--set", f"reuse.retained_device={retained_device}", "--set", "reuse.retained_interactive_ttl=0"])
+        gateway = start_gateway(workdir / "gw", [engine.address, *more_engines], ["--api-key", KEY])
     except Exception:
         for service in (engine, store):
             if service is not None:
@@ -69,11 +73,11 @@ def cached_tokens(reply: openai.types.chat.ChatCompletion) -> int:
     return reply.usage.prompt_tokens_details.cached_tokens or 0
 
 
-def chat(stack: Stack, topic: str) -> openai.types.chat.ChatCompletion:
+def chat(stack: Stack, topic: str, system: str = "") -> openai.types.chat.ChatCompletion:
+    messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": f"Tell me about {topic}."})
     with stack.client() as client:
-        return client.chat.completions.create(
-            model="ignis-tiny", messages=[{"role": "user", "content": f"Tell me about {topic}."}],
-            max_tokens=4, temperature=0)
+        return client.chat.completions.create(model="ignis-tiny", messages=messages, max_tokens=4, temperature=0)
 
 
 @pytest.fixture(scope="module")
@@ -259,3 +263,28 @@ def test_tierstore_lists_only_the_namespaces_named(stack: Stack) -> None:
         with pytest.raises(grpc.RpcError) as info:
             store.ListStates(tierstore_pb2.ListStatesRequest(namespaces=[b"short"]), timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# ------------------------------------------------------------------ an attention-only model, two engines
+
+def test_a_dense_model_lists_page_chains_and_a_dead_engine_has_its_own_section(
+        tmp_path: Path, dense_chat_model_dir: Path) -> None:
+    """Dense pages are listed one row per finished chain (never per page), not ranked by the order;
+    a second engine that does not answer is a section with an error, the first one still shows."""
+    dead = f"127.0.0.1:{free_port()}"
+    stack = start_stack(tmp_path, model=str(dense_chat_model_dir), more_engines=(dead,))
+    try:
+        chat(stack, "tides", system=LONG_SYSTEM)
+        body = stack.state().json()
+        assert [e["address"] for e in body["engines"]] == [stack.engine.address, dead]
+        live, gone = body["engines"]
+        assert "error" in gone and "UNAVAILABLE" in gone["error"] and not gone["healthy"]
+        chains = live["states"]
+        assert len(chains) == 1 and live["states_total"] == 1
+        chain = chains[0]
+        assert (chain["kind"], chain["tier"], chain["rank"]) == ("pages", "device", None)
+        assert chain["pages"] == chain["tokens"] // live["pool"]["page_size"] >= 2
+        assert live["pool"]["registered"] >= chain["pages"] and live["slots"]["retained_device"]["total"] == 0
+        assert live["recent"][0]["prompt_tokens"] > chain["tokens"]
+    finally:
+        stop_stack(stack)

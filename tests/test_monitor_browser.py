@@ -3,7 +3,8 @@ DevTools protocol) shows a real stack's state. After a repeated chat the page sh
 on the device and the request row with its cached tokens; after two more conversations push it
 out of the two device slots, the same state is shown in `ram` (and flashes). The DOM is checked,
 not pixels; a screenshot is saved under the test's tmp dir (IGNIS_MONITOR_SCREENSHOT=path copies
-it there too, e.g. docs/monitor.png)."""
+it there too, e.g. docs/monitor.png). With two engines behind the gateway (an attention-only one
+and one that does not answer) the page has a section each, the dense one listing its page chain."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from bench.browser import Page, chromium, chromium_path
-from test_monitor import KEY, cached_tokens, chat, start_stack, stop_stack
+from bench.launch import free_port
+from test_monitor import KEY, LONG_SYSTEM, cached_tokens, chat, start_stack, stop_stack
 
 pytestmark = pytest.mark.skipif(chromium_path() is None,
                                 reason="chromium is not installed (.ci/run installs it: apt-get install chromium)")
@@ -28,6 +30,14 @@ def state_rows(page: Page) -> list[dict[str, str]]:
                          f"rank: r.dataset.rank, flash: r.classList.contains('flash')}}))")
 
 
+def open_monitor(page: Page, url: str) -> None:
+    """Load /monitor and give it the key: the gateway has --api-key, and the page asks, as it would ask a person."""
+    page.navigate(f"{url}/monitor")
+    page.wait_for("!document.getElementById('keyform').hidden")
+    page.evaluate(f"document.getElementById('key').value = {json.dumps(KEY)}; "
+                  "document.getElementById('keyform').requestSubmit(); true")
+
+
 def test_the_monitor_shows_a_checkpoint_move_from_the_device_to_ram(tmp_path: Path) -> None:
     stack = start_stack(tmp_path / "stack")
     try:
@@ -35,11 +45,7 @@ def test_the_monitor_shows_a_checkpoint_move_from_the_device_to_ram(tmp_path: Pa
         cached = cached_tokens(chat(stack, "tides"))
         assert cached > 0
         with chromium() as page:
-            page.navigate(f"{stack.url}/monitor")
-            # The gateway has --api-key: the page asks for it, as it would ask a person.
-            page.wait_for("!document.getElementById('keyform').hidden")
-            page.evaluate(f"document.getElementById('key').value = {json.dumps(KEY)}; "
-                          "document.getElementById('keyform').requestSubmit(); true")
+            open_monitor(page, stack.url)
             page.wait_for(f"{ROWS}.some(r => r.dataset.tier === 'device' && r.dataset.kind === 'checkpoint')")
             on_device = {r["name"] for r in state_rows(page) if r["tier"] == "device" and r["kind"] == "checkpoint"}
             assert len(on_device) == 2
@@ -68,5 +74,25 @@ def test_the_monitor_shows_a_checkpoint_move_from_the_device_to_ram(tmp_path: Pa
             assert shot.stat().st_size > 10_000
             if target := os.environ.get("IGNIS_MONITOR_SCREENSHOT"):
                 shutil.copyfile(shot, target)
+    finally:
+        stop_stack(stack)
+
+
+def test_two_engines_two_sections_and_a_dense_model_shows_page_chains(tmp_path: Path,
+                                                                     dense_chat_model_dir: Path) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    stack = start_stack(tmp_path / "stack", model=str(dense_chat_model_dir), more_engines=(dead,))
+    try:
+        chat(stack, "tides", system=LONG_SYSTEM)
+        with chromium() as page:
+            open_monitor(page, stack.url)
+            page.wait_for(f"{ROWS}.some(r => r.dataset.kind === 'pages')")
+            sections = page.evaluate("[...document.querySelectorAll('.engine')].map(e => [e.dataset.address, "
+                                     "e.querySelector('.error').hidden, e.querySelector('.health').textContent])")
+            assert sections == [[stack.engine.address, True, "serving"], [dead, False, "unavailable"]]
+            assert "UNAVAILABLE" in page.evaluate("document.querySelectorAll('.engine .error')[1].textContent")
+            rows = state_rows(page)
+            assert [(r["kind"], r["tier"], r["rank"]) for r in rows] == [("pages", "device", "")]
+            assert page.evaluate("document.querySelector('.engine .state span').textContent") == "–"  # no rank
     finally:
         stop_stack(stack)
