@@ -15,6 +15,7 @@ from engine.kv.device_cache import CacheGeometry, DeviceCache
 from engine.kv.host_slots import HostSlots
 from engine.kv.page_pool import PagePool, SlotPool
 from engine.model.loader import LoadedModel
+from engine.model.state_copy import row_copier
 from engine.tiers.client import TierClient
 from engine.tiers.codec import StateCodec
 from engine.tiers.copy_worker import CopyWorker
@@ -50,7 +51,8 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         # for every live and retained sequence to reach the model's full context.
         context_pages = -(-model_cfg.max_position_embeddings // config.page_size)
         num_pages = context_pages * max(1, num_slots)
-    cache = DeviceCache(shape, CacheGeometry(config.page_size, num_pages, num_slots, dtype), loaded.model.device)
+    cache = DeviceCache(shape, CacheGeometry(config.page_size, num_pages, num_slots, dtype), loaded.model.device,
+                        copy_rows=row_copier(loaded.model.device))
     pages = PagePool(num_pages)
     tiers = _tier_link(loaded, config, cache)  # retained state spills there; live sequences move there
     reuse: PromptReuse

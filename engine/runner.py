@@ -71,6 +71,6 @@ class ModelRunner:
         """Give `child` a copy of the parent's state: shared full pages are already in its
         table; the partially filled last page (if any) and the recurrent slot are copied."""
         if new_last_page is not None:
-            self.cache.kv[new_last_page].copy_(self.cache.kv[parent.page_table[-1]])
+            self.cache.copy_page(parent.page_table[-1], new_last_page)
         if parent.slot is not None and child.slot is not None:
             self.cache.copy_slot(parent.slot, child.slot)

@@ -235,6 +235,27 @@ def test_copy_rows_clones_slots_and_pages_bit_exact(target: Target) -> None:
         assert torch.equal(pool.cpu().view(torch.uint8), want.view(torch.uint8))
 
 
+def test_the_device_cache_clones_states_with_the_row_copy(target: Target, checkpoint_dir: Callable[[str], Path]
+                                                          ) -> None:
+    """DeviceCache.copy_slot / copy_page through the kernel the builder gives it on CUDA
+    (engine/model/state_copy.py) equal plain tensor copies, bit for bit."""
+    config = load_model(checkpoint_dir("Qwen3_5ForCausalLM")).config
+    geometry = CacheGeometry(PAGE, 6, 4, torch.bfloat16)
+    plain = DeviceCache(config.state_shape(), geometry, target.device)
+    kernel = DeviceCache(config.state_shape(), geometry, target.device, copy_rows=target.ops.copy_rows_)
+    g = torch.Generator().manual_seed(3)
+    for t in ("kv", "recurrent", "conv"):
+        filled = torch.randn(getattr(plain, t).shape, generator=g).to(getattr(plain, t).dtype).to(target.device)
+        getattr(plain, t).copy_(filled)
+        getattr(kernel, t).copy_(filled)
+    for cache in (plain, kernel):
+        cache.copy_slot(3, 0)
+        cache.copy_page(5, 1)
+    for t in ("kv", "recurrent", "conv"):
+        assert torch.equal(getattr(plain, t).cpu().view(torch.uint8), getattr(kernel, t).cpu().view(torch.uint8))
+    assert torch.equal(kernel.recurrent[0], kernel.recurrent[3]) and torch.equal(kernel.kv[1], kernel.kv[5])
+
+
 # --- the models on the Triton kernels -----------------------------------------------------------
 
 @pytest.mark.parametrize("arch", ["Qwen3_5ForCausalLM", "MistralForCausalLM"])

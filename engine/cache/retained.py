@@ -144,7 +144,7 @@ class RetainedStateReuse(TieredReuse):
             if got is None:
                 return
             private = got
-            self.cache.kv[got[0]].copy_(self.cache.kv[seq.page_table[full]])
+            self.cache.copy_page(seq.page_table[full], got[0])
         shared = seq.page_table[:full]
         self.pages.share(shared)
         slot = self._free_slots.popleft()
@@ -169,7 +169,7 @@ class RetainedStateReuse(TieredReuse):
             got = self.pages.allocate(1)
             if got is None:
                 raise RuntimeError("claim admitted without its private page: this is a bug")
-            self.cache.kv[got[0]].copy_(self.cache.kv[state.pages[full]])
+            self.cache.copy_page(state.pages[full], got[0])
             table.append(got[0])
         self.cache.copy_slot(state.slot, seq.slot)
         seq.adopt(table, state.num_tokens, state.logits)
@@ -263,7 +263,7 @@ class RetainedStateReuse(TieredReuse):
                 self.counters.slot_skips += 1
                 return
             private = got
-            self.cache.kv[got[0]].copy_(self.cache.kv[seq.page_table[full]])
+            self.cache.copy_page(seq.page_table[full], got[0])
         if len(seq.page_hashes) < full:
             raise RuntimeError("page hashes shorter than the computed state: this is a bug")
         shared = seq.page_table[:full]

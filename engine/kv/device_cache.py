@@ -8,10 +8,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +59,15 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+RowCopier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (pool, src rows, dst rows)
+
+
 class DeviceCache:
-    def __init__(self, shape: StateShape, geometry: CacheGeometry, device: torch.device) -> None:
+    def __init__(self, shape: StateShape, geometry: CacheGeometry, device: torch.device,
+                 copy_rows: RowCopier | None = None) -> None:
+        """`copy_rows(pool, src, dst)`: the row-copy kernel state clones use (the Triton one on CUDA,
+        chosen by engine/model/state_copy.py); None: plain tensor copies."""
+        self.copy_rows = copy_rows
         self.shape = shape
         self.geometry = geometry
         self.page_size = geometry.page_size
@@ -95,5 +102,21 @@ class DeviceCache:
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Clone one sequence's recurrent state and conv taps: two copies for all layers."""
+        if self.copy_rows is not None:
+            rows = self._rows(src, dst)
+            self.copy_rows(self.recurrent, *rows)
+            self.copy_rows(self.conv, *rows)
+            return
         self.recurrent[dst].copy_(self.recurrent[src])
         self.conv[dst].copy_(self.conv[src])
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy one KV page (all attention layers): a partial last page a fork or a claim makes private."""
+        if self.copy_rows is not None:
+            self.copy_rows(self.kv, *self._rows(src, dst))
+            return
+        self.kv[dst].copy_(self.kv[src])
+
+    def _rows(self, src: int, dst: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor([src, dst], dtype=torch.int64).to(self.kv.device, non_blocking=True)
+        return ids[:1], ids[1:]
