@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
+import pytest
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from engine.kv.chain_hash import Namespace, page_hashes, state_name
+from engine.kv.chain_hash import Namespace, page_hashes, state_name, token_bytes
 
 
 def test_page_hashes_chain_by_hand() -> None:
@@ -61,3 +65,17 @@ def test_common_pages_bisects_the_chain() -> None:
         assert common_pages(a, b, 3) == min(diverge, 3)
     assert common_pages(a, a[:4], 10) == 4
     assert common_pages(a, [], 10) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=64))
+def test_token_bytes_is_the_same_from_a_list_a_tuple_and_an_array(tokens: list[int]) -> None:
+    want = struct.pack(f"<{len(tokens)}I", *tokens)
+    assert token_bytes(tokens) == token_bytes(tuple(tokens)) == want
+    assert token_bytes(np.asarray(tokens, dtype=np.int64)) == want
+
+
+def test_token_bytes_refuses_ids_outside_uint32() -> None:
+    for bad in ([-1], [2**32]):
+        with pytest.raises(OverflowError):
+            token_bytes(bad)
