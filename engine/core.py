@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 
@@ -211,8 +212,9 @@ class EngineCore:
 
     def snapshot(self) -> EngineSnapshot:
         """The copy itself (the thread that steps)."""
+        started = time.perf_counter()
         return take_snapshot(self.stats(), self.reuse, self.pages, list(self._namespaces.values()),
-                             list(self.outputs.recent))
+                             list(self.outputs.recent), started)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -52,13 +52,15 @@ class EngineSnapshot:
     namespaces: tuple[bytes, ...]  # h0 of every namespace the engine has served (for the tierstore's rows)
     recent: tuple[tuple[float, FinishedRequest], ...]  # (finished at, Unix seconds; its fields), oldest first
     registered_pages: int
+    copy_ms: float  # what taking it cost the engine thread
 
 
 def take_snapshot(stats: EngineStats, reuse: PromptReuse, pages: PagePool, namespaces: Iterable[bytes],
-                  recent: Iterable[tuple[float, FinishedRequest]]) -> EngineSnapshot:
-    """Engine thread: copies only."""
-    return EngineSnapshot(time.monotonic(), time.time(), stats, tuple(reuse.describe()), tuple(namespaces),
-                          tuple(recent), pages.num_registered)
+                  recent: Iterable[tuple[float, FinishedRequest]], started: float) -> EngineSnapshot:
+    """Engine thread: copies only. `started`: perf_counter() when the copy began (stats included)."""
+    states, names, ring = tuple(reuse.describe()), tuple(namespaces), tuple(recent)
+    return EngineSnapshot(time.monotonic(), time.time(), stats, states, names, ring, pages.num_registered,
+                          (time.perf_counter() - started) * 1000)
 
 
 def parse_page(page_size: int, page_token: str) -> tuple[int, int]:
@@ -130,7 +132,7 @@ class StateLister:
             stats=stats_message(s), prefill_tokens_per_second=prefill_rate, decode_tokens_per_second=decode_rate,
             states=page, states_total=total, next_page_token=str(end) if end < total and page else "",
             tiers=summary, recent=[_recent_row(at, r) for at, r in snap.recent], taken_at=snap.wall,
-            registered_pages=snap.registered_pages, model=self.model)
+            registered_pages=snap.registered_pages, model=self.model, snapshot_ms=snap.copy_ms)
 
     def _engine_rows(self, snap: EngineSnapshot) -> list[engine_pb2.RetainedStateRow]:
         now = snap.taken_at

@@ -201,6 +201,7 @@ def test_state_json_has_one_section_per_engine(stack: Stack) -> None:
     assert body["object"] == "ignis.state" and len(body["engines"]) == 1
     e = body["engines"][0]
     assert e["address"] == stack.engine.address and e["healthy"] and "error" not in e
+    assert 0 < e["snapshot_ms"] < 10_000 and e["taken_at"] <= body["time"]
     pool = e["pool"]
     assert pool["used"] + pool["cached"] + pool["free"] == pool["total"]
     assert e["slots"]["retained_device"] == {"total": 2, "used": 2}

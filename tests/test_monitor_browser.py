@@ -68,6 +68,8 @@ def test_the_monitor_shows_a_checkpoint_move_from_the_device_to_ram(tmp_path: Pa
             rows = state_rows(page)
             assert {r["name"] for r in rows if r["tier"] == "ram"} >= on_device
             assert not any(r["tier"] == "device" and r["name"] in on_device for r in rows)
+            # The two states written down while the page was open: the engine's spills of the last minute.
+            assert int(page.evaluate("document.querySelector('[data-field=\"engine-spm\"]').textContent")) >= 2
             ram_bar = page.evaluate("document.querySelector('[data-field=\"tiers\"]').textContent")
             assert "KV-RAM" in ram_bar and "16.0 MiB" in ram_bar
             shot = page.screenshot(tmp_path / "monitor.png")

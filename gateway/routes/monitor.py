@@ -103,6 +103,7 @@ def engine_section(r: engine_pb2.ListStateResponse) -> JSONObject:
     return {
         "model": r.model,
         "taken_at": r.taken_at,
+        "snapshot_ms": round(r.snapshot_ms, 3),
         "pool": {"total": pool.total_pages, "used": pool.used_pages, "cached": pool.cached_pages, "free": free,
                  "page_size": pool.page_size, "registered": r.registered_pages},
         "slots": {"state": _slots(s.state_slots), "retained_device": _slots(s.retained_device_slots),

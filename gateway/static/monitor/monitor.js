@@ -109,7 +109,7 @@ function updateView(view, e) {
   error.textContent = e.error || "";
   if (e.error) return;
   const now = performance.now();
-  view.history.push({ t: e.taken_at, counters: e.counters, store: e.tiers.store || null });
+  view.history.push({ t: e.taken_at, counters: e.counters, store: e.tiers.store || null, engine: e.tiers.engine });
   if (view.history.length > HISTORY) view.history.shift();
 
   const p = e.pool;
@@ -137,10 +137,13 @@ function updateView(view, e) {
   } else {
     view.field("tiers").textContent = t.configured ? "tierstore not reachable" : "no tierstore configured";
   }
-  const minute = perMinute(view.history);
-  view.field("spm").textContent = minute ? minute.spills.toFixed(1) : "–";
-  view.field("rpm").textContent = minute ? minute.restores.toFixed(1) : "–";
-  view.field("epm").textContent = minute ? minute.evictions.toFixed(1) : "–";
+  const minute = perMinute(view.history, "store");
+  const engineMinute = perMinute(view.history, "engine");
+  view.field("engine-spm").textContent = engineMinute ? fmtInt(engineMinute.spills) : "–";
+  view.field("engine-rpm").textContent = engineMinute ? fmtInt(engineMinute.restores) : "–";
+  view.field("spm").textContent = minute ? fmtInt(minute.spills) : "–";
+  view.field("rpm").textContent = minute ? fmtInt(minute.restores) : "–";
+  view.field("epm").textContent = minute ? fmtInt(minute.evictions) : "–";
   view.field("checksum").textContent = t.store ? fmtInt(t.store.checksum_failures) : "–";
 
   const rates = hitRates(view.history);
@@ -197,17 +200,14 @@ function drawPool(canvas, p) {
   }
 }
 
-function perMinute(history) {
-  // Store counters over the samples of the last minute, scaled to one minute.
-  const withStore = history.filter((s) => s.store);
-  if (withStore.length < 2) return null;
-  const last = withStore[withStore.length - 1];
-  const first = withStore.find((s) => s.t >= last.t - 60) || withStore[0];
-  const dt = last.t - first.t;
-  if (dt <= 0) return null;
-  const k = 60 / dt;
-  return { spills: (last.store.spills - first.store.spills) * k, restores: (last.store.restores - first.store.restores) * k,
-    evictions: (last.store.evictions - first.store.evictions) * k };
+function perMinute(history, side) {
+  // How many the store (or the engine) counted over the last minute (since the page opened, if less).
+  const samples = history.filter((s) => s[side]);
+  if (samples.length < 2) return null;
+  const last = samples[samples.length - 1];
+  const first = samples.find((s) => s.t >= last.t - 60) || samples[0];
+  const count = (key) => (last[side][key] ?? 0) - (first[side][key] ?? 0);
+  return { spills: count("spills"), restores: count("restores"), evictions: count("evictions") };
 }
 
 function hitRates(history) {
