@@ -8,6 +8,7 @@ logits, and logprobs report the masked distribution (vLLM does the same).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -22,7 +23,7 @@ class TokenGuide(Protocol):
     def is_terminated(self) -> bool: ...
 
 
-def apply_guides(logits: torch.Tensor, rows: list[int], guides: list[TokenGuide]) -> None:
+def apply_guides(logits: torch.Tensor, rows: list[int], guides: Sequence[TokenGuide]) -> None:
     """In place: logits[rows[j]] keeps only what guides[j] allows next; one bitmask for the batch."""
     # logits: [B, V]
     if not rows:
