@@ -169,6 +169,7 @@ class KillRun:
     failed_before_first: int = 0
     failed_after_first: int = 0
     victim_in_flight: int | None = None  # waiting + running on the engine about to be killed
+    killed_at: float | None = None  # time.monotonic() of the SIGKILL
     errors: list[str] = field(default_factory=list)
 
 
@@ -215,7 +216,7 @@ async def _trace_with_kill(base_url: str, trace: Trace, victim: Service, kill_af
             await asyncio.sleep(0.01)
         run.victim_in_flight = await asyncio.to_thread(in_flight, victim)  # a scrape (ms) before the kill
         victim.process.send_signal(signal.SIGKILL)
-        killed_at = time.monotonic()
+        killed_at = run.killed_at = time.monotonic()
 
     limits = httpx.Limits(max_connections=config.concurrency + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as http:
@@ -228,8 +229,7 @@ async def _trace_with_kill(base_url: str, trace: Trace, victim: Service, kill_af
             await asyncio.gather(*(turn(a) for a in range(config.agents)))
             if rnd in bursts:
                 await asyncio.gather(*(_one(http, trace.first_messages(t), config, run) for t in bursts[rnd].tasks))
-        if not killer.done():
-            killer.cancel()
+        await killer  # the kill happens even if the trace ended first (a slow scrape): then nothing was in flight
     return killed_at
 
 
@@ -250,12 +250,16 @@ def run_kill(checkpoint: Path, trace: Trace, count: int, rule: str, args: argpar
                 len(b.tasks) for b in trace.bursts if b.after_round < config.turns // 2)
             kill_after = done_before + max(config.agents // 2, 1)
             trace_task = asyncio.create_task(_trace_with_kill(base, trace, victim, kill_after, run))
-            while victim.process.poll() is None and not trace_task.done():
+            while victim.process.poll() is None:  # the trace kills it, at the latest once it is over
+                if trace_task.done() and trace_task.exception() is not None:
+                    await trace_task  # raises what went wrong
                 await asyncio.sleep(0.005)
-            if victim.process.poll() is not None:
-                start = time.monotonic()
-                while await asyncio.to_thread(engine_up, stack.gateway, victim.address) != 0.0:
-                    await asyncio.sleep(0.01)
+            start = run.killed_at or time.monotonic()
+            while await asyncio.to_thread(engine_up, stack.gateway, victim.address) != 0.0:
+                if time.monotonic() - start > 60:
+                    break  # never left routing: the table says "-"
+                await asyncio.sleep(0.01)
+            else:
                 moved.append(time.monotonic() - start)
             await trace_task
 
