@@ -21,6 +21,7 @@ SUITES: list[tuple[list[str], bool]] = [
     (["bench.tiers"], False),
     (["bench.residency"], True),  # where state lives under pressure: move-down vs recompute, spills, host slots
     (["bench.gateway"], False),
+    (["bench.overhead"], False),  # the engine's Python around the model at 64 and 256 sequences, tiny model
     (["bench.monitor"], False),  # the Monitor's page with 1,000 retained states in headless Chromium
     (["bench.chaos"], False),  # a soak with forced spills and a fault schedule: wrong / failed / lost per fault, RSS
     (["bench.scale"], False),  # 2 and 3 engines behind one gateway by routing rule, then one engine killed

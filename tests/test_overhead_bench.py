@@ -1,0 +1,23 @@
+"""The engine-overhead benchmark (bench/overhead.py) at a tiny size: every part of a decode step is
+timed, the parts add up to the step, and the table has a row per model and batch. No timings are
+checked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import overhead
+
+
+def test_the_step_is_cut_into_parts_that_add_up(tmp_path: Path) -> None:
+    assert overhead.main(["--hidden", "64", "--layers", "2", "--batches", "2,3", "--steps", "3",
+                          "--out", str(tmp_path / "out"), "--models", str(tmp_path / "models")]) == 0
+    res = json.loads((tmp_path / "out" / "overhead.json").read_text())["results"]
+    assert [(r["kind"], r["batch"]) for r in res] == [("dense", 2), ("dense", 3), ("hybrid", 2), ("hybrid", 3)]
+    for r in res:
+        parts = r["ms_per_step"]
+        assert set(parts) == set(overhead.PARTS) and parts["model forward"] > 0 and parts["sample"] > 0
+        assert abs(sum(parts.values()) - r["total_ms_per_step"]) < 1e-6
+    text = (tmp_path / "out" / "overhead.md").read_text()
+    assert "| " + " | ".join(overhead.HEADERS) + " |" in text
