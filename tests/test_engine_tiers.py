@@ -319,6 +319,34 @@ def test_a_dense_chain_is_written_ahead_off_the_step_and_hits_from_ram(tmp_path:
         store.stop()
 
 
+def test_a_write_ahead_the_store_dies_under_loses_nothing_live(tmp_path: Path, dense_model, dense_oracle) -> None:
+    """The tierstore is killed while a write ahead waits to run: the write fails, is counted, and
+    the engine serves on with device-only reuse; every answer still equals cold."""
+    page_bytes = P * 4 * 2 * 2 * 16 * 4
+    store = tierstore(tmp_path, arena=4 * MiB, disk=0)
+    engine = Engine(*dense_model, tierstore=store.address, kv_cache_bytes=16 * page_bytes, spill_ahead_pages=16)
+    try:
+        worker = engine.core.reuse.worker  # type: ignore[attr-defined]
+        same(engine.run(TOPICS[0]), dense_oracle(TOPICS[0]))
+        worker.running.clear()
+        same(engine.run(TOPICS[1]), dense_oracle(TOPICS[1]))  # the write of TOPICS[0]'s chain is queued
+        store.process.send_signal(signal.SIGKILL)
+        store.process.wait()
+        failures = engine.core.tiers.spill_failures  # type: ignore[union-attr]
+        worker.running.set()
+        engine.settle()
+        assert engine.core.reuse.counters.spills_ahead == 0
+        assert engine.core.tiers.spill_failures > failures or not engine.core.tiers.client.up  # type: ignore[union-attr]
+        for topic in TOPICS[2:]:
+            same(engine.run(topic), dense_oracle(topic))
+        got = engine.run(TOPICS[0])
+        same(got, dense_oracle(TOPICS[0]))
+        engine.check()
+    finally:
+        engine.close()
+        store.stop()
+
+
 def test_retained_states_leaving_next_are_written_ahead_and_every_turn_matches_cold(
         tmp_path: Path, model, oracle) -> None:
     """Hybrid, 2 device slots: once they are full, the lowest-ranked state is written to KV-RAM off
