@@ -137,6 +137,17 @@ def test_placing_requests_one_by_one_never_passes_the_bound(engines: int, reques
         assert max(loads.values()) - min(loads.values()) <= 1
 
 
+@given(st.permutations(NODES), st.binary(min_size=1, max_size=16), st.binary(min_size=1, max_size=16))
+def test_gateways_agree_whatever_order_they_list_the_engines_in(nodes: list[str], head: bytes, conv: bytes) -> None:
+    """Two gateways with the same engines (listed or resolved in any order) and no load of their own
+    choose the same order: no shared state is needed."""
+    keys = RouteKeys(head, conv)
+    for rule in ("affinity", "bounded"):
+        mine = RoutingRule(rule).order(NODES, NODES, [0] * len(NODES), keys)
+        theirs = RoutingRule(rule).order(nodes, nodes, [0] * len(nodes), keys)
+        assert mine == theirs
+
+
 def test_the_three_rules() -> None:
     loads = [0] * len(NODES)
     keys = RouteKeys(route_key("m", "", "head"), route_key("m", "", "head + task"))
@@ -262,6 +273,13 @@ def test_bounded_spreads_a_swarm_that_affinity_keeps_on_one_engine(engines: list
     asyncio.run(main())
 
 
+def head_on(pool: EnginePool, address: str) -> str:
+    """A system prompt whose engine, by affinity, is the one at `address`."""
+    return next(h for h in (f"{HEAD} {i}" for i in itertools.count())
+                if pool.candidates(MODEL, route_keys(r := swarm_request("x", head=h), head_key(r)))[0].address
+                == address)
+
+
 def test_a_full_engine_is_passed_over(tiny_model_dir: Path, engines: list[RunningService], tmp_path: Path) -> None:
     """An engine at --max-queue answers RESOURCE_EXHAUSTED before any output: the call goes to the next
     engine instead of failing (and the full one stays up)."""
@@ -269,10 +287,7 @@ def test_a_full_engine_is_passed_over(tiny_model_dir: Path, engines: list[Runnin
 
     async def main() -> None:
         async with pool_of([small.address, engines[0].address], rule=RoutingRule("affinity")) as pool:
-            # A head whose engine (by affinity) is the small one.
-            head = next(h for h in (f"{HEAD} {i}" for i in itertools.count())
-                        if pool.candidates(MODEL, route_keys(r := swarm_request("x", head=h), head_key(r)))[0]
-                        .address == small.address)
+            head = head_on(pool, small.address)
             spec = CallSpec("messages", "max_tokens")
             first = swarm_request("hog", 4096, head)
             hog = generate(pool, first, head_key(first), spec)
@@ -318,6 +333,35 @@ def test_a_killed_engine_is_dropped_at_once_and_comes_back(tiny_model_dir: Path,
 
     back = asyncio.run(main())
     back.stop()
+
+
+def test_a_draining_engine_leaves_routing_while_it_finishes(tiny_model_dir: Path, engines: list[RunningService],
+                                                             tmp_path: Path) -> None:
+    """SIGTERM: the engine says NOT_SERVING and drains. Its health watch takes it out of routing while the
+    process still runs (the probe loop is an hour apart), and its running call goes on."""
+    victim = start_engine(tmp_path / "draining", str(tiny_model_dir), ENGINE_ARGS)
+
+    async def main() -> None:
+        async with pool_of([victim.address, engines[0].address], interval=3600.0,
+                           rule=RoutingRule("affinity")) as pool:
+            draining = next(e for e in pool.engines if e.address == victim.address)
+            spec = CallSpec("messages", "max_tokens")
+            request = swarm_request("a long one", 512, head_on(pool, victim.address))  # longer than the watch takes
+            request.sampling.ignore_eos = True
+            call = generate(pool, request, head_key(request), spec)
+            await anext(call)
+            assert draining.in_flight == 1
+            victim.process.send_signal(signal.SIGTERM)
+            await until(lambda: not draining.healthy)
+            assert victim.process.poll() is None  # still draining: it was NOT_SERVING, not gone
+            rest = [m async for m in call]  # the running call finishes
+            assert rest and rest[-1].HasField("usage")
+
+    try:
+        asyncio.run(main())
+        assert victim.process.wait(60) == 0
+    finally:
+        victim.stop()
 
 
 def test_dns_discovery_adds_and_retires_engines(engines: list[RunningService]) -> None:
