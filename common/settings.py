@@ -251,8 +251,20 @@ class TierstoreSettings(_Section):
             raise SettingsError(f"tierstore.address: {detail}", key="tierstore.address", detail=detail)
 
 
+@dataclass(slots=True)
+class ResponsesSettings(_Section):
+    """[responses]: the engine's store of Responses API records (`store`, `previous_response_id`)."""
+
+    NAME: ClassVar[str] = "responses"
+    path: str = setting("~/.cache/ignis/responses", parse_path,
+                        doc="LMDB folder of stored responses (0700, files 0600); empty = store none")
+    max_stored: int = setting(10000, parse_int, minimum=1, doc="stored responses kept; the oldest go first")
+    ttl: float = setting(30 * 86400.0, parse_float, minimum=0,
+                         doc="seconds a stored response is kept (30 days, as OpenAI); 0 = until evicted")
+
+
 _SECTIONS: dict[str, type[_Section]] = {
-    cls.NAME: cls for cls in (ReuseSettings, KvDiskSettings, EngineSettings, TierstoreSettings)
+    cls.NAME: cls for cls in (ReuseSettings, KvDiskSettings, EngineSettings, TierstoreSettings, ResponsesSettings)
 }
 
 
@@ -264,6 +276,7 @@ class Settings:
     kv_disk: KvDiskSettings = field(default_factory=KvDiskSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     tierstore: TierstoreSettings = field(default_factory=TierstoreSettings)
+    responses: ResponsesSettings = field(default_factory=ResponsesSettings)
 
     def __post_init__(self) -> None:
         for f in fields(self):

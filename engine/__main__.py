@@ -10,6 +10,7 @@ import sys
 from http.server import HTTPServer
 from pathlib import Path
 
+import lmdb
 import torch
 
 from common.logs import configure_logging
@@ -21,6 +22,7 @@ from common.metrics import serve_metrics
 from engine.model.errors import CheckpointError
 from engine.model.loader import load_model
 from engine.model.tiny import TINY_NAME, resolve_model_path
+from engine.responses_store import ResponseStore
 from engine.server import EngineService, create_server, set_serving
 from engine.text.tokenizer import Tokenizer
 
@@ -77,7 +79,13 @@ def build_core(model_path: Path, settings: Settings) -> EngineCore:
 
 async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = False) -> int:
     model_id = args.served_model_name or (TINY_NAME if args.model == TINY_NAME else Path(args.model).name)
-    service = EngineService(model_id)
+    r = settings.responses
+    try:  # opened before the model loads: a folder that is not ours fails the start at once
+        responses = ResponseStore(r.path, r.max_stored, r.ttl) if r.path else None
+    except (OSError, lmdb.Error) as exc:
+        log.error("cannot open the response store %s: %s", r.path, exc)
+        return 2
+    service = EngineService(model_id, responses=responses)
     server, port, health = create_server(service, f"{args.host}:{args.port}", tracing)
     await set_serving(health, False)
     await server.start()
@@ -127,6 +135,8 @@ async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = Fa
         metrics.shutdown()
         metrics.server_close()
     load.cancel()
+    if responses is not None:
+        responses.close()
     return 0
 
 

@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 import grpc
 from grpc_health.v1 import health
@@ -23,18 +23,21 @@ from engine.guided import CompiledGuide, GuidedCompiler, GuidedSpec, ModelFormat
 from engine.outputs import RequestUpdate
 from engine.prompt import RenderedPrompt, check_input_size, render_input
 from engine.request import EngineRequest
+from engine.responses_store import ResponseStore, StoreError
 from engine.state_listing import StateLister, parse_page, stats_message
 from engine.tracing import capture_context
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("ignis.engine")
 SERVICE_NAME = "ignis.v1.Engine"
+T = TypeVar("T")
 PROMPT_WORKERS = 2  # threads rendering and tokenizing prompts (off the event loop)
 SNAPSHOT_TIMEOUT = 30.0  # seconds ListState waits for the step thread's copy (a step runs at most that long)
 
 
 class EngineService(engine_pb2_grpc.EngineServicer):
-    def __init__(self, model_id: str, core: EngineCore | None = None) -> None:
+    def __init__(self, model_id: str, core: EngineCore | None = None, responses: ResponseStore | None = None
+                 ) -> None:
         self._core = core  # None while the model loads: calls answer UNAVAILABLE
         self.model_id = model_id
         self.created = int(time.time())
@@ -47,6 +50,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self._guided: GuidedCompiler | None = None  # built on the first guided request (it reads the vocabulary)
         self._guided_lock = threading.Lock()
         self._formats: ModelFormats | None = None
+        self.responses = responses  # None: this engine stores no responses (PutResponse is FAILED_PRECONDITION)
+        # LMDB calls block (a write fsyncs): one worker, off the event loop, in arrival order.
+        self._records = ThreadPoolExecutor(1, thread_name_prefix="ignis-responses")
 
     def attach(self, core: EngineCore) -> None:
         self._core = core
@@ -61,7 +67,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
     def _check_model(self, model: str, context: grpc.aio.ServicerContext) -> None:
         if model and model != self.model_id:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+            raise _Abort(grpc.StatusCode.NOT_FOUND,
                          f"model {model!r} is not served here; this engine serves {self.model_id!r}")
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -188,7 +194,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             dtype=str(core.loaded.model.dtype).removeprefix("torch."),
             tool_call_parser=self.formats(core).tool_call, reasoning_parser=self.formats(core).reasoning,
         )
-        return engine_pb2.ListModelsResponse(models=[card])
+        return engine_pb2.ListModelsResponse(models=[card],
+                                             engine_id=self.responses.engine_id if self.responses is not None else "")
 
     async def GetStats(self, request: engine_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
                        ) -> engine_pb2.GetStatsResponse:
@@ -220,6 +227,38 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             self._lister = StateLister(self.model_id, EvictionOrder(core.config.retained_interactive_ttl), core.tiers)
         return await asyncio.get_running_loop().run_in_executor(self._listings, self._lister.listing, snap,
                                                                 offset, rows)
+
+    async def _store_call(self, context: grpc.aio.ServicerContext, fn: Callable[[ResponseStore], T]) -> T:
+        store = self.responses
+        if store is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this engine stores no responses "
+                                "(responses.path is empty)")
+            raise AssertionError("unreachable: abort raises")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._records, fn, store)
+        except StoreError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise
+
+    async def PutResponse(self, request: engine_pb2.PutResponseRequest, context: grpc.aio.ServicerContext
+                          ) -> engine_pb2.PutResponseResponse:
+        await self._store_call(context, lambda s: s.put(request.id, request.scope, request.record))
+        return engine_pb2.PutResponseResponse()
+
+    async def GetResponse(self, request: engine_pb2.GetResponseRequest, context: grpc.aio.ServicerContext
+                          ) -> engine_pb2.GetResponseResponse:
+        found = await self._store_call(context, lambda s: s.get(request.id, request.scope))
+        if found is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no stored response {request.id!r}")
+            raise AssertionError("unreachable: abort raises")
+        return engine_pb2.GetResponseResponse(record=found.record)
+
+    async def DeleteResponse(self, request: engine_pb2.DeleteResponseRequest, context: grpc.aio.ServicerContext
+                             ) -> engine_pb2.DeleteResponseResponse:
+        deleted = await self._store_call(context, lambda s: s.delete(request.id, request.scope))
+        if not deleted:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no stored response {request.id!r}")
+        return engine_pb2.DeleteResponseResponse(deleted=True)
 
 
 class _Abort(Exception):

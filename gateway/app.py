@@ -9,7 +9,8 @@ from typing import AsyncIterator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.routing import Route
+from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import Route, WebSocketRoute
 
 from gateway.auth import APIKeyMiddleware
 from gateway.body_deadline import BodyDeadline
@@ -23,8 +24,9 @@ from gateway.routes.completions import completions
 from gateway.routes.health import health
 from gateway.routes.metrics import metrics
 from gateway.routes.models import get_model, list_models
-from gateway.routes.monitor import MONITOR_PATHS, ignis_state, monitor_file
-from gateway.routes.responses import responses
+from gateway.routes.responses import delete_response, get_response, list_input_items, responses
+from gateway.routes.responses_ws import responses_socket
+from gateway.routes.tokenize import not_served, tokenize
 from gateway.state import GatewayState
 from gateway.tracing import TracingMiddleware
 
@@ -51,8 +53,15 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        WebSocketRoute("/v1/responses", responses_socket),
+        Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", not_served, methods=["POST"]),
+        Route("/v1/embeddings", not_served, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/ignis/state", ignis_state, methods=["GET"]),
         *(Route(path, monitor_file, methods=["GET"]) for path in MONITOR_PATHS),
@@ -62,6 +71,9 @@ def create_app(config: GatewayConfig) -> Starlette:
     middleware = [Middleware(UnexpectedErrors), Middleware(MetricsMiddleware, metrics=state.metrics)]
     if config.tracing:  # without an exporter the spans would go nowhere: skip their per-request cost
         middleware.append(Middleware(TracingMiddleware))
+    if config.allowed_origins:  # outside the key check: a browser's preflight carries no key
+        middleware.append(Middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_headers=["*"],
+                                     allow_methods=["GET", "POST", "DELETE"], expose_headers=["X-Request-Id"]))
     if config.api_key is not None:
         # The Monitor's page carries no data: it asks for the key and sends it with /v1/ignis/state.
         middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key,

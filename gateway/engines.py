@@ -56,6 +56,7 @@ class EngineClient:
     healthy: bool = False
     models: dict[str, engine_pb2.ModelCard] = field(default_factory=dict)  # last ListModels answer
     models_known: bool = False
+    engine_id: str = ""  # names its response store (ListModels): stored ids resp_<engine_id>_... live there
     in_flight: int = 0  # this gateway's Generate calls on it now: the routing rule's load
     retired: bool = False  # left the engine set (DNS): no new call; the channel closes after the last one
     watch: asyncio.Task[None] | None = None
@@ -186,6 +187,7 @@ class EnginePool:
                 models = await engine.stub.ListModels(engine_pb2.ListModelsRequest(), timeout=self.probe_timeout)
                 engine.models = {m.id: m for m in models.models}
                 engine.models_known = True
+                engine.engine_id = models.engine_id
             self._set_health(engine, ok, "" if ok else "not serving")
         except grpc.aio.AioRpcError as exc:
             self._set_health(engine, False, f"{exc.code().name}: {exc.details()}")
@@ -220,6 +222,12 @@ class EnginePool:
         down = [e for e in serving if not e.healthy]
         first = self.rule.order(healthy, [e.address for e in healthy], [e.in_flight for e in healthy], keys)
         return first + rendezvous_order(down, [e.address for e in down], keys.head)
+
+    def by_engine_id(self, engine_id: str) -> EngineClient | None:
+        """The engine whose response store is `engine_id` (a healthy one first: engines sharing a
+        store folder report the same id)."""
+        found = [e for e in self.engines if engine_id and e.engine_id == engine_id]
+        return next((e for e in found if e.healthy), found[0] if found else None)
 
     def acquire(self, engine: EngineClient) -> None:
         engine.in_flight += 1

@@ -5,7 +5,11 @@
 assistant's ``function_call`` items and the client's ``function_call_output``
 items. Consecutive function calls become one assistant message with several
 tool calls, as the chat template expects. Reasoning items are dropped (the
-gateway keeps no reasoning state to match them against).
+chat templates drop earlier turns' reasoning too).
+
+With ``previous_response_id`` the stored conversation (``prior``: items in the
+same shapes) comes between the instructions and the new input, so the prompt
+is the one a client resending everything would render.
 """
 
 from __future__ import annotations
@@ -19,18 +23,24 @@ from gateway.messages import ROLES, content_parts
 from ignis.v1 import engine_pb2
 
 
-def responses_chat(body: Fields) -> engine_pb2.ChatInput:
+def input_items(body: Fields) -> list[Any]:
+    """`input` as a list of items (a string is one user message)."""
+    raw = body.raw("input")
+    if isinstance(raw, str):
+        return [{"type": "message", "role": "user", "content": raw}]
+    if isinstance(raw, list):
+        return raw
+    raise invalid("'input' must be a string or an array of input items", param="input")
+
+
+def responses_chat(body: Fields, prior: list[Any] | None = None) -> engine_pb2.ChatInput:
     chat = engine_pb2.ChatInput()
     instructions = body.string("instructions")
     if instructions:
         chat.messages.append(engine_pb2.ChatMessage(role="system", content=instructions))
-    raw = body.raw("input")
-    if isinstance(raw, str):
-        chat.messages.append(engine_pb2.ChatMessage(role="user", content=raw))
-    elif isinstance(raw, list):
-        _items(raw, chat)
-    else:
-        raise invalid("'input' must be a string or an array of input items", param="input")
+    if prior:
+        _items(prior, chat, "previous_response_id")
+    _items(input_items(body), chat)
     if not any(m.role != "system" for m in chat.messages):
         raise invalid("'input' must not be empty", param="input")
     tools = responses_tools(body)
@@ -48,9 +58,9 @@ def responses_chat(body: Fields) -> engine_pb2.ChatInput:
     return chat
 
 
-def _items(items: list[Any], chat: engine_pb2.ChatInput) -> None:
+def _items(items: list[Any], chat: engine_pb2.ChatInput, where: str = "input") -> None:
     for i, item in enumerate(items):
-        path = f"input[{i}]"
+        path = f"{where}[{i}]"
         if not isinstance(item, dict):
             raise invalid(f"'{path}' must be an object", param=path)
         f = Fields(item, path)
@@ -85,8 +95,8 @@ def _items(items: list[Any], chat: engine_pb2.ChatInput) -> None:
         elif kind == "reasoning":
             continue
         elif kind == "item_reference":
-            raise invalid(f"'{path}': item references need stored responses; the gateway keeps none, "
-                          "send the items themselves", param=path)
+            raise invalid(f"'{path}': item references are not supported; send the items themselves, "
+                          "or continue with 'previous_response_id'", param=path)
         else:
             raise invalid(f"'{path}.type' {kind!r} is not supported", param=f"{path}.type")
 

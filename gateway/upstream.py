@@ -23,7 +23,7 @@ import grpc
 from opentelemetry import trace
 
 from common.tracing import client_span, grpc_metadata, set_rpc_status
-from gateway.engines import EnginePool
+from gateway.engines import EngineClient, EnginePool
 from gateway.errors import from_grpc, unavailable
 from gateway.routing import route_keys
 from ignis.v1 import engine_pb2
@@ -40,11 +40,15 @@ class CallSpec:
     timeout: float | None = None
 
 
-async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest, key: bytes, spec: CallSpec
-                   ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest, key: bytes, spec: CallSpec,
+                   pin: EngineClient | None = None) -> AsyncIterator[engine_pb2.GenerateResponse]:
+    """`pin` (the engine holding a stored conversation) is tried first, then the routing rule's order."""
     reasons: list[str] = []
     full: grpc.aio.AioRpcError | None = None  # the last engine that was at capacity
-    for engine in pool.candidates(request.model, route_keys(request, key)):
+    engines = pool.candidates(request.model, route_keys(request, key))
+    if pin is not None and pin in engines:
+        engines = [pin, *(e for e in engines if e is not pin)]
+    for engine in engines:
         if full is not None and not engine.healthy:
             break  # every healthy engine is full: say so (429), rather than try the down ones
         # One CLIENT span per attempt (a child of the request's SERVER span); the engine continues it.

@@ -17,6 +17,7 @@ LAYERS = [
     "facts", "config", "kv", "sampling", "text", "guided", "model",
     "request", "outputs", "prompt", "proto_convert",
     "tiers", "cache", "tracing", "live_moves", "scheduler", "runner", "metrics", "output_processor", "state_listing",
+    "responses_store",
     "builder", "offline", "core", "server", "__main__",
 ]
 

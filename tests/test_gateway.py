@@ -341,10 +341,10 @@ def test_responses_stream_event_sequence(client: openai.OpenAI) -> None:
     assert done.usage.input_tokens_details.cached_tokens == done.model_extra["ignis"]["reused_tokens"]
 
 
-def test_responses_refuses_stored_state(http: httpx.Client) -> None:
+def test_responses_unknown_previous_response_is_404(http: httpx.Client) -> None:
     body = {"model": MODEL, "input": "hi", "previous_response_id": "resp_123"}
-    error = assert_error(http.post("/v1/responses", json=body), 400, param="previous_response_id")
-    assert "send the whole conversation" in error["message"]
+    error = assert_error(http.post("/v1/responses", json=body), 404, param="previous_response_id")
+    assert error["code"] == "previous_response_not_found"  # stored responses: tests/test_responses_state.py
 
 
 # ------------------------------------------------------------------ errors

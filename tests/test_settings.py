@@ -63,12 +63,14 @@ def test_defaults() -> None:
         device="auto",
     )
     assert s.tierstore == TierstoreSettings(address="")
+    assert s.responses.path == os.path.expanduser("~/.cache/ignis/responses")
+    assert (s.responses.max_stored, s.responses.ttl) == (10000, 30 * 86400.0)
     assert s == Settings()
 
 
 def test_as_dict_is_plain_nested_dict() -> None:
     d = load_settings(None, {}, {"tierstore.address": "127.0.0.1:50052"}).as_dict()
-    assert list(d) == ["reuse", "kv_disk", "engine", "tierstore"]
+    assert list(d) == ["reuse", "kv_disk", "engine", "tierstore", "responses"]
     assert d["reuse"]["retained_device"] == 8
     assert d["tierstore"]["address"] == "127.0.0.1:50052"
     assert [f"{sec}.{key}" for sec, keys in d.items() for key in keys] == setting_keys()
