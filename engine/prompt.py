@@ -37,7 +37,7 @@ def chat_messages(chat: engine_pb2.ChatInput) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for i, msg in enumerate(chat.messages):
         if msg.role not in ("system", "developer", "user", "assistant", "tool"):
-            raise ValueError(f"messages[{i}].role {msg.role!r} is not one of system, user, assistant, tool")
+            raise ValueError(f"messages[{i}].role {msg.role!r} is not one of system, developer, user, assistant, tool")
         item: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role}
         if msg.content_parts:
             for part in msg.content_parts:

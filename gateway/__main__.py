@@ -84,6 +84,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
     parser.add_argument("--fault-log-interval", type=float, default=10.0,
                         help="seconds between the summary log lines of slow, refused and malformed connections "
                              "(default: 10)")
+    parser.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN",
+                        help="a browser origin allowed to call the API (CORS; repeatable, '*' for any; "
+                             "default: none)")
     parser.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral", "qwen3_coder"],
                         default="", help="how tool calls are read from model text, for every model "
                                          "(default: what each engine reads off its chat template, else hermes)")
@@ -101,7 +104,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
                                fault_log_interval=args.fault_log_interval, routing=args.routing,
                                load_bound=args.load_bound, engine_dns=args.engine_dns,
                                dns_refresh=args.dns_refresh, tool_call_parser=args.tool_call_parser,
-                               reasoning_parser=args.reasoning_parser)
+                               reasoning_parser=args.reasoning_parser, allowed_origins=args.allowed_origins)
     except ValueError as exc:
         parser.error(str(exc))
     return args, config

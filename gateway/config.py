@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from gateway.discovery import DnsName
@@ -33,6 +34,8 @@ class GatewayConfig:
     # Output parsers (gateway/output_formats.py); "": the one the engine reads off the chat template.
     tool_call_parser: str = ""  # hermes | llama3_json | mistral | qwen3_coder
     reasoning_parser: str = ""  # qwen3 | deepseek_r1 | none
+    # Browser origins allowed to call the API (CORS, preflight answered); empty: none (no CORS headers).
+    allowed_origins: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.engines and not self.engine_dns:
@@ -42,6 +45,9 @@ class GatewayConfig:
         if not self.dns_refresh > 0:
             raise ValueError(f"dns_refresh must be > 0 seconds, got {self.dns_refresh}")
         self.routing_rule()  # raises on an unknown rule or a bound below 1
+        for origin in self.allowed_origins:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(f"allowed origin {origin!r} is not '*' or scheme://host[:port]")
         if self.tool_call_parser not in ("", "hermes", "llama3_json", "mistral", "qwen3_coder"):
             raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}")
         if self.reasoning_parser not in ("", "qwen3", "deepseek_r1", "none"):

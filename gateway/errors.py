@@ -77,8 +77,10 @@ def from_grpc(err: grpc.aio.AioRpcError | grpc.RpcError, *, prompt_param: str | 
     """
     code = err.code()
     details = err.details() or ""
+    if code == grpc.StatusCode.NOT_FOUND:
+        return OpenAIError(404, details, param="model", code="model_not_found")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        if "not served here" in details:
+        if "not served here" in details:  # an engine from before NOT_FOUND
             return OpenAIError(404, details, param="model", code="model_not_found")
         if "context" in details:
             param = max_tokens_param if "max_tokens" in details else prompt_param

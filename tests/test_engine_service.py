@@ -191,7 +191,6 @@ def test_deadline_cancels_the_sequence(stub: engine_pb2_grpc.EngineStub) -> None
         (lambda: make_request([99999]), "outside the vocabulary"),
         (lambda: make_request([5] * 40000), "context"),
         (lambda: make_request([5] * 10, max_tokens=40000), "max_tokens"),
-        (lambda: engine_pb2.GenerateRequest(model="gpt-17", text="hi"), "not served here"),
         (lambda: engine_pb2.GenerateRequest(model=MODEL, chat=engine_pb2.ChatInput(
             messages=[engine_pb2.ChatMessage(role="wizard", content="x")])), "role"),
         (lambda: engine_pb2.GenerateRequest(model=MODEL, chat=engine_pb2.ChatInput(
@@ -207,6 +206,14 @@ def test_bad_input_is_invalid_argument_and_engine_keeps_serving(
     assert message in err.value.details()
     ok = collect(stub, make_request([10, 11, 12], temperature=0, max_tokens=2))[0]
     assert len(tokens_of(ok)) >= 1
+
+
+def test_an_unknown_model_is_not_found(stub: engine_pb2_grpc.EngineStub) -> None:
+    for call in (lambda: collect(stub, engine_pb2.GenerateRequest(model="gpt-17", text="hi")),
+                 lambda: stub.Tokenize(engine_pb2.TokenizeRequest(model="gpt-17", text="hi"), timeout=10)):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "not served here" in err.value.details()
 
 
 def test_health_and_reflection(engine: RunningService) -> None:
