@@ -24,6 +24,7 @@ from gateway.routes.completions import completions
 from gateway.routes.health import health
 from gateway.routes.metrics import metrics
 from gateway.routes.models import get_model, list_models
+from gateway.routes.monitor import MONITOR_PATHS, ignis_state, monitor_file
 from gateway.routes.responses import delete_response, get_response, list_input_items, responses
 from gateway.routes.responses_ws import responses_socket
 from gateway.routes.tokenize import not_served, tokenize

@@ -1,4 +1,8 @@
-"""`--api-key`: a pure-ASGI middleware answering 401 (OpenAI body) without ``Authorization: Bearer <key>``."""
+"""`--api-key`: a pure-ASGI middleware answering 401 (OpenAI body) without ``Authorization: Bearer <key>``.
+
+A WebSocket handshake (the Responses API's WebSocket mode) is checked the same way: refused with the
+401 body where the server can send an HTTP answer to a handshake, else closed (1008) before it opens.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import hmac
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.websockets import WebSocket
 
 from gateway.errors import OpenAIError, error_response
 
@@ -17,18 +22,27 @@ class APIKeyMiddleware:
         self.public_paths = frozenset(public_paths)  # probes and scrapes carry no key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.public_paths:
+        if scope["type"] in ("http", "websocket") and scope["path"] not in self.public_paths:
             auth = Headers(scope=scope).get("authorization", "")
             scheme, _, token = auth.partition(" ")
             if not auth:
                 err = OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
                                   headers={"WWW-Authenticate": "Bearer"})
-                await error_response(err)(scope, receive, send)
+                await _refuse(err, scope, receive, send)
                 return
             # compare_digest: the time taken does not tell how much of the key matched.
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
                 err = OpenAIError(401, "incorrect API key provided", code="invalid_api_key",
                                   headers={"WWW-Authenticate": "Bearer"})
-                await error_response(err)(scope, receive, send)
+                await _refuse(err, scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+async def _refuse(err: OpenAIError, scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] == "http":
+        await error_response(err)(scope, receive, send)
+    elif "websocket.http.response" in scope.get("extensions", {}):
+        await WebSocket(scope, receive, send).send_denial_response(error_response(err))
+    else:
+        await send({"type": "websocket.close", "code": 1008, "reason": err.message})
