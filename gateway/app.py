@@ -24,7 +24,7 @@ from gateway.routes.completions import completions
 from gateway.routes.health import health
 from gateway.routes.metrics import metrics
 from gateway.routes.models import get_model, list_models
-from gateway.routes.monitor import MONITOR_PATHS, ignis_state, monitor_file
+from gateway.routes.monitor import MONITOR_PATHS, ignis_state, ignis_state_stream, monitor_file
 from gateway.routes.responses import delete_response, get_response, list_input_items, responses
 from gateway.routes.responses_ws import responses_socket
 from gateway.routes.tokenize import not_served, tokenize
@@ -65,6 +65,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/v1/embeddings", not_served, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/ignis/state", ignis_state, methods=["GET"]),
+        Route("/v1/ignis/state/stream", ignis_state_stream, methods=["GET"]),
         *(Route(path, monitor_file, methods=["GET"]) for path in MONITOR_PATHS),
     ]
     # Outermost first: unexpected errors end as a 500 here, metrics see every answer (401s included),

@@ -5,9 +5,11 @@ conversation spills to KV-RAM), and a gateway."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -240,6 +242,36 @@ def test_a_bad_page_token_is_a_400_and_the_gateway_keeps_serving(stack: Stack) -
     assert got.status_code == 400 and got.json()["error"]["param"] == "page_token"
     assert "page_token" in got.json()["error"]["message"]
     assert stack.state().status_code == 200
+
+
+def test_the_state_stream_sends_one_state_per_interval(stack: Stack) -> None:
+    url = f"{stack.url}/v1/ignis/state/stream"
+    assert httpx.get(url, timeout=30).status_code == 401
+    events: list[dict[str, Any]] = []
+    with httpx.stream("GET", url, params={"interval": "0.25", "limit": "2"}, timeout=30,
+                      headers={"Authorization": f"Bearer {KEY}"}) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line.removeprefix("data: ")))
+                if len(events) == 3:
+                    break
+    times = [e["time"] for e in events]
+    assert times == sorted(times) and len(set(times)) == 3
+    for event in events:
+        (section,) = event["engines"]
+        assert section["address"] == stack.engine.address and len(section["states"]) == 2
+    assert stack.state().status_code == 200  # and the gateway goes on
+
+
+@pytest.mark.parametrize("params, param", [
+    ({"interval": "0"}, "interval"), ({"interval": "61"}, "interval"), ({"interval": "nan"}, "interval"),
+    ({"interval": "soon"}, "interval"), ({"limit": "0"}, "limit"), ({"page_token": "1"}, "page_token"),
+])
+def test_bad_stream_queries_are_400s(stack: Stack, params: dict[str, str], param: str) -> None:
+    got = httpx.get(f"{stack.url}/v1/ignis/state/stream", params=params, timeout=30,
+                    headers={"Authorization": f"Bearer {KEY}"})
+    assert got.status_code == 400 and got.json()["error"]["param"] == param
 
 
 def test_a_claim_counts_as_a_hit(stack: Stack) -> None:

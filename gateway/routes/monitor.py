@@ -1,13 +1,15 @@
-"""GET /v1/ignis/state (what the engines hold, as JSON) and GET /monitor (the page that draws it).
+"""GET /v1/ignis/state (what the engines hold, as JSON), GET /v1/ignis/state/stream (the same as
+Server-Sent Events, one a second) and GET /monitor (the page that draws it).
 
 The JSON has one section per engine, each from the engine's ListState RPC: the KV page
 pool, the slots, the sequences by class, tokens per second, the retained states one row
 each (the device's in eviction order, then the host's, KV-RAM's and KV-disk's), the tiers
 and the recent requests. The page (gateway/static/monitor/) is one client of it: plain
-HTML, JS and CSS, no build step, polling the JSON once a second.
+HTML, JS and CSS, no build step, reading the stream.
 
 Query: ``limit`` rows of retained state per engine (1..1000, default 1000); ``engine``
-(an address as listed) with ``page_token`` pages one engine's list further. An engine
+(an address as listed) with ``page_token`` pages one engine's list further (JSON only);
+``interval`` seconds between two events of the stream (0.25..60, default 1). An engine
 that does not answer has ``"error"`` in its section; the others are still shown.
 """
 
@@ -15,19 +17,22 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Sequence
 from importlib import resources
 
 import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.aliases import JSONObject
+from gateway.aliases import JSONObject, SSEBytes
 from gateway.engines import EngineClient
 from gateway.errors import OpenAIError, from_grpc, invalid
+from gateway.sse import EventStream, data_event
 from gateway.state import state_of
 from ignis.v1 import common_pb2, engine_pb2
 
 MAX_LIMIT = 1000  # the engine's largest page
+MIN_INTERVAL, MAX_INTERVAL, DEFAULT_INTERVAL = 0.25, 60.0, 1.0  # seconds between two stream events
 CALL_TIMEOUT = 10.0  # seconds per engine: a slow one is reported, not waited for
 # The page and its two assets: public (they carry no data; the JSON they fetch needs the key).
 STATIC_FILES = {"/monitor": ("index.html", "text/html; charset=utf-8"),
@@ -52,6 +57,20 @@ def _limit(request: Request) -> int:
     return int(raw)
 
 
+def _interval(request: Request) -> float:
+    raw = request.query_params.get("interval")
+    if raw is None:
+        return DEFAULT_INTERVAL
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not MIN_INTERVAL <= value <= MAX_INTERVAL:  # NaN fails too
+        raise invalid(f"interval must be a number of seconds from {MIN_INTERVAL} to {MAX_INTERVAL}, "
+                      f"got {raw[:32]!r}", param="interval")
+    return value
+
+
 async def ignis_state(request: Request) -> Response:
     pool = state_of(request).pool
     limit = _limit(request)
@@ -65,8 +84,30 @@ async def ignis_state(request: Request) -> Response:
         if not engines:
             known = ", ".join(e.address for e in pool.engines)
             raise invalid(f"no engine {address[:100]!r} behind this gateway; engines: {known}", param="engine")
-    sections = await asyncio.gather(*(_section(e, limit, token, strict=address is not None) for e in engines))
-    return JSONResponse({"object": "ignis.state", "time": time.time(), "engines": list(sections)})
+    return JSONResponse(await _gather(engines, limit, token, strict=address is not None))
+
+
+async def ignis_state_stream(request: Request) -> Response:
+    """The state of every engine as one `data:` event per interval, until the client leaves."""
+    pool = state_of(request).pool
+    limit, interval = _limit(request), _interval(request)
+    if "page_token" in request.query_params or "engine" in request.query_params:
+        raise invalid("the stream shows every engine's first states: page with /v1/ignis/state",
+                      param="page_token" if "page_token" in request.query_params else "engine")
+
+    async def events() -> AsyncIterator[SSEBytes]:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            yield data_event(await _gather(pool.engines, limit, "", strict=False))
+            await asyncio.sleep(max(interval - (loop.time() - started), 0.0))  # pacing, not waiting on readiness
+
+    return EventStream(events())
+
+
+async def _gather(engines: Sequence[EngineClient], limit: int, token: str, strict: bool) -> JSONObject:
+    sections = await asyncio.gather(*(_section(e, limit, token, strict) for e in engines))
+    return {"object": "ignis.state", "time": time.time(), "engines": list(sections)}
 
 
 async def _section(engine: EngineClient, limit: int, token: str, strict: bool) -> JSONObject:

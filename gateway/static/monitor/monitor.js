@@ -1,9 +1,10 @@
-// The ignis Monitor: polls /v1/ignis/state once a second and draws each engine's section.
-// Plain JS, no build step. The retained-state list is virtualised (only the rows in view
-// are in the DOM), so 1,000 states stay cheap; a state whose tier changed flashes.
+// The ignis Monitor: reads /v1/ignis/state/stream (Server-Sent Events, one state a second) and
+// draws each engine's section. Plain JS, no build step. The stream is read with fetch, not
+// EventSource, so that it can carry the API key. The retained-state list is virtualised (only
+// the rows in view are in the DOM), so 1,000 states stay cheap; a state whose tier changed flashes.
 "use strict";
 
-const POLL_MS = 1000;
+const RETRY_MS = 1000; // reconnect after the stream ends or fails
 const ROW_HEIGHT = 24;
 const HISTORY = 180; // samples kept per engine (3 minutes at 1 Hz)
 const FLASH_MS = 2000;
@@ -12,9 +13,9 @@ const views = new Map(); // engine address -> view
 let apiKey = sessionStorage.getItem("ignis-api-key") || "";
 // /monitor?limit=N asks for the first N states per engine (the JSON's own bound is 1000).
 const limit = new URLSearchParams(location.search).get("limit");
-const stateUrl = limit ? `/v1/ignis/state?limit=${encodeURIComponent(limit)}` : "/v1/ignis/state";
-let inFlight = false;
+const streamUrl = "/v1/ignis/state/stream" + (limit ? `?limit=${encodeURIComponent(limit)}` : "");
 let updates = 0;
+let current = null; // the AbortController of the stream being read
 
 const fmtInt = (n) => (n ?? 0).toLocaleString("en-US");
 const fmtRate = (n) => (n ?? 0).toFixed(1);
@@ -37,35 +38,62 @@ function setStatus(text, bad) {
   el.classList.toggle("bad", !!bad);
 }
 
-async function poll() {
-  if (inFlight) return;
-  inFlight = true;
-  try {
-    const headers = apiKey ? { Authorization: `Bearer ${apiKey}` } : {};
-    const reply = await fetch(stateUrl, { headers, cache: "no-store" });
-    if (reply.status === 401) {
-      document.getElementById("keyform").hidden = false;
-      setStatus("this gateway needs an API key", true);
-      return;
+const delay = (ms) => new Promise((done) => setTimeout(done, ms));
+
+async function follow() {
+  // Read the stream until it ends, then connect again; a 401 waits for the key instead.
+  for (;;) {
+    const control = (current = new AbortController());
+    try {
+      const headers = apiKey ? { Authorization: `Bearer ${apiKey}` } : {};
+      const reply = await fetch(streamUrl, { headers, cache: "no-store", signal: control.signal });
+      if (reply.status === 401) {
+        document.getElementById("keyform").hidden = false;
+        setStatus("this gateway needs an API key", true);
+        return; // the key form starts following again
+      }
+      if (!reply.ok) {
+        const body = await reply.json().catch(() => null);
+        setStatus(body?.error?.message || `HTTP ${reply.status}`, true);
+      } else {
+        await readEvents(reply.body);
+      }
+    } catch (err) {
+      if (control.signal.aborted) return; // replaced by a newer stream
+      setStatus(`cannot reach the gateway: ${err}`, true);
     }
-    const body = await reply.json();
-    if (!reply.ok) {
-      setStatus(body?.error?.message || `HTTP ${reply.status}`, true);
-      return;
-    }
-    const started = performance.now();
-    render(body);
-    updates++;
-    // For bench/monitor.py: how long drawing took, and when the first update was on screen.
-    document.body.dataset.renderMs = (performance.now() - started).toFixed(3);
-    if (updates === 1) document.body.dataset.firstRenderAt = performance.now().toFixed(3);
-    document.body.dataset.updates = String(updates);
-    setStatus(`updated ${new Date(body.time * 1000).toLocaleTimeString()}`);
-  } catch (err) {
-    setStatus(`cannot reach the gateway: ${err}`, true);
-  } finally {
-    inFlight = false;
+    if (control.signal.aborted) return;
+    await delay(RETRY_MS);
   }
+}
+
+async function readEvents(body) {
+  // Server-Sent Events: frames end with a blank line; each `data:` line is one JSON state.
+  const reader = body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value;
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const frame = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      const data = frame.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trimStart()).join("\n");
+      if (data) show(JSON.parse(data));
+    }
+  }
+}
+
+function show(body) {
+  const started = performance.now();
+  render(body);
+  updates++;
+  // For bench/monitor.py: how long drawing took, and when the first update was on screen.
+  document.body.dataset.renderMs = (performance.now() - started).toFixed(3);
+  if (updates === 1) document.body.dataset.firstRenderAt = performance.now().toFixed(3);
+  document.body.dataset.updates = String(updates);
+  setStatus(`updated ${new Date(body.time * 1000).toLocaleTimeString()}`);
 }
 
 function render(body) {
@@ -306,8 +334,8 @@ document.getElementById("keyform").addEventListener("submit", (event) => {
   apiKey = document.getElementById("key").value.trim();
   sessionStorage.setItem("ignis-api-key", apiKey);
   document.getElementById("keyform").hidden = true;
-  poll();
+  if (current) current.abort();
+  follow();
 });
 
-poll();
-setInterval(poll, POLL_MS);
+follow();
