@@ -15,8 +15,9 @@ from gateway.errors import invalid
 from ignis.v1 import engine_pb2
 
 
-def chat_guided(body: Fields, chat: engine_pb2.ChatInput) -> engine_pb2.GuidedDecoding | None:
-    """Chat Completions: `response_format` ({type: text | json_object | json_schema}) and `tool_choice`."""
+def chat_guided(body: Fields, chat: engine_pb2.ChatInput, tool_format: str = "") -> engine_pb2.GuidedDecoding | None:
+    """Chat Completions: `response_format` ({type: text | json_object | json_schema}) and `tool_choice`.
+    `tool_format`: the call syntax the gateway parses (--tool-call-parser); "": the engine's own."""
     fmt = body.obj("response_format")
     guided = None
     if fmt is not None:
@@ -29,10 +30,11 @@ def chat_guided(body: Fields, chat: engine_pb2.ChatInput) -> engine_pb2.GuidedDe
                 raise invalid("'response_format.json_schema' is required when its type is 'json_schema'",
                               param="response_format")
             guided = _schema(spec)
-    return _with_tools(guided, body, chat, "response_format")
+    return _with_tools(guided, body, chat, "response_format", tool_format)
 
 
-def responses_guided(body: Fields, chat: engine_pb2.ChatInput) -> engine_pb2.GuidedDecoding | None:
+def responses_guided(body: Fields, chat: engine_pb2.ChatInput, tool_format: str = ""
+                     ) -> engine_pb2.GuidedDecoding | None:
     """Responses: `text.format` ({type: text | json_object | json_schema, name, schema, strict}) and `tool_choice`."""
     text = body.obj("text")
     fmt = text.obj("format") if text is not None else None
@@ -43,7 +45,7 @@ def responses_guided(body: Fields, chat: engine_pb2.ChatInput) -> engine_pb2.Gui
             guided = engine_pb2.GuidedDecoding(json_object=True)
         elif kind == "json_schema":
             guided = _schema(fmt)
-    return _with_tools(guided, body, chat, "text.format")
+    return _with_tools(guided, body, chat, "text.format", tool_format)
 
 
 def _schema(spec: Fields) -> engine_pb2.GuidedDecoding:
@@ -57,14 +59,15 @@ def _schema(spec: Fields) -> engine_pb2.GuidedDecoding:
 
 
 def _with_tools(guided: engine_pb2.GuidedDecoding | None, body: Fields, chat: engine_pb2.ChatInput,
-                format_field: str) -> engine_pb2.GuidedDecoding | None:
+                format_field: str, tool_format: str) -> engine_pb2.GuidedDecoding | None:
     forced = forced_tool(chat)
     if forced is None:
         return guided
     if guided is not None:
         raise invalid(f"'{format_field}' cannot be combined with tool_choice {forced!r}: the output must be a tool call",
                       param=format_field)
-    calls = engine_pb2.GuidedToolCalls(tools_json=chat.tools_json, tool_choice=forced)
+    # The grammar writes the syntax the gateway will parse: the flag's when given, else the engine's.
+    calls = engine_pb2.GuidedToolCalls(tools_json=chat.tools_json, tool_choice=forced, format=tool_format)
     parallel = body.boolean("parallel_tool_calls")
     if parallel is not None:
         calls.parallel_tool_calls = parallel

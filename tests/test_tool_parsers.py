@@ -200,8 +200,14 @@ def test_flags_override_the_card(family_engine: FamilyEngine, tmp_path: Path) ->
         with openai.OpenAI(base_url=f"http://{service.address}/v1", api_key="unused", max_retries=0) as c:
             done = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                              tools=TOOLS)  # type: ignore[arg-type]
+            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=TOOLS,  # type: ignore[arg-type]
+                                      tool_choice="required")
     finally:
         assert service.stop() == 0, service.log()
+    # The grammar writes what the gateway parses: the flag's syntax, not the card's.
+    forced = family_engine.requests[-1].guided.tool_calls
+    assert (forced.tool_choice, forced.format) == ("required", "hermes")
+    assert json.loads(forced.tools_json) == TOOLS
     msg = done.choices[0].message
     assert msg.content == "<think>x</think>" and "reasoning_content" not in (msg.model_extra or {})
     assert [c.function.name for c in msg.tool_calls or []] == ["get_weather"]  # type: ignore[union-attr]

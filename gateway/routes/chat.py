@@ -42,7 +42,7 @@ async def chat_completions(request: Request) -> Response:
     chat = chat_input(body)
     sampling = sampling_params(body, LIMIT, "chat")
     reject_unsupported(body)
-    guided = chat_guided(body, chat)
+    guided = chat_guided(body, chat, state.config.tool_call_parser)
     opts = engine_options(body, request.headers)
     stream = bool(body.boolean("stream"))
     stream_options = body.obj("stream_options")

@@ -118,7 +118,7 @@ async def prepare(state: GatewayState, body: Fields, headers: Headers, local: Co
             prior = record.conversation
     chat = responses_chat(body, prior)
     own_items = records.with_ids(input_items(body))
-    guided = responses_guided(body, chat)
+    guided = responses_guided(body, chat, state.config.tool_call_parser)
     sampling = sampling_params(body, LIMIT, "responses")
     if prewarm:
         sampling.max_tokens = 0  # prefill only: the engine retains the state at the input's end
