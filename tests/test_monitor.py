@@ -6,6 +6,7 @@ conversation spills to KV-RAM), and a gateway."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,9 +91,25 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         assert cached_tokens(chat(s, "tides")) > 0  # the exact retry: its prompt checkpoint
         for topic in ("glaciers", "volcanoes"):  # two slots: the tides states move down to KV-RAM
             chat(s, topic)
+        settle(s)
         yield s
     finally:
         stop_stack(s)
+
+
+def settle(stack: Stack, quiet: float = 1.0, timeout: float = 60.0) -> None:
+    """Poll until the listing has not changed for `quiet` seconds: with every slot taken, the engine
+    writes its next victim to KV-RAM ahead of need off the step, even when idle (a state then shows
+    on the device and in ram), and these tests compare listings taken one after another."""
+    deadline = time.monotonic() + timeout
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        rows = [(r.name, r.tier) for r in list_state(stack).states]
+        if rows != last:
+            last, since = rows, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return
+    raise TimeoutError("the retained states kept changing")
 
 
 def list_state(stack: Stack, page_size: int = 0, page_token: str = "") -> engine_pb2.ListStateResponse:
@@ -120,7 +137,9 @@ def test_list_state_shows_device_and_ram_states_each_tier_in_eviction_order(stac
     assert device[0].idle_seconds >= device[1].idle_seconds
     assert all(r.kind == common_pb2.REUSE_KIND_CHECKPOINT and r.tokens > 0 and r.bytes > 0 for r in rows)
     assert all(len(r.name) == 16 and int(r.name, 16) >= 0 for r in rows)
-    assert len({r.name for r in rows}) == len(rows)
+    for group in (device, ram):  # a state written ahead to KV-RAM is on the device and in ram at once
+        assert len({r.name for r in group}) == len(group)
+    assert {r.name for r in ram} - {r.name for r in device}  # the tides states left the device
     assert all(r.pages > 0 for r in device) and all(r.pages == 0 for r in ram)
 
 

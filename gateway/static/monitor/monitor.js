@@ -179,13 +179,18 @@ function updateView(view, e) {
   view.field("hitrate").textContent = latest == null ? "–" : `${(latest * 100).toFixed(0)} %`;
   drawHitRate(q("canvas.hitrate"), rates);
 
-  // A state whose tier changed since it was last seen flashes (the last tier of each name is kept,
-  // bounded, so a state missing from one update still flashes when it comes back elsewhere).
-  for (const s of e.states) {
-    const before = view.lastTier.get(s.name);
-    if (before !== undefined && before !== s.tier) view.flashUntil.set(s.name, now + FLASH_MS);
-    view.lastTier.delete(s.name);
-    view.lastTier.set(s.name, s.tier);
+  // A state whose tiers changed since it was last seen flashes. A name can be in two tiers at
+  // once (written ahead to KV-RAM while still on the device), so its set of tiers is compared.
+  // The last set of each name is kept, bounded, so a state missing from one update still
+  // flashes when it comes back elsewhere.
+  const tiersOf = new Map();
+  for (const s of e.states) tiersOf.set(s.name, [...(tiersOf.get(s.name) || []), s.tier]);
+  for (const [name, list] of tiersOf) {
+    const key = list.sort().join("+");
+    const before = view.lastTier.get(name);
+    if (before !== undefined && before !== key) view.flashUntil.set(name, now + FLASH_MS);
+    view.lastTier.delete(name);
+    view.lastTier.set(name, key);
   }
   while (view.lastTier.size > MAX_REMEMBERED) view.lastTier.delete(view.lastTier.keys().next().value);
   for (const [name, until] of view.flashUntil) if (until < now) view.flashUntil.delete(name);
