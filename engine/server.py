@@ -19,7 +19,7 @@ from common.grpc_server import set_serving as set_health
 from common.tracing import QUIET_METHODS, ServerTracingInterceptor
 from engine.proto_convert import commit_policy, guided_spec, request_class, sampling_params, update_messages
 from engine.core import EngineCore, EngineStopped, QueueFull
-from engine.guided import CompiledGuide, GuidedCompiler, GuidedSpec, ModelFormats, infer_formats
+from engine.guided import CompiledGuide, GuidedCompiler, GuidedSpec, ModelFormats, ReasoningTokens, infer_formats
 from engine.outputs import RequestUpdate
 from engine.prompt import RenderedPrompt, check_input_size, render_input
 from engine.request import EngineRequest
@@ -128,7 +128,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             prompt = await self._render(core, request)
             params = sampling_params(request.sampling, len(prompt.token_ids), core.max_model_len)
             spec = guided_spec(request.guided, self.formats(core).tool_call) if request.HasField("guided") else None
-            guided = await self._compile_guide(core, spec, params.stop_token_ids) if spec is not None else None
+            reasoning = self.formats(core).reasoning_tokens(core.tokenizer) if request.guided.after_reasoning else None
+            guided = await self._compile_guide(core, spec, params.stop_token_ids, reasoning) if spec is not None else None
             engine_request = EngineRequest(
                 request_id=request.request_id or f"req-{next(self._ids)}",
                 prompt_ids=prompt.token_ids,
@@ -152,13 +153,14 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             self._formats = infer_formats(core.tokenizer)
         return self._formats
 
-    async def _compile_guide(self, core: EngineCore, spec: GuidedSpec, stop_ids: tuple[int, ...]) -> CompiledGuide:
+    async def _compile_guide(self, core: EngineCore, spec: GuidedSpec, stop_ids: tuple[int, ...],
+                             reasoning: ReasoningTokens | None) -> CompiledGuide:
         """Compiled on a prompt worker before the request is queued: it waits here, not in the step."""
         def compile_() -> CompiledGuide:
             with self._guided_lock:
                 if self._guided is None:
                     self._guided = GuidedCompiler(core.tokenizer, core.loaded.config.vocab_size, core.eos_ids)
-            return self._guided.compile(spec, stop_ids)
+            return self._guided.compile(spec, stop_ids, reasoning)
         return await asyncio.get_running_loop().run_in_executor(self._prompts, compile_)
 
     async def Tokenize(self, request: engine_pb2.TokenizeRequest, context: grpc.aio.ServicerContext

@@ -99,3 +99,17 @@ def forced_tool(chat: engine_pb2.ChatInput) -> str | None:
         raise invalid(f"tool_choice names function {name!r}, which is not in 'tools' (listed: {listed})",
                       param="tool_choice")
     return name
+
+
+def asks_reasoning(body: Fields) -> bool:
+    """Whether the request asks the model to reason first: `reasoning_effort` (chat) or
+    `reasoning.effort` (responses) other than none/minimal, or `chat_template_kwargs.enable_thinking`.
+    A guided request that does gets its grammar after the reasoning block (`after_reasoning`);
+    one that does not is held to the grammar from its first token."""
+    effort = body.string("reasoning_effort")
+    reasoning = body.obj("reasoning")
+    if reasoning is not None:
+        effort = reasoning.string("effort") or effort
+    kwargs = body.obj("chat_template_kwargs")
+    thinking = kwargs.raw("enable_thinking") if kwargs is not None else None
+    return (effort is not None and effort not in ("none", "minimal")) or thinking is True

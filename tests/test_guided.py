@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import re
 import threading
+from pathlib import Path
 from typing import Iterator
 
 import grpc
 import pytest
 
+from engine.text.tokenizer import Tokenizer
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 from services import RunningService
 
@@ -166,3 +168,20 @@ def test_a_guided_neighbour_leaves_the_batch_unharmed(stub: engine_pb2_grpc.Engi
     assert results["plain"][0][1] == alone
     for text, _, _ in results["guided"].values():
         assert set(json.loads(text)) == {"name", "ok", "n"}
+
+
+def test_after_reasoning_the_grammar_waits_for_the_end_of_the_block(stub: engine_pb2_grpc.EngineStub,
+                                                                    tiny_model_dir: Path) -> None:
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    think, end = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    assert think is not None and end is not None
+    # Nudged to open a block and close it at once: inside it nothing is masked, so </think> can come.
+    bias = {think: 50.0, end: 100.0}
+    guide = schema_guide()
+    guide.after_reasoning = True
+    text, ids, finish = generate(stub, request(guide, temperature=1.0, seed=3, logit_bias=bias))[0]
+    assert ids[:2] == [think, end] and finish == engine_pb2.FINISH_REASON_STOP
+    assert set(json.loads(tokenizer.decode(ids[2:]))) == {"name", "ok", "n"}
+    # Without it the grammar holds from the first token: the markers are masked, bias or not.
+    text, ids, _ = generate(stub, request(schema_guide(), temperature=1.0, seed=3, logit_bias=bias))[0]
+    assert think not in ids and end not in ids and set(json.loads(text)) == {"name", "ok", "n"}

@@ -211,3 +211,15 @@ def test_langchain_with_structured_output(gateway: RunningService, method: str, 
     else:
         out = llm.with_structured_output(Weather, method=method).invoke("Describe the weather.")  # type: ignore[arg-type]
         assert isinstance(out, Weather)
+
+
+def test_a_reasoning_request_thinks_first_then_answers_in_the_schema(http: httpx.Client, tiny_model_dir: Path) -> None:
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    bias = {str(tokenizer.token_to_id("<think>")): 50, str(tokenizer.token_to_id("</think>")): 100}
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": Weather.model_json_schema(), "strict": True}}
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "seed": 1,
+                                                "response_format": fmt, "logit_bias": bias, "reasoning_effort": "low"})
+    body = r.json()
+    assert r.status_code == 200, body
+    Weather.model_validate_json(body["choices"][0]["message"]["content"])
+    assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == 2  # <think></think>, then the answer

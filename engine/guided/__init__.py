@@ -3,8 +3,8 @@ matcher per sequence that masks the tokens the grammar cannot take next."""
 
 from engine.guided.compiler import GuidedCompiler, GuidedError
 from engine.guided.formats import ModelFormats, infer_formats
-from engine.guided.matcher import CompiledGuide, GrammarGuide
+from engine.guided.matcher import AfterReasoning, CompiledGuide, GrammarGuide, ReasoningTokens
 from engine.guided.spec import GuideKind, GuidedSpec
 
-__all__ = ["CompiledGuide", "GrammarGuide", "GuideKind", "GuidedCompiler", "GuidedError", "GuidedSpec",
+__all__ = ["AfterReasoning", "ReasoningTokens", "CompiledGuide", "GrammarGuide", "GuideKind", "GuidedCompiler", "GuidedError", "GuidedSpec",
            "ModelFormats", "infer_formats"]

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import xgrammar as xgr
 
-from engine.guided.matcher import CompiledGuide
+from engine.guided.matcher import CompiledGuide, ReasoningTokens
 from engine.guided.spec import GuideKind, GuidedSpec
 from engine.guided.tool_grammar import tool_call_tag
 from engine.text.tokenizer import Tokenizer
@@ -53,8 +53,10 @@ class GuidedCompiler:
         self.hits = 0
         self.misses = 0
 
-    def compile(self, spec: GuidedSpec, stop_token_ids: Iterable[int] = ()) -> CompiledGuide:
-        """GuidedError naming what is wrong; `stop_token_ids` also end a completed output."""
+    def compile(self, spec: GuidedSpec, stop_token_ids: Iterable[int] = (),
+                reasoning: ReasoningTokens | None = None) -> CompiledGuide:
+        """GuidedError naming what is wrong; `stop_token_ids` also end a completed output; with
+        `reasoning`, the grammar holds after the model's reasoning block."""
         with self._lock:
             grammar = self._cache.get(spec)
             if grammar is not None:
@@ -68,7 +70,7 @@ class GuidedCompiler:
                 while len(self._cache) > self._limit:
                     self._cache.popitem(last=False)
         stops = tuple(sorted({*self.eos_token_ids, *stop_token_ids}))
-        return CompiledGuide(grammar, stops, spec.kind.value)
+        return CompiledGuide(grammar, stops, spec.kind.value, reasoning)
 
     def _compile(self, spec: GuidedSpec) -> xgr.CompiledGrammar:
         what = spec.kind.value

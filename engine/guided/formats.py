@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.guided.matcher import ReasoningTokens
 from engine.text.tokenizer import Tokenizer
 
 TOOL_FORMATS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
@@ -32,6 +33,13 @@ _PROBE_TOOLS = [{"type": "function", "function": {"name": _PROBE_NAME, "paramete
 class ModelFormats:
     tool_call: str = ""  # one of TOOL_FORMATS, "" when the template writes none we know
     reasoning: str = ""  # one of REASONING_FORMATS, ""  when the template has no reasoning block
+
+    def reasoning_tokens(self, tokenizer: Tokenizer) -> ReasoningTokens | None:
+        """The block's markers as single tokens (None: no reasoning block, or markers split over tokens)."""
+        start, end = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+        if not self.reasoning or start is None or end is None:
+            return None
+        return ReasoningTokens(start, end, starts_inside=self.reasoning == "deepseek_r1")
 
 
 def infer_formats(tokenizer: Tokenizer) -> ModelFormats:

@@ -14,16 +14,27 @@ import xgrammar as xgr
 
 
 @dataclass(frozen=True, slots=True)
+class ReasoningTokens:
+    """A reasoning model's block markers: the grammar holds only once the block is over."""
+
+    start: int  # <think>
+    end: int  # </think>
+    starts_inside: bool  # the prompt opened the block (deepseek_r1)
+
+
+@dataclass(frozen=True, slots=True)
 class CompiledGuide:
     """One request's grammar, compiled against the engine's vocabulary."""
 
     grammar: xgr.CompiledGrammar
     stop_token_ids: tuple[int, ...]  # what may end the output once the grammar is complete
     description: str  # e.g. "json_schema", for logs
+    reasoning: ReasoningTokens | None = None
 
-    def new_guide(self) -> GrammarGuide:
+    def new_guide(self) -> GrammarGuide | AfterReasoning:
         matcher = xgr.GrammarMatcher(self.grammar, override_stop_tokens=list(self.stop_token_ids))
-        return GrammarGuide(matcher)
+        guide = GrammarGuide(matcher)
+        return guide if self.reasoning is None else AfterReasoning(guide, self.reasoning)
 
 
 class GrammarGuide:
@@ -54,3 +65,47 @@ class GrammarGuide:
 
     def fork(self) -> GrammarGuide:
         return GrammarGuide(self._matcher.fork())
+
+
+class AfterReasoning:
+    """A reasoning model thinks freely, then answers in the grammar (vLLM does the same): no mask
+    while the output is inside its reasoning block, the grammar from the token after `</think>`.
+    Without a block (qwen3: the first token is not `<think>`) the grammar holds from the start."""
+
+    def __init__(self, guide: GrammarGuide, tokens: ReasoningTokens, state: str | None = None) -> None:
+        self._guide = guide
+        self._tokens = tokens
+        self._state = state or ("thinking" if tokens.starts_inside else "opening")  # opening | thinking | answer
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._state == "answer":
+            self._guide.fill_bitmask(bitmask, row)
+            return
+        # Free while thinking (the row stays all ones); at the opening, the block or the grammar's first token.
+        if self._state == "opening":
+            self._guide.fill_bitmask(bitmask, row)
+            bitmask[row, self._tokens.start // 32] |= _bit(self._tokens.start % 32)
+
+    def accept(self, token_id: int) -> None:
+        if self._state == "answer":
+            self._guide.accept(token_id)
+        elif self._state == "opening":
+            if token_id == self._tokens.start:
+                self._state = "thinking"
+            else:
+                self._state = "answer"
+                self._guide.accept(token_id)
+        elif token_id == self._tokens.end:
+            self._state = "answer"
+
+    @property
+    def is_terminated(self) -> bool:
+        return self._state == "answer" and self._guide.is_terminated
+
+    def fork(self) -> AfterReasoning:
+        return AfterReasoning(self._guide.fork(), self._tokens, self._state)
+
+
+def _bit(i: int) -> int:
+    """Bit i of an int32 word, as the signed value torch holds."""
+    return (1 << i) - (1 << 32) if i == 31 else 1 << i

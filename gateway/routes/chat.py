@@ -17,7 +17,7 @@ from gateway.body import Fields, read_json
 from gateway.cancel import until_disconnect
 from gateway.choices import accumulate, finish_reason
 from gateway.errors import OpenAIError
-from gateway.guided import chat_guided
+from gateway.guided import asks_reasoning, chat_guided
 from gateway.messages import chat_input, parses_tool_calls
 from gateway.options import engine_options
 from gateway.routing import chat_head, route_key
@@ -61,6 +61,8 @@ async def chat_completions(request: Request) -> Response:
     tools = parses_tool_calls(chat)
     if tools and formats.tool_call == "mistral" and not sampling.HasField("skip_special_tokens"):
         req.sampling.skip_special_tokens = False  # [TOOL_CALLS] is a special token: keep it in the text
+    if guided is not None and formats.reasoning and asks_reasoning(body):
+        req.guided.after_reasoning = True
     upstream = generate(state.pool, req, key, spec)
     n = sampling.n if sampling.HasField("n") else 1
     reply = _Reply(rid, int(time.time()), model, lambda: ChoiceParser.make(formats, chat.tools_json, tools),

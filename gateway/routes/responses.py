@@ -30,7 +30,7 @@ from gateway.cancel import until_disconnect
 from gateway.choices import accumulate
 from gateway.engines import EngineClient
 from gateway.errors import OpenAIError, invalid
-from gateway.guided import responses_guided
+from gateway.guided import asks_reasoning, responses_guided
 from gateway.items import input_items, responses_chat
 from gateway.messages import parses_tool_calls
 from gateway.options import engine_options
@@ -154,6 +154,8 @@ async def prepare(state: GatewayState, body: Fields, headers: Headers, local: Co
     tools = parses_tool_calls(chat)
     if tools and formats.tool_call == "mistral" and not sampling.HasField("skip_special_tokens"):
         req.sampling.skip_special_tokens = False  # [TOOL_CALLS] is a special token: keep it in the text
+    if guided is not None and formats.reasoning and asks_reasoning(body):
+        req.guided.after_reasoning = True
     turn = Turn(state, rid, req, key, pin, store, scope,
                 _Reply(base, lambda: ChoiceParser.make(formats, chat.tools_json, tools), sampling.logprobs, state,
                        prewarm),
