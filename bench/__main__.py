@@ -18,6 +18,7 @@ SUITES: list[tuple[list[str], bool]] = [
     (["bench.throughput", "--kind", "hybrid"], True),
     (["bench.reuse"], True),
     (["bench.structured"], True),  # decode with a json_schema grammar vs unconstrained, batch 1 and 8
+    (["bench.responses"], False),  # a 20-turn tool-call loop: full resend vs previous_response_id vs WebSocket
     (["bench.tiers"], False),
     (["bench.residency"], True),  # where state lives under pressure: move-down vs recompute, spills, host slots
     (["bench.gateway"], False),
