@@ -16,7 +16,10 @@ from engine.request import EngineRequest
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import RequestSampler, sample
 from engine.text.tokenizer import Tokenizer
+from engine.facts import ReuseTier
+from services import RunningService
 from test_engine_core import make_core, make_prompt, run_all
+from test_live_moves import Driver, move_at, same, store  # noqa: F401 (store: the tierstore fixture)
 
 REGEX = GuidedSpec(GuideKind.REGEX, source=r"[a-d]{4}[0-9]{2}")
 
@@ -108,3 +111,30 @@ def test_a_grammar_survives_preemption(tiny: tuple[LoadedModel, Tokenizer], comp
 def test_the_tiny_template_writes_hermes_calls_and_qwen3_reasoning(tiny: tuple[LoadedModel, Tokenizer]) -> None:
     formats = infer_formats(tiny[1])
     assert (formats.tool_call, formats.reasoning) == ("hermes", "qwen3")
+
+
+def test_a_grammar_survives_a_move_down_a_tier(tiny: tuple[LoadedModel, Tokenizer], compiler: GuidedCompiler,
+                                               store: RunningService) -> None:
+    """Moved to KV-RAM mid-answer and restored: the matcher is the sequence's own Python state, so the
+    resumed sequence writes what the unmoved one did, still inside its grammar."""
+    loaded, tokenizer = tiny
+    schema = {"type": "array", "minItems": 12, "maxItems": 12, "items": {"type": "integer", "minimum": 0, "maximum": 99}}
+    guide = compiler.compile(GuidedSpec(GuideKind.JSON_SCHEMA, source=json.dumps(schema), strict=True))
+    prompt = make_prompt(40, seed=2)
+
+    def request(rid: str) -> EngineRequest:
+        return EngineRequest(rid, prompt, SamplingParams(temperature=0.9, seed=5, max_tokens=80, logprobs=True),
+                             guided=guide)
+
+    driver = Driver(("hybrid", loaded, tokenizer), store.address, reuse_prompt=False)
+    try:
+        want = driver.run(request("alone"))
+        driver.submit(request("moved"))
+        move_at(driver, "moved", lambda s: s.num_output == 7)
+        driver.step_until(lambda: driver.done("moved"))
+        got = driver.result("moved")
+        same(got, want)
+        assert driver.core.stats().sequences_moved[ReuseTier.RAM] == 1
+        assert got.finish == "stop" and len(json.loads(got.text)) == 12
+    finally:
+        driver.close()
