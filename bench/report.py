@@ -32,8 +32,21 @@ SECTIONS: list[tuple[str, list[str], str]] = [
      "Prefill and decode tokens/s at batch 1, 8, 32 against `transformers.generate`. `python -m bench.throughput`"),
     ("Residency under pressure", ["residency"],
      "Agents filling the KV pool while interactive requests arrive: move-down to KV-RAM vs recompute; the "
-     "reuse tax of synchronous capture; decode ITL while a large state spills on the step thread; KV pool "
-     "room with retained states in host vs device slots. `python -m bench.residency`"),
+     "reuse tax of device-slot and staging-ring captures; decode ITL while a large state spills, on the step "
+     "thread vs written ahead by the copy worker; KV pool room with retained states in host vs device slots. "
+     "`python -m bench.residency`"),
+    ("The engine's Python around the model", ["overhead"],
+     "A decode step at 64 and 256 sequences on a tiny model, cut into the scheduler's plan, the batch build, "
+     "the forward pass, sampling and the rest. `python -m bench.overhead`"),
+    ("Structured outputs", ["structured"],
+     "Decode tokens/s with a json_schema grammar vs the same requests unconstrained. `python -m bench.structured`"),
+    ("Routing across engines", ["scale"],
+     "2 and 3 engines behind one gateway on the agent-swarm trace: round-robin vs affinity vs bounded load, "
+     "then one engine killed. `python -m bench.scale`"),
+    ("The Responses API with state", ["responses"],
+     "A 20-turn tool-call loop: full resend vs previous_response_id vs WebSocket mode. `python -m bench.responses`"),
+    ("The Monitor page", ["monitor"],
+     "1,000 retained states rendered in headless Chromium. `python -m bench.monitor`"),
     ("Tiers vs raw memcpy and file I/O", ["tiers"],
      "One large state through KV-RAM and KV-disk. `python -m bench.tiers`"),
     ("Gateway overhead", ["gateway"],
