@@ -139,13 +139,16 @@ class StateLister:
         out: list[engine_pb2.RetainedStateRow] = []
         for tier in (ReuseTier.DEVICE, ReuseTier.HOST):
             here = [v for v in snap.states if v.tier is tier]
-            ranked = sorted((v for v in here if v.resident is not None),
+            # What the order ranks: ready retained states (one still being copied cannot leave yet).
+            ranked = sorted((v for v in here if v.resident is not None and v.ready),
                             key=lambda v: self.order.rank(v.resident, now))  # type: ignore[arg-type]
             for rank, v in enumerate(ranked):
                 assert v.resident is not None
                 out.append(_row(v, now, rank=rank, protected=self.order.is_protected(v.resident, now),
                                 idle=now - v.resident.last_used))
-            out += [_row(v, now) for v in here if v.resident is None]  # page chains: not ranked by the order
+            for v in here:  # unranked: still being copied, or page chains (they leave with their pages)
+                if v.resident is None or not v.ready:
+                    out.append(_row(v, now, idle=now - v.resident.last_used if v.resident else 0.0))
         return out
 
 

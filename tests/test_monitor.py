@@ -340,3 +340,36 @@ def test_a_dense_model_lists_page_chains_and_a_dead_engine_has_its_own_section(
         assert live["recent"][0]["prompt_tokens"] > chain["tokens"]
     finally:
         stop_stack(stack)
+
+
+def test_host_states_are_listed_in_their_own_eviction_order(tiny_model_dir: Path) -> None:
+    """In process: an engine whose retained states live in host slots (reuse.retained_host); the
+    snapshot is handed over by the running step thread, through the core's inbox."""
+    from common.eviction import EvictionOrder
+    from engine.model.loader import load_model
+    from engine.state_listing import StateLister
+    from engine.text.tokenizer import Tokenizer
+    from test_reuse import Harness, conversation
+
+    loaded, tokenizer = load_model(tiny_model_dir), Tokenizer.from_dir(tiny_model_dir)
+    warm = Harness(loaded, tokenizer, reuse=True, retained_device=0, retained_host=4, retained_interactive_ttl=0.0)
+    try:
+        for topic in ("tides", "glaciers"):
+            warm.run(warm.request(conversation(f"Tell me about {topic}.")))
+        assert warm.core._thread is not None and warm.core._thread.is_alive()
+        snap = warm.core.request_snapshot().result(timeout=60)
+        assert snap.copy_ms > 0 and len(snap.recent) == 2
+        reply = StateLister("ignis-tiny", EvictionOrder(0.0), None).listing(snap, 0, 100)
+        rows = list(reply.states)
+        assert rows and {r.tier for r in rows} == {common_pb2.REUSE_TIER_HOST}
+        ready = [r for r in rows if r.ready]
+        assert [r.rank for r in ready] == list(range(len(ready)))  # ranked first, least recently used first
+        assert [r.idle_seconds for r in ready] == sorted((r.idle_seconds for r in ready), reverse=True)
+        assert not any(r.HasField("rank") for r in rows if not r.ready)  # being copied: it cannot leave yet
+        codec = warm.core.reuse.codec  # type: ignore[attr-defined]
+        assert all(r.bytes in (codec.nbytes(r.tokens, False), codec.nbytes(r.tokens, True)) for r in rows)
+        # A host state holds no device page, except its full pages while its staged copy still reads them.
+        assert all(r.pages == 0 for r in rows if r.ready)
+        assert reply.stats.retained_host_slots.used == len(rows) and not reply.tiers.configured
+    finally:
+        warm.close()
