@@ -5,10 +5,11 @@ named in its id (``resp_<engine_id>_<hex>``; engines report their id in
 ListModels), so any gateway in front of that engine resolves it, before and
 after a restart of either.
 
-A record is one JSON object: the response as returned, the input items of its
-own request (with ids, for ``/input_items``), and the whole conversation up to
-and including its output, in input-item shape, so a continuation needs one
-read. The scope is a digest of the key the client presented and its
+A record is one JSON object: the response as returned and every input item
+that produced it (earlier turns' inputs and outputs, then its own request's;
+each with an id), which is what ``/input_items`` lists, as OpenAI's does. The
+conversation a continuation renders is those items plus the response's output:
+one read. The scope is a digest of the key the client presented and its
 cache_salt: the raw key never leaves the gateway, and a read with another
 scope is the engine's NOT_FOUND, as an unknown id is.
 """
@@ -61,18 +62,21 @@ def not_found(rid: str, param: str | None) -> OpenAIError:
 @dataclass(slots=True)
 class Record:
     response: JSONObject
-    input_items: list[JSONObject] = field(default_factory=list)  # this request's own, with ids
-    conversation: list[JSONObject] = field(default_factory=list)  # everything so far, as input items
+    input_items: list[JSONObject] = field(default_factory=list)  # all that produced it, earlier turns first
+
+    @property
+    def conversation(self) -> list[JSONObject]:
+        """Everything so far as input items: what a continuation renders before its new input."""
+        return [*self.input_items, *as_input(self.response.get("output", []))]
 
     def encode(self) -> bytes:
-        return json.dumps({"response": self.response, "input_items": self.input_items,
-                           "conversation": self.conversation}, ensure_ascii=False,
+        return json.dumps({"response": self.response, "input_items": self.input_items}, ensure_ascii=False,
                           separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> Record:
         obj = json.loads(data)
-        return cls(obj["response"], obj.get("input_items", []), obj.get("conversation", []))
+        return cls(obj["response"], obj.get("input_items", []))
 
 
 def as_input(output: list[JSONObject]) -> list[JSONObject]:

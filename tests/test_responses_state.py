@@ -154,8 +154,9 @@ def test_input_items_are_paged_as_openai_does(gateway: RunningService) -> None:
         url = f"/v1/responses/{done['id']}/input_items"
         whole = client.get(url, params={"order": "asc"}).json()
         assert whole["object"] == "list" and whole["has_more"] is False
-        assert [d["content"] for d in whole["data"]] == [[{"type": "input_text", "text": i["content"]}]
-                                                         for i in items]
+        assert [d["content"] for d in whole["data"]] == [  # string content as OpenAI lists it: one part
+            [{"type": "input_text", "text": i["content"]} if i["role"] == "user" else
+             {"type": "output_text", "text": i["content"], "annotations": []}] for i in items]
         ids = [d["id"] for d in whole["data"]]
         assert len(set(ids)) == 5 and (whole["first_id"], whole["last_id"]) == (ids[0], ids[-1])
         page = client.get(url, params={"order": "asc", "limit": 2}).json()
@@ -171,6 +172,14 @@ def test_input_items_are_paged_as_openai_does(gateway: RunningService) -> None:
         # The SDK's pager walks the same pages.
         listed = [i.id for i in sdk(gateway).responses.input_items.list(done["id"], limit=2, order="asc")]
         assert listed == ids
+        # A continuation's items are all that produced it: the earlier turn's inputs, its reply, the new input.
+        follow = create(client, input="message 5", previous_response_id=done["id"])
+        chained = client.get(f"/v1/responses/{follow['id']}/input_items", params={"order": "asc"}).json()["data"]
+        [reply] = done["output"]
+        assert [d["id"] for d in chained] == [*ids, reply["id"], chained[-1]["id"]]
+        assert chained[5]["role"] == "assistant" and chained[5]["content"][0]["type"] == "output_text"
+        assert chained[5]["content"][0]["text"] == reply["content"][0]["text"]
+        assert chained[-1]["content"] == [{"type": "input_text", "text": "message 5"}]
 
 
 def test_delete_then_continue_is_previous_response_not_found(gateway: RunningService) -> None:

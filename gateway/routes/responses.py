@@ -71,22 +71,24 @@ class Turn:
     scope: str
     reply: _Reply
     own_items: list[JSONObject]  # this request's input items, with ids
-    prior: list[JSONObject]  # the previous response's conversation
+    prior: list[JSONObject]  # the previous response's conversation (its inputs and outputs)
 
     def upstream(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
         spec = CallSpec("input", "max_output_tokens", self.state.config.request_timeout)
         return generate(self.state.pool, self.request, self.key, spec, pin=self.pin)
 
+    def record(self, final: JSONObject) -> records.Record:
+        return records.Record(final, [*self.prior, *self.own_items])
+
     def conversation(self, final: JSONObject) -> Conversation:
-        return Conversation(self.rid, [*self.prior, *self.own_items, *records.as_input(final["output"])], self.pin)
+        return Conversation(self.rid, self.record(final).conversation, self.pin)
 
     async def keep(self, final: JSONObject) -> None:
         """Store the record (before the client sees the response end: a GET right after finds it)."""
         if not self.store or self.pin is None or not self.pin.engine_id:
             return
-        record = records.Record(final, self.own_items, self.conversation(final).items)
         try:
-            await records.save(self.pin, self.rid, self.scope, record)
+            await records.save(self.pin, self.rid, self.scope, self.record(final))
         except OpenAIError as err:  # the answer stands; the client learns at its next read
             log.warning("could not store response %s on %s: %s", self.rid, self.pin.address, err.message)
 
@@ -241,9 +243,14 @@ def _int_param(value: str | None, name: str, default: int) -> int:
 
 
 def _listed(item: JSONObject) -> JSONObject:
-    """An input item as OpenAI lists it: a message's string content as one input_text part."""
+    """An input item as OpenAI lists it: a message's string content as one part (input_text, or
+    output_text for an earlier turn's reply)."""
     if item.get("type") == "message" and isinstance(item.get("content"), str):
-        return dict(item, content=[{"type": "input_text", "text": item["content"]}])
+        if item.get("role") == "assistant":
+            part: JSONObject = {"type": "output_text", "text": item["content"], "annotations": []}
+        else:
+            part = {"type": "input_text", "text": item["content"]}
+        return dict(item, content=[part])
     return item
 
 
