@@ -36,6 +36,7 @@ _HEADER = struct.Struct(">dQH")  # created (Unix s), order sequence, scope lengt
 _SEQ = struct.Struct(">Q")
 MAX_SCOPE = 128
 MAX_ID = 200
+_PUT_TRIES = 4
 
 
 class StoreError(ValueError):
@@ -72,6 +73,7 @@ class ResponseStore:
         self.max_stored = max_stored
         self.ttl = ttl
         self._now = clock
+        self._map_size = map_size
         private_folder(self.path)
         self._env = lmdb.open(str(self.path), map_size=map_size, max_dbs=3, subdir=True, mode=0o700)
         for file in self.path.iterdir():  # LMDB makes its files with the umask's mode
@@ -79,7 +81,7 @@ class ResponseStore:
                 os.chmod(file, 0o600)
         self._records = self._env.open_db(b"records")
         self._order = self._env.open_db(b"order")
-        meta = self._env.open_db(b"meta")
+        self._meta = meta = self._env.open_db(b"meta")
         self._lock = threading.Lock()  # one writer at a time, and the sequence counter
         with self._env.begin(write=True) as txn:
             engine_id = txn.get(b"engine_id", db=meta)
@@ -102,15 +104,19 @@ class ResponseStore:
             raise StoreError(f"a stored response needs an id (at most {MAX_ID} characters) and a scope "
                              f"(at most {MAX_SCOPE})")
         key, scope_b = rid.encode(), scope.encode()
+        if len(record) > self._map_size // 2:
+            raise StoreError(f"the record ({len(record)} bytes) is larger than half the store's map "
+                             f"({self._map_size} bytes)")
         with self._lock:
-            for attempt in range(2):
+            # LMDB reuses the pages a commit frees only a commit or two later: shed and retry a few times.
+            for _ in range(_PUT_TRIES):
                 try:
                     with self._env.begin(write=True) as txn:
                         self._put(txn, key, scope_b, record)
                     return
                 except lmdb.MapFullError:
-                    if attempt or not self._shed(len(record)):
-                        raise StoreError(f"the record ({len(record)} bytes) does not fit in the store") from None
+                    self._shed(len(record))
+            raise StoreError(f"the record ({len(record)} bytes) does not fit in the store")
 
     def _put(self, txn: lmdb.Transaction, key: bytes, scope: bytes, record: bytes) -> None:
         now = self._now()
@@ -138,13 +144,15 @@ class ResponseStore:
                 cur.delete()  # moves to the next entry
                 count -= 1
 
-    def _shed(self, need: int) -> bool:
-        """The map is full: drop the oldest records until about `need` bytes (twice over) are free."""
+    def _shed(self, need: int) -> None:
+        """The map is full: drop the oldest records until about `need` bytes (twice over) are free.
+        Commits even when nothing is left to drop: that commit is what makes freed pages reusable."""
         freed, dropped = 0, 0
         with self._env.begin(write=True) as txn:
+            txn.put(b"sheds", b"%d" % (int(txn.get(b"sheds", b"0", db=self._meta)) + 1), db=self._meta)
             with txn.cursor(db=self._order) as cur:
                 cur.first()
-                while cur.key() and freed < 2 * need + (1 << 20):
+                while cur.key() and freed < 2 * need + self._map_size // 64:
                     value = txn.get(cur.key()[8:], db=self._records)
                     freed += len(value or b"")
                     txn.delete(cur.key()[8:], db=self._records)
@@ -152,7 +160,6 @@ class ResponseStore:
                     dropped += 1
         if dropped:
             log.warning("response store full: dropped the %d oldest records", dropped)
-        return dropped > 0
 
     def get(self, rid: str, scope: str) -> StoredRecord | None:
         """The record under `rid` for `scope`; None when unknown, expired or another scope's."""

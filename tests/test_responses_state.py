@@ -285,6 +285,18 @@ def test_store_bound_ttl_scope_and_restart(tmp_path: Path) -> None:
     again.close()
 
 
+def test_a_full_store_drops_its_oldest_records(tmp_path: Path) -> None:
+    store = ResponseStore(tmp_path / "s", max_stored=1000, map_size=1 << 20)
+    for i in range(40):  # 4 MB of records through a 1 MiB map
+        store.put(f"r{i}", "a", bytes([i]) * 100_000)
+    assert 0 < len(store) < 10
+    assert store.get("r39", "a").record == bytes([39]) * 100_000  # type: ignore[union-attr]
+    assert store.get("r0", "a") is None
+    with pytest.raises(ValueError, match="larger than half"):
+        store.put("huge", "a", bytes(600_000))
+    store.close()
+
+
 def test_store_refuses_a_folder_of_another_user_and_makes_its_own_private(tmp_path: Path) -> None:
     folder = tmp_path / "open"
     folder.mkdir(mode=0o755)
