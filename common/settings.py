@@ -288,6 +288,13 @@ class Settings:
         return asdict(self)
 
 
+def _default_of(key: str) -> object:
+    """A setting's built-in default, as `--help` shows it."""
+    section, name = key.split(".", 1)
+    value = getattr(_SECTIONS[section](), name)
+    return value if value != "" else "empty"
+
+
 def setting_keys() -> list[str]:
     """Every ``section.key``, in declaration order."""
     return [f"{name}.{f.name}" for name, cls in _SECTIONS.items() for f in fields(cls)]  # type: ignore[arg-type]
@@ -422,7 +429,8 @@ def parse_service_args(
     e.g. {"max_queue": "engine.max_queue"}, each a `--max-queue VALUE` that wins like --set),
     and --config/--set. A bad setting is a usage error naming it."""
     for name, key in shorthands.items():
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=f"same as --set {key}=VALUE")
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+                            help=f"same as --set {key}=VALUE (default: {_default_of(key)})")
     add_settings_flags(parser)
     args = parser.parse_args(argv)
     for name, key in shorthands.items():

@@ -13,6 +13,7 @@ from pathlib import Path
 import lmdb
 import torch
 
+from common.cli_help import DefaultsHelpFormatter
 from common.logs import configure_logging
 from common.settings import Settings, parse_service_args
 from common.tracing import run_traced
@@ -43,8 +44,11 @@ _SETTING_FLAGS = {
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
-    parser = argparse.ArgumentParser(prog="ignis-engine", description="Serve a model over gRPC (ignis.v1.Engine).")
-    parser.add_argument("--model", default=TINY_NAME, help=f"checkpoint directory, or {TINY_NAME} (default)")
+    parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter, prog="ignis-engine",
+        description="Serve a model over gRPC (ignis.v1.Engine).")
+    parser.add_argument("--model", default=TINY_NAME,
+                        help=f"checkpoint directory, a Hugging Face repo id already in the local cache, or {TINY_NAME}")
     parser.add_argument("--served-model-name", default=None, help="model id clients use (default: from --model)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")

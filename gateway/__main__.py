@@ -16,6 +16,7 @@ from typing import Iterator
 
 import uvicorn
 
+from common.cli_help import DefaultsHelpFormatter
 from common.logs import configure_logging
 from common.sizes import parse_size
 from common.tracing import run_traced
@@ -48,7 +49,9 @@ class _Server(uvicorn.Server):
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfig]:
-    parser = argparse.ArgumentParser(prog="ignis-gateway", description="OpenAI-compatible REST gateway to engines.")
+    parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter, prog="ignis-gateway",
+        description="OpenAI-compatible REST gateway to engines.")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
     parser.add_argument("--engine", action="append", default=[], metavar="HOST:PORT",

@@ -13,6 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
+from common.cli_help import DefaultsHelpFormatter
 from common.logs import configure_logging
 from common.settings import Settings, default_tierstore_socket, parse_service_args
 from common.tracing import run_traced
@@ -35,7 +36,7 @@ _SETTING_FLAGS = {
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
-    parser = argparse.ArgumentParser(prog="ignis-tierstore",
+    parser = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter, prog="ignis-tierstore",
                                      description="Serve the KV-RAM arena and KV-disk tier (ignis.v1.TierStore).")
     parser.add_argument("--host", default="127.0.0.1", help="TCP bind address, with --port (default: loopback)")
     parser.add_argument("--port", type=int, default=None,

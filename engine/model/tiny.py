@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from common.progress import Progress
 from engine.model.config import parse_config
 from engine.model.decoder import CausalLM
+from engine.model.hub_cache import cached_checkpoint, looks_like_repo_id
 from engine.text.tiny_tokenizer import TINY_VOCAB_SIZE, write_tiny_tokenizer
 
 TINY_NAME = "ignis-tiny"
@@ -127,7 +128,11 @@ def ensure_tiny_checkpoint(
 
 
 def resolve_model_path(model: str, cache_dir: Path | None = None) -> Path:
-    """`ignis-tiny` -> its generated checkpoint; anything else is a checkpoint directory."""
+    """`ignis-tiny` -> its generated checkpoint; a directory -> itself; a Hugging Face repo id that
+    is not a directory here -> its snapshot in the local Hugging Face cache (ValueError if absent)."""
     if model == TINY_NAME:
         return ensure_tiny_checkpoint(cache_dir, progress=logging.getLogger("ignis.engine").info)
-    return Path(model).expanduser()
+    path = Path(model).expanduser()
+    if not path.exists() and looks_like_repo_id(model):
+        return cached_checkpoint(model)
+    return path
