@@ -41,13 +41,12 @@ class CallSpec:
 
 
 async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest, key: bytes, spec: CallSpec,
-                   pin: EngineClient | None = None) -> AsyncIterator[engine_pb2.GenerateResponse]:
-    """`pin` (the engine holding a stored conversation) is tried first, then the routing rule's order."""
+                   candidates: list[EngineClient] | None = None) -> AsyncIterator[engine_pb2.GenerateResponse]:
+    """`candidates`: the engines to try, in order, when the caller has ordered them already (a stored
+    conversation's engine first); else the routing rule's order."""
     reasons: list[str] = []
     full: grpc.aio.AioRpcError | None = None  # the last engine that was at capacity
-    engines = pool.candidates(request.model, route_keys(request, key))
-    if pin is not None and pin in engines:
-        engines = [pin, *(e for e in engines if e is not pin)]
+    engines = candidates if candidates is not None else pool.candidates(request.model, route_keys(request, key))
     for engine in engines:
         if full is not None and not engine.healthy:
             break  # every healthy engine is full: say so (429), rather than try the down ones

@@ -241,6 +241,33 @@ def test_records_outlive_a_gateway_restart_and_two_gateways_resolve_them(
         assert third.stop() == 0, third.log()
 
 
+def test_two_engines_each_keep_their_own_responses(engine: RunningService, tiny_model_dir: Path,
+                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
+    work = tmp_path_factory.mktemp("two-engines")
+    other = start_engine(work / "engine", str(tiny_model_dir),
+                         ["--served-model-name", MODEL, "--set", f"responses.path={work / 'store'}"])
+    gw = start_gateway(work / "gateway", [engine.address, other.address], ["--routing", "round-robin"])
+    try:
+        ids = {}
+        for address in (engine.address, other.address):
+            with grpc.insecure_channel(address) as channel:
+                ids[engine_pb2_grpc.EngineStub(channel).ListModels(engine_pb2.ListModelsRequest()).engine_id] = address
+        assert len(ids) == 2
+        with http(gw) as client:
+            made = [create(client, input=f"Topic {i}: tell me more.") for i in range(4)]
+            owners = {r["id"].split("_")[1] for r in made}
+            assert owners == set(ids)  # round-robin spread them, each id names where it is kept
+            for r in made:
+                assert client.get(f"/v1/responses/{r['id']}").json()["output"] == r["output"]
+                # The continuation goes to the engine holding the record and its retained state.
+                follow = create(client, input="Go on.", previous_response_id=r["id"])
+                assert follow["id"].split("_")[1] == r["id"].split("_")[1]
+                assert follow["usage"]["input_tokens_details"]["cached_tokens"] >= r["usage"]["input_tokens"]
+    finally:
+        assert gw.stop() == 0, gw.log()
+        assert other.stop() == 0, other.log()
+
+
 def test_the_engine_reports_its_store_id(engine: RunningService, store_dir: Path) -> None:
     with grpc.insecure_channel(engine.address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)

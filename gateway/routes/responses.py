@@ -66,7 +66,8 @@ class Turn:
     rid: str
     request: engine_pb2.GenerateRequest
     key: bytes
-    pin: EngineClient | None  # tried first: the engine holding the previous response, or the store's
+    pin: EngineClient | None  # keeps the record: the previous response's engine, else routing's first
+    candidates: list[EngineClient]  # the engines to generate on, in order: `pin` first
     store: bool
     scope: str
     reply: _Reply
@@ -75,7 +76,7 @@ class Turn:
 
     def upstream(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
         spec = CallSpec("input", "max_output_tokens", self.state.config.request_timeout)
-        return generate(self.state.pool, self.request, self.key, spec, pin=self.pin)
+        return generate(self.state.pool, self.request, self.key, spec, self.candidates)
 
     def record(self, final: JSONObject) -> records.Record:
         return records.Record(final, [*self.prior, *self.own_items])
@@ -137,8 +138,12 @@ async def prepare(state: GatewayState, body: Fields, headers: Headers, local: Co
         req.guided.CopyFrom(guided)
     opts.apply(req)
     key = route_key(model, opts.cache_salt, opts.route_key or chat_head(chat))
-    if pin is None:  # the engine routing picks now keeps the record too
-        pin = next(iter(state.pool.candidates(model, route_keys(req, key))), None)
+    # Ordered once (a round-robin rule moves on at every call): a continuation's engine first, else
+    # the engine routing picks keeps the record too.
+    candidates = state.pool.candidates(model, route_keys(req, key))
+    if pin is not None:
+        candidates = [pin, *(e for e in candidates if e is not pin)]
+    pin = candidates[0] if candidates else None
     rid = records.new_id(pin.engine_id if store and pin is not None else "")
     req.request_id = rid
     base: JSONObject = {
@@ -158,7 +163,7 @@ async def prepare(state: GatewayState, body: Fields, headers: Headers, local: Co
         req.sampling.skip_special_tokens = False  # [TOOL_CALLS] is a special token: keep it in the text
     if guided is not None and formats.reasoning and asks_reasoning(body):
         req.guided.after_reasoning = True
-    turn = Turn(state, rid, req, key, pin, store, scope,
+    turn = Turn(state, rid, req, key, pin, candidates, store, scope,
                 _Reply(base, lambda: ChoiceParser.make(formats, chat.tools_json, tools), sampling.logprobs, state,
                        prewarm),
                 own_items, prior)
