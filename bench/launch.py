@@ -130,7 +130,9 @@ def http_healthy(port: int) -> bool:
 
 
 def launch_engine(workdir: Path, model: str = "ignis-tiny", args: list[str] | None = None) -> Service:
-    return launch("engine", "engine", ["--model", model, *(args or [])], workdir, grpc_serving)
+    """Its stored responses go under `workdir` unless `args` say where (--set wins over the environment)."""
+    return launch("engine", "engine", ["--model", model, *(args or [])], workdir, grpc_serving,
+                  env={"IGNIS_RESPONSES__PATH": str(workdir / "responses")})
 
 
 def launch_tierstore(workdir: Path, arena_bytes: int, disk_bytes: int, env: dict[str, str] | None = None

@@ -66,6 +66,23 @@ class GuardedH11Protocol(H11Protocol):
         self.metrics.connections_open.dec()
         super().connection_lost(exc)
 
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        """The WebSocket protocol takes the connection over; this one's connection_lost never runs,
+        so the socket's own lowers the open-connections gauge when it goes."""
+        self._disarm()
+        super().handle_websocket_upgrade(event)
+        socket = self.transport.get_protocol()
+        if socket is self:
+            return
+        lost = socket.connection_lost
+        gauge = self.metrics.connections_open
+
+        def connection_lost(exc: Exception | None) -> None:
+            gauge.dec()
+            lost(exc)
+
+        socket.connection_lost = connection_lost  # type: ignore[method-assign]
+
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         self._watch()

@@ -18,6 +18,9 @@ __all__ = ["RunningService", "start_engine", "start_gateway", "start_tierstore"]
 
 def start_engine(workdir: Path, model: str = "ignis-tiny", args: list[str] | None = None,
                  env: dict[str, str] | None = None, timeout: float = 180.0) -> RunningService:
+    """`python -m engine`; its stored responses go under `workdir` (not the home folder) unless
+    `args` or `env` say where (a later --set wins over the environment)."""
+    env = {"IGNIS_RESPONSES__PATH": str(workdir / "responses"), **(env or {})}
     return launch("engine", "engine", ["--model", model, *(args or [])], workdir, grpc_serving, timeout, env)
 
 

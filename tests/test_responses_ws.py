@@ -5,6 +5,7 @@ Real processes on loopback (an engine with its own response store, gateways in f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import grpc
+import httpx
 import openai
 import pytest
 from websockets.exceptions import InvalidStatus
@@ -262,3 +264,23 @@ def test_the_api_key_applies_to_the_handshake(engine: RunningService,
             assert final(turn(ws, input="Let me in.", store=False))["status"] in ("completed", "incomplete")
     finally:
         assert gw.stop() == 0, gw.log()
+
+
+def open_connections(gateway: RunningService) -> float:
+    text = httpx.get(f"http://127.0.0.1:{gateway.port}/metrics", timeout=10).text
+    return float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith("ignis_gateway_connections_open ")))
+
+
+def test_closed_sockets_leave_the_open_connections_gauge(gateway: RunningService) -> None:
+    """An upgraded connection is counted while open and uncounted once closed (the WebSocket
+    protocol takes it over from the HTTP one)."""
+    before = open_connections(gateway)
+    with contextlib.ExitStack() as stack:
+        for _ in range(3):
+            stack.enter_context(socket(gateway))
+        assert open_connections(gateway) == before + 3
+    deadline = time.monotonic() + 10
+    while open_connections(gateway) != before:
+        assert time.monotonic() < deadline, "the gauge kept the closed sockets"
+        time.sleep(0.05)
