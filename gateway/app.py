@@ -53,16 +53,16 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
-        Route("/v1/models", list_models, methods=["GET"]),
         WebSocketRoute("/v1/responses", responses_socket),
         Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
+        Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", not_served, methods=["POST"]),
         Route("/v1/embeddings", not_served, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/ignis/state", ignis_state, methods=["GET"]),
         Route("/v1/ignis/state/stream", ignis_state_stream, methods=["GET"]),
@@ -71,11 +71,11 @@ def create_app(config: GatewayConfig) -> Starlette:
     # Outermost first: unexpected errors end as a 500 here, metrics see every answer (401s included),
     # then the trace span, the key check, and the body deadline around the routes' reads.
     middleware = [Middleware(UnexpectedErrors), Middleware(MetricsMiddleware, metrics=state.metrics)]
-    if config.tracing:  # without an exporter the spans would go nowhere: skip their per-request cost
-        middleware.append(Middleware(TracingMiddleware))
     if config.allowed_origins:  # outside the key check: a browser's preflight carries no key
         middleware.append(Middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_headers=["*"],
                                      allow_methods=["GET", "POST", "DELETE"], expose_headers=["X-Request-Id"]))
+    if config.tracing:  # without an exporter the spans would go nowhere: skip their per-request cost
+        middleware.append(Middleware(TracingMiddleware))
     if config.api_key is not None:
         # The Monitor's page carries no data: it asks for the key and sends it with /v1/ignis/state.
         middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key,
