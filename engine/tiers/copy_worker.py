@@ -88,6 +88,9 @@ class CopyWorker:
 
     def _work(self) -> None:
         torch.set_grad_enabled(False)
+        # Copies are bound by memory, not cores: one thread, so the worker never takes the step's
+        # cores (an OpenMP team of its own would spin beside the step's after each copy).
+        torch.set_num_threads(1)
         while True:
             job = self._jobs.get()
             if job is None:
