@@ -430,8 +430,8 @@ def test_malformed_and_upgrade_requests_are_counted_not_logged(engine: RunningSe
                 assert read_until_closed(sock).startswith(b"HTTP/1.1 400 ")
         raw = RawHTTP(gw.address)
         try:
-            for _ in range(3):  # uvicorn serves these as plain HTTP, with two warnings each
-                upgrade = {"connection": "Upgrade", "upgrade": "websocket"}
+            for _ in range(3):  # uvicorn serves these as plain HTTP, with a warning each (WebSocket it takes up)
+                upgrade = {"connection": "Upgrade", "upgrade": "h2c"}
                 assert raw.request("GET", "/health", headers=upgrade)[0] == 200
         finally:
             raw.close()
