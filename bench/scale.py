@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import signal
@@ -47,7 +46,8 @@ from bench.geometry import ensure_geometry
 from bench.launch import Service, free_port, grpc_serving, launch, launch_gateway
 from bench.swarm_stats import summarize
 from bench.table import RESULTS, markdown, save
-from bench.workload import Message, RequestRecord, Trace, WorkloadConfig, make_trace, run_trace
+from bench.workload import (Message, RequestRecord, Trace, WorkloadConfig, chat_chunks, chunk_text, make_trace,
+                            run_trace)
 from engine.text.tokenizer import Tokenizer
 
 MODEL = "bench-model"
@@ -180,19 +180,10 @@ async def _one(http: httpx.AsyncClient, messages: list[Message], config: Workloa
     text, first = "", False
     run.requests += 1
     try:
-        async with http.stream("POST", "/chat/completions", json=body, headers={"X-Ignis-Class": "agent"}) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(f"stream error: {chunk['error']}")
-                for choice in chunk.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content") or ""
-                    first = first or bool(piece)
-                    text += piece
+        async for chunk in chat_chunks(http, body):
+            piece = chunk_text(chunk)
+            first = first or bool(piece)
+            text += piece
         run.done += 1
     except (RuntimeError, httpx.HTTPError) as err:
         if first:

@@ -37,6 +37,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any, Callable, Literal
 
 import httpx
@@ -224,28 +225,38 @@ def cached_from(usage: dict[str, Any], timings: dict[str, Any]) -> int:
     return int(timings.get("cache_n") or 0)
 
 
-async def stream_chat(http: httpx.AsyncClient, model: str, messages: list[Message], config: WorkloadConfig
-                      ) -> tuple[str, float | None, int, int, int]:
-    """One streamed chat completion: (reply text, first-token time, prompt, cached, output tokens)."""
-    body = {"model": model, "messages": messages, "max_tokens": config.max_tokens, "temperature": 0,
-            "seed": config.seed, "stream": True, "stream_options": {"include_usage": True}}
-    reply = _Reply()
+async def chat_chunks(http: httpx.AsyncClient, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """The SSE chunks of one streamed chat completion (an agent's); RuntimeError on an HTTP or a stream error."""
     async with http.stream("POST", "/chat/completions", json=body, headers={"X-Ignis-Class": "agent"}) as response:
         if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')}")
+            raise RuntimeError(f"HTTP {response.status_code}: "
+                               f"{(await response.aread()).decode(errors='replace')[:200]}")
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
-            for choice in chunk.get("choices") or []:
-                text = (choice.get("delta") or {}).get("content") or ""
-                if text and reply.first is None:
-                    reply.first = time.perf_counter()
-                reply.text += text
-            reply.usage = chunk.get("usage") or reply.usage
-            reply.timings = chunk.get("timings") or reply.timings
+            yield chunk
+
+
+def chunk_text(chunk: dict[str, Any]) -> str:
+    return "".join((choice.get("delta") or {}).get("content") or "" for choice in chunk.get("choices") or [])
+
+
+async def stream_chat(http: httpx.AsyncClient, model: str, messages: list[Message], config: WorkloadConfig
+                      ) -> tuple[str, float | None, int, int, int]:
+    """One streamed chat completion: (reply text, first-token time, prompt, cached, output tokens)."""
+    body = {"model": model, "messages": messages, "max_tokens": config.max_tokens, "temperature": 0,
+            "seed": config.seed, "stream": True, "stream_options": {"include_usage": True}}
+    reply = _Reply()
+    async for chunk in chat_chunks(http, body):
+        text = chunk_text(chunk)
+        if text and reply.first is None:
+            reply.first = time.perf_counter()
+        reply.text += text
+        reply.usage = chunk.get("usage") or reply.usage
+        reply.timings = chunk.get("timings") or reply.timings
     usage = reply.usage
     if not usage:
         raise RuntimeError("the server sent no usage (stream_options.include_usage)")

@@ -322,17 +322,11 @@ class RetainedStateReuse(TieredReuse):
         self.pages.share(state.pages)  # immutable full pages, kept alive until the copy is done
         state.ready = False
         self._pending.append(state)
-        offset, head = host.offset(state.slot), codec.sections(0).kv
-        full_pages, logits = list(state.pages), state.logits
+        offset = host.offset(state.slot)
+        staged = self._staged_write(m, list(state.pages), bool(partial), state.logits)
 
         def copy(buf: torch.Tensor) -> None:  # worker thread
-            host.block[offset:offset + head].copy_(buf[:head])
-            codec.pack_pages(host.block, offset, m, full_pages, 0)
-            if partial:
-                start = offset + codec.sections(m).kv + full * codec.page_bytes
-                host.block[start:start + codec.page_bytes].copy_(buf[head:head + codec.page_bytes])
-            if logits is not None:
-                codec.write_logits(host.block, offset, m, logits)
+            staged(buf, host.block, offset)
 
         def done(copied: bool) -> None:  # engine thread
             self._pending.remove(state)
