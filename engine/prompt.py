@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from common.stable_head import stable_head_length
 from common.template_kwargs import RESERVED_TEMPLATE_KWARGS
@@ -64,7 +64,9 @@ def chat_messages(chat: engine_pb2.ChatInput) -> list[dict[str, Any]]:
     return messages
 
 
-def render_chat(tokenizer: Tokenizer, chat: engine_pb2.ChatInput) -> RenderedPrompt:
+def render_chat(tokenizer: Tokenizer, chat: engine_pb2.ChatInput, budget: int | None = None) -> RenderedPrompt:
+    """The chat's prompt. With `chat.truncate` and a `budget` (the most prompt tokens the context
+    leaves), the oldest turns after the system head are dropped until the prompt fits."""
     if not chat.messages:
         raise ValueError("messages must not be empty")
     if chat.continue_final_message:
@@ -76,10 +78,43 @@ def render_chat(tokenizer: Tokenizer, chat: engine_pb2.ChatInput) -> RenderedPro
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields do")
     add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     messages = chat_messages(chat)
-    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                         template_kwargs=kwargs)
-    ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    def render(kept: list[dict[str, Any]]) -> tuple[str, tuple[int, ...]]:
+        text = tokenizer.apply_chat_template(kept, tools=tools, add_generation_prompt=add_generation_prompt,
+                                             template_kwargs=kwargs)
+        return text, tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    text, ids = render(messages)
+    if chat.truncate and budget is not None and len(ids) > budget:
+        messages, text, ids = _drop_oldest_turns(messages, budget, render)
     return RenderedPrompt(ids, text, _head_tokens(tokenizer, messages, tools, kwargs, ids))
+
+
+def _drop_oldest_turns(messages: list[dict[str, Any]], budget: int,
+                       render: Callable[[list[dict[str, Any]]], tuple[str, tuple[int, ...]]]
+                       ) -> tuple[list[dict[str, Any]], str, tuple[int, ...]]:
+    """Truncation "auto" (the Responses API): keep the system head and the latest turns.
+
+    A cut falls only before a user message, so an assistant's tool calls are never parted
+    from their outputs and the kept conversation starts as a conversation does. The length
+    shrinks as the cut moves later, so the latest cut that fits is found by bisection: a few
+    renders, not one per turn. The last user message and what follows it are always kept."""
+    head = messages[:stable_head_length(m["role"] for m in messages)]
+    cuts = [i for i in range(len(head) + 1, len(messages)) if messages[i]["role"] == "user"]
+    lo, hi = 0, len(cuts) - 1  # cuts[hi] keeps the least; search the earliest cut that fits
+    best: tuple[list[dict[str, Any]], str, tuple[int, ...]] | None = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        kept = head + messages[cuts[mid]:]
+        text, ids = render(kept)
+        if len(ids) <= budget:
+            best, hi = (kept, text, ids), mid - 1
+        else:
+            lo = mid + 1
+    if best is None:
+        raise ValueError(f"the input does not fit this model's context even with truncation: the system "
+                         f"messages and the latest turn alone leave fewer than the {budget} prompt tokens it allows")
+    return best
 
 
 def _head_tokens(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[Any] | None,
@@ -125,11 +160,20 @@ def check_input_size(request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRe
                          f"{max_model_len} tokens can hold")
 
 
-def render_input(tokenizer: Tokenizer, request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest) -> RenderedPrompt:
+def prompt_budget(request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest, max_model_len: int) -> int:
+    """The most prompt tokens the context leaves the request: room for its max_tokens, or one token."""
+    sampling = getattr(request, "sampling", None)
+    wanted = sampling.max_tokens if sampling is not None and sampling.HasField("max_tokens") else 0
+    return max_model_len - max(wanted, 1)
+
+
+def render_input(tokenizer: Tokenizer, request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest,
+                 max_model_len: int | None = None) -> RenderedPrompt:
     which = request.WhichOneof("input")
     add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
     if which == "chat":
-        return render_chat(tokenizer, request.chat)
+        budget = prompt_budget(request, max_model_len) if max_model_len is not None else None
+        return render_chat(tokenizer, request.chat, budget)
     if which == "text":
         if not request.text:
             raise ValueError("the prompt text is empty")

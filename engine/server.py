@@ -118,7 +118,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         """Template rendering and tokenizing run on a worker thread: a huge prompt must not
         stall every stream and the health service on the event loop."""
         check_input_size(request, core.max_model_len)
-        return await asyncio.get_running_loop().run_in_executor(self._prompts, render_input, core.tokenizer, request)
+        return await asyncio.get_running_loop().run_in_executor(self._prompts, render_input, core.tokenizer, request,
+                                                                core.max_model_len)
 
     async def _engine_request(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                               ) -> EngineRequest:

@@ -4,6 +4,9 @@ The engine compiles and enforces the grammar (a bad schema comes back as its 400
 gateway checks the shapes, and that a forced function is one of the `tools`.
 `tool_choice` "required" or a named function is enforced by the tool-call grammar;
 "auto" and "none" leave the output free (the prompt says what the tools are either way).
+A forced tool call and a text format may come together (openai-agents sends both for an agent
+with an `output_type`): the output must then be a tool call, so the tool-call grammar holds and
+the format, which only shapes message text, has nothing to shape.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def chat_guided(body: Fields, chat: engine_pb2.ChatInput, tool_format: str = "")
                 raise invalid("'response_format.json_schema' is required when its type is 'json_schema'",
                               param="response_format")
             guided = _schema(spec)
-    return _with_tools(guided, body, chat, "response_format", tool_format)
+    return _with_tools(guided, body, chat, tool_format)
 
 
 def responses_guided(body: Fields, chat: engine_pb2.ChatInput, tool_format: str = ""
@@ -45,7 +48,7 @@ def responses_guided(body: Fields, chat: engine_pb2.ChatInput, tool_format: str 
             guided = engine_pb2.GuidedDecoding(json_object=True)
         elif kind == "json_schema":
             guided = _schema(fmt)
-    return _with_tools(guided, body, chat, "text.format", tool_format)
+    return _with_tools(guided, body, chat, tool_format)
 
 
 def _schema(spec: Fields) -> engine_pb2.GuidedDecoding:
@@ -59,13 +62,10 @@ def _schema(spec: Fields) -> engine_pb2.GuidedDecoding:
 
 
 def _with_tools(guided: engine_pb2.GuidedDecoding | None, body: Fields, chat: engine_pb2.ChatInput,
-                format_field: str, tool_format: str) -> engine_pb2.GuidedDecoding | None:
+                tool_format: str) -> engine_pb2.GuidedDecoding | None:
     forced = forced_tool(chat)
     if forced is None:
         return guided
-    if guided is not None:
-        raise invalid(f"'{format_field}' cannot be combined with tool_choice {forced!r}: the output must be a tool call",
-                      param=format_field)
     # The grammar writes the syntax the gateway will parse: the flag's when given, else the engine's.
     calls = engine_pb2.GuidedToolCalls(tools_json=chat.tools_json, tool_choice=forced, format=tool_format)
     parallel = body.boolean("parallel_tool_calls")

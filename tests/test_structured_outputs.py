@@ -136,14 +136,23 @@ def test_responses_text_format_and_tool_choice(client: openai.OpenAI) -> None:
     assert calls and calls[0].name == "add"  # type: ignore[union-attr]
 
 
+def test_a_forced_tool_with_a_format_is_a_tool_call(http: httpx.Client) -> None:
+    # openai-agents sends both for an agent with an output_type: the call wins, the format has no text.
+    r = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 120, "tools": TOOLS, "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "response_format": {"type": "json_object"}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"], choice
+
+
 @pytest.mark.parametrize("body, param, fragment", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
      None, "invalid json_schema"),
     ({"response_format": {"type": "yaml"}}, "response_format.type", "yaml"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
     ({"tool_choice": "required"}, "tool_choice", "at least one tool"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
-     "cannot be combined"),
 ])
 def test_bad_structured_requests_are_400(http: httpx.Client, body: dict[str, Any], param: str | None,
                                          fragment: str) -> None:

@@ -130,6 +130,7 @@ async def prepare(state: GatewayState, body: Fields, headers: Headers, local: Co
         sampling.max_tokens = 0
         chat.add_generation_prompt = False
     truncation = body.string("truncation", choices=("auto", "disabled")) or "disabled"
+    chat.truncate = truncation == "auto"  # the engine drops the oldest turns when the context is short
     parallel = body.boolean("parallel_tool_calls")
     metadata = body.obj("metadata")
 

@@ -1,0 +1,119 @@
+"""openai-agents against the gateway: its Responses model, a function tool, and
+`previous_response_id` chaining across a multi-turn loop.
+
+Real processes on loopback (an engine with its own response store, a gateway); the agents SDK
+drives `/v1/responses` through its own AsyncOpenAI client, whose requests are recorded to check
+that each call after the first sends only the new items."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel
+
+agents = pytest.importorskip("agents")
+
+from agents import (  # noqa: E402
+    Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool,
+    set_tracing_disabled,
+)
+
+from services import RunningService, start_engine, start_gateway  # noqa: E402
+
+MODEL = "ignis-tiny"
+WEATHER = {"paris": "sunny", "rome": "rain", "oslo": "snow"}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
+    store = tmp_path_factory.mktemp("responses") / "store"
+    service = start_engine(tmp_path_factory.mktemp("engine"), str(tiny_model_dir),
+                           ["--served-model-name", MODEL, "--set", f"responses.path={store}",
+                            "--set", "reuse.retained_interactive_ttl=0"])
+    yield service
+    assert service.stop() == 0, service.log()
+
+
+@pytest.fixture(scope="module")
+def gateway(engine: RunningService, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
+    service = start_gateway(tmp_path_factory.mktemp("gateway"), [engine.address])
+    yield service
+    assert service.stop() == 0, service.log()
+
+
+class Forecast(BaseModel):
+    sky: Literal["sunny", "rain", "snow"]
+
+
+@function_tool
+def weather(city: Literal["paris", "rome", "oslo"]) -> str:
+    """Today's weather in a city."""
+    return WEATHER[city]
+
+
+async def run_loop(port: int, questions: list[str]) -> tuple[list[Any], list[dict[str, Any]]]:
+    """Runs one agent turn per question, each chained to the last by previous_response_id."""
+    sent: list[dict[str, Any]] = []
+
+    async def record(request: httpx.Request) -> None:
+        if request.url.path.endswith("/responses"):
+            sent.append(json.loads(request.content))
+
+    async with httpx.AsyncClient(event_hooks={"request": [record]}, timeout=120) as http:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="agents",
+                                    http_client=http, max_retries=0)
+        # tool_choice "required" forces the tool call; the SDK resets it to auto once the tool
+        # has run (reset_tool_choice), so each turn is: forced call, tool output, then the
+        # output_type's JSON (text.format, held by the grammar even on random weights).
+        agent = Agent(name="forecaster", instructions="Answer with the weather.", tools=[weather],
+                      output_type=Forecast, model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+                      model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                                   temperature=0, max_tokens=160))
+        results: list[Any] = []
+        previous: str | None = None
+        for question in questions:
+            result = await Runner.run(agent, question, previous_response_id=previous,
+                                      auto_previous_response_id=True, max_turns=4,
+                                      run_config=RunConfig(tracing_disabled=True))
+            results.append(result)
+            previous = result.last_response_id
+    return results, sent
+
+
+def test_a_multi_turn_agent_loop_chains_by_previous_response_id(gateway: RunningService) -> None:
+    set_tracing_disabled(True)
+    questions = ["Weather in Paris?", "And in Rome?", "And Oslo?"]
+    results, sent = asyncio.run(run_loop(gateway.port, questions))
+
+    calls = [response for result in results for response in result.raw_responses]
+    assert len(calls) == 2 * len(questions), [len(result.raw_responses) for result in results]
+    for result in results:
+        tool_outputs = [item.output for item in result.new_items if item.type == "tool_call_output_item"]
+        assert len(tool_outputs) == 1 and tool_outputs[0] in WEATHER.values(), result.new_items
+        assert isinstance(result.final_output, Forecast), result.final_output
+
+    # Every call after the first names the one before it and sends only what is new: a
+    # function_call_output inside a turn, the next user message across turns.
+    assert len(sent) == len(calls) and "previous_response_id" not in sent[0]
+    for before, body, call in zip(calls, sent[1:], calls[1:]):
+        assert body["previous_response_id"] == before.response_id, body
+        kinds = [item.get("type", "message") for item in body["input"]]
+        assert kinds in (["function_call_output"], ["message"]), body["input"]
+        assert call.response_id.startswith("resp_")
+
+    # The stored chain is what the engine prefills from: each call's prompt holds the previous
+    # call's prompt and reply, and the previous turn's reply-end checkpoint serves it.
+    for before, call in zip(calls, calls[1:]):
+        assert call.usage.input_tokens > before.usage.input_tokens
+        assert call.usage.input_tokens_details.cached_tokens >= before.usage.input_tokens, (
+            before.usage, call.usage)
+
+    retrieved = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="agents",
+                              max_retries=0).responses.retrieve(calls[-1].response_id)
+    assert retrieved.previous_response_id == calls[-2].response_id
