@@ -212,7 +212,7 @@ class EngineSettings(_Section):
     device: str = setting("auto", parse_device, doc="auto, cpu, cuda or cuda:N")
     cpu_linear: str = setting("onednn", choice("onednn", "torch"),
                               doc="fp32 CPU linear layers: onednn (weights reordered once at load: faster "
-                                  "decode, a copy of them in memory) or torch (MKL on the mapped file, no copy)")
+                                  "decode and prefill, a copy of them in memory) or torch (MKL on the mapped file, no copy)")
     integrity_key_file: str = setting("~/.cache/ignis/engine-integrity.key", parse_path,
                                       doc="the engine's key for the integrity tag on state it writes to the tierstore "
                                           "(made 0600 on first start; states tagged with another key are never served)")
