@@ -10,6 +10,7 @@ from engine.kv.device_cache import DeviceCache
 from engine.model.batch import ForwardBatch, SeqView
 from engine.model.config import ModelConfig
 from engine.model.layers import GatedRMSNorm
+from kernels.cpu import gdn_decode
 from kernels.select import Kernels, kernels_for
 
 
@@ -110,6 +111,13 @@ class GatedDeltaNet(nn.Module):
         state updated in its own slot (gathering them would copy 1 MiB a layer at hidden 1024)."""
         rows = torch.tensor([s.offset for s in seqs], dtype=torch.int64, device=mixed.device)
         slot_ids = [_slot(s) for s in seqs]
+        fused = gdn_decode.fused_decode() if mixed.device.type == "cpu" else None
+        if fused is not None and gdn_decode.supports(cache.conv, cache.recurrent, self.dk, self.dv):
+            # One C call: conv taps, head split, q/k norms and the delta rule, states in place.
+            out = fused(mixed[rows], g[rows], beta[rows], weight, cache.conv, cache.recurrent, li, slot_ids,
+                        self.hk, self.dk, self.dv)
+            core[rows] = out.to(core.dtype)
+            return
         slots = torch.tensor(slot_ids, dtype=torch.int64, device=mixed.device)
         conv_out, new_conv = ops.causal_conv1d(mixed[rows].unsqueeze(-1), weight, cache.conv[slots, li])
         q, k, v = self._split_heads(conv_out.transpose(1, 2))  # [B, 1, ...]

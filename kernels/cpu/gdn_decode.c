@@ -1,0 +1,96 @@
+/* One Gated DeltaNet decode step for B sequences on the CPU, fused: the causal conv over the
+ * carried taps, the head split, q/k L2 normalisation, and the gated delta rule, each state
+ * updated where it lies in its slot (no gather, no scatter, no intermediate tensors).
+ *
+ * The torch references are kernels/causal_conv.py (causal_conv1d, T = 1) and
+ * kernels/gated_delta.py (gated_delta_decode_step_); kernels/cpu/gdn_decode.py binds this.
+ *
+ * Per (sequence, value head) the state S is Dk x Dv fp32 (64 KiB at 128 x 128): it is read from
+ * memory once, for S^T k, and the update S' = decay S + k delta^T with out = S'^T q is a second
+ * pass over the same 64 KiB while it is still in this core's L2. The torch reference makes six
+ * passes (mul_, bmm, baddbmm_ read and write, bmm), as six ops per head group per sequence.
+ *
+ * Layouts (all fp32, innermost stride 1):
+ *   x        [B, C]           the step's mixed q|k|v projections, one row per sequence
+ *   g, beta  [B, Hv]          log decay (<= 0) and the write strength
+ *   w        [C, K]           depthwise conv weight
+ *   conv     pool + slot * conv_slot_stride + conv_offset: [C, K-1] taps of that sequence
+ *   state    pool + slot * state_slot_stride + state_offset: [Hv, Dk, Dv] of that sequence
+ *   y        [B, C]           scratch: the conv's output
+ *   out      [B, Hv, Dv]
+ * Returns 0, or -1 when a size exceeds the fixed per-thread buffers.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define MAX_HEAD_DIM 256
+
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+int gdn_decode_step(const float *x, const float *g, const float *beta, const float *w,
+                    float *conv_pool, int64_t conv_slot_stride, int64_t conv_offset,
+                    float *state_pool, int64_t state_slot_stride, int64_t state_offset,
+                    const int64_t *slots, int64_t batch, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
+                    int64_t kernel, float *y, float *out) {
+    if (dk > MAX_HEAD_DIM || dv > MAX_HEAD_DIM || kernel < 1 || hk <= 0 || hv % hk != 0) return -1;
+    const int64_t key_dim = hk * dk, channels = 2 * key_dim + hv * dv, taps = kernel - 1;
+
+    /* The conv: one dot product per channel over its K-1 carried inputs and the new one. */
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < batch; b++) {
+        for (int64_t c = 0; c < channels; c++) {
+            float *tap = conv_pool + slots[b] * conv_slot_stride + conv_offset + c * taps;
+            const float *wc = w + c * kernel;
+            const float xn = x[b * channels + c];
+            float acc = 0.0f;
+            for (int64_t t = 0; t < taps; t++) acc += tap[t] * wc[t];
+            acc += xn * wc[taps];
+            y[b * channels + c] = silu(acc);
+            for (int64_t t = 0; t + 1 < taps; t++) tap[t] = tap[t + 1];
+            if (taps > 0) tap[taps - 1] = xn;
+        }
+    }
+
+    /* The delta rule, one (sequence, value head) per iteration. */
+    const int64_t group = hv / hk;
+    const float q_scale = 1.0f / sqrtf((float)dk);
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < batch; b++) {
+        for (int64_t h = 0; h < hv; h++) {
+            const int64_t kh = h / group;
+            const float *yq = y + b * channels + kh * dk;
+            const float *yk = y + b * channels + key_dim + kh * dk;
+            const float *yv = y + b * channels + 2 * key_dim + h * dv;
+            float q[MAX_HEAD_DIM], k[MAX_HEAD_DIM], delta[MAX_HEAD_DIM], o[MAX_HEAD_DIM];
+            float qq = 0.0f, kk = 0.0f;
+            for (int64_t i = 0; i < dk; i++) { qq += yq[i] * yq[i]; kk += yk[i] * yk[i]; }
+            const float qn = q_scale / sqrtf(qq + 1e-6f), kn = 1.0f / sqrtf(kk + 1e-6f);
+            for (int64_t i = 0; i < dk; i++) { q[i] = yq[i] * qn; k[i] = yk[i] * kn; }
+
+            float *s = state_pool + slots[b] * state_slot_stride + state_offset + h * dk * dv;
+            const float decay = expf(g[b * hv + h]), strength = beta[b * hv + h];
+            for (int64_t j = 0; j < dv; j++) delta[j] = 0.0f;
+            for (int64_t i = 0; i < dk; i++) {  /* S^T k, before the decay */
+                const float ki = k[i];
+                const float *row = s + i * dv;
+                for (int64_t j = 0; j < dv; j++) delta[j] += ki * row[j];
+            }
+            for (int64_t j = 0; j < dv; j++) {
+                delta[j] = (yv[j] - decay * delta[j]) * strength;
+                o[j] = 0.0f;
+            }
+            for (int64_t i = 0; i < dk; i++) {  /* S' = decay S + k delta^T; out = S'^T q */
+                const float ki = k[i], qi = q[i];
+                float *row = s + i * dv;
+                for (int64_t j = 0; j < dv; j++) {
+                    const float updated = decay * row[j] + ki * delta[j];
+                    row[j] = updated;
+                    o[j] += qi * updated;
+                }
+            }
+            float *dst = out + (b * hv + h) * dv;
+            for (int64_t j = 0; j < dv; j++) dst[j] = o[j];
+        }
+    }
+    return 0;
+}

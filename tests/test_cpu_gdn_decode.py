@@ -1,0 +1,126 @@
+"""The CPU's fused Gated DeltaNet decode step (kernels/cpu/gdn_decode.c) against its torch
+references: kernels/causal_conv.py's causal_conv1d and kernels/gated_delta.py's
+gated_delta_decode_step_ (itself checked against the token-by-token recurrent rule), on conv taps
+and recurrent states laid out as the engine's DeviceCache holds them (slots scattered, several
+layers per slot); then a hybrid model's decode through the engine's layer, kernel vs references."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernels.causal_conv import causal_conv1d
+from kernels.cpu import gdn_decode
+from kernels.gated_delta import gated_delta_decode_step_, recurrent_gated_delta_rule
+
+# Both sides compute in fp32; only the summation order differs.
+TOLERANCE = 2e-5
+
+
+@pytest.fixture(scope="module")
+def kernel() -> gdn_decode.FusedDecode:
+    fn = gdn_decode.load()
+    if fn is None:
+        if shutil.which("gcc") is None:
+            pytest.skip("no gcc: `make kernels` cannot build the CPU kernels (the engine runs the references)")
+        pytest.fail(f"{gdn_decode.LIBRARY} is not built: `make kernels` (make test builds it first)")
+    return fn
+
+
+def split(y: torch.Tensor, hk: int, hv: int, dk: int, dv: int) -> tuple[torch.Tensor, ...]:
+    q, k, v = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    b = y.shape[0]
+    return q.view(b, 1, hk, dk), k.view(b, 1, hk, dk), v.view(b, 1, hv, dv)
+
+
+def check(kernel: gdn_decode.FusedDecode, batch: int, hk: int, hv: int, dk: int, dv: int, kernel_size: int,
+          layers: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    channels = 2 * hk * dk + hv * dv
+    slots = batch * 2 + 1
+    conv_pool = torch.randn(slots, layers, channels, kernel_size - 1, generator=g)
+    state_pool = torch.randn(slots, layers, hv, dk, dv, generator=g) * 0.1
+    layer = layers - 1
+    slot_ids = torch.randperm(slots, generator=g)[:batch].tolist()
+    x = torch.randn(batch, channels, generator=g)
+    weight = torch.randn(channels, kernel_size, generator=g) * 0.5
+    gate = -torch.rand(batch, hv, generator=g) * 2  # log decay <= 0
+    beta = torch.rand(batch, hv, generator=g)
+
+    # The references, on copies of the pools.
+    ref_conv, ref_state = conv_pool.clone(), state_pool.clone()
+    y, new_taps = causal_conv1d(x.unsqueeze(-1), weight, ref_conv[slot_ids, layer])
+    q, k, v = split(y[..., 0], hk, hv, dk, dv)
+    states = [ref_state[s, layer] for s in slot_ids]
+    want = gated_delta_decode_step_(q, k, v, gate.unsqueeze(1), beta.unsqueeze(1), states)[:, 0]
+    ref_conv[slot_ids, layer] = new_taps
+    # The decode step agrees with the token-by-token rule too (the oracle's oracle).
+    rec_out, _ = recurrent_gated_delta_rule(q, k, v, gate.unsqueeze(1), beta.unsqueeze(1),
+                                            state_pool[slot_ids, layer])
+    assert (rec_out[:, 0] - want).abs().max().item() < TOLERANCE
+
+    untouched = [s for s in range(slots) if s not in slot_ids]
+    before_conv, before_state = conv_pool[untouched].clone(), state_pool[untouched].clone()
+    got = kernel(x, gate, beta, weight, conv_pool, state_pool, layer, slot_ids, hk, dk, dv)
+    assert got.shape == (batch, hv, dv)
+    assert (got - want).abs().max().item() < TOLERANCE
+    assert (conv_pool - ref_conv).abs().max().item() < TOLERANCE  # taps shifted in place, exactly
+    assert (state_pool - ref_state).abs().max().item() < TOLERANCE
+    # Other slots, and other layers of the same slots, are not touched.
+    assert torch.equal(conv_pool[untouched], before_conv) and torch.equal(state_pool[untouched], before_state)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("hk, hv, dk, dv", [(2, 2, 16, 16), (2, 4, 32, 64), (4, 8, 128, 128), (1, 4, 64, 256)])
+def test_matches_the_references(kernel: gdn_decode.FusedDecode, batch: int, hk: int, hv: int, dk: int,
+                                dv: int) -> None:
+    check(kernel, batch, hk, hv, dk, dv, kernel_size=4, layers=3, seed=batch * 100 + dk)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.integers(1, 6), hk=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 4]),
+       dk=st.integers(1, 40), dv=st.integers(1, 40), kernel_size=st.integers(2, 5), layers=st.integers(1, 3),
+       seed=st.integers(0, 2**16))
+def test_random_shapes(kernel: gdn_decode.FusedDecode, batch: int, hk: int, group: int, dk: int, dv: int,
+                       kernel_size: int, layers: int, seed: int) -> None:
+    check(kernel, batch, hk, hk * group, dk, dv, kernel_size, layers, seed)
+
+
+def test_too_large_a_head_is_refused_not_overrun(kernel: gdn_decode.FusedDecode) -> None:
+    assert not gdn_decode.supports(torch.zeros(1, 1, 4, 3), torch.zeros(1, 1, 1, 512, 8), 512, 8)
+    with pytest.raises(RuntimeError, match="refused"):
+        check(kernel, 1, 1, 1, 300, 8, kernel_size=4, layers=1, seed=0)
+
+
+def test_a_missing_library_loads_as_none(tmp_path: Path) -> None:
+    assert gdn_decode.load(tmp_path / "absent.so") is None
+
+
+def test_a_hybrid_model_decodes_the_same_through_the_kernel(checkpoint_dir: Callable[[str], Path],
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            kernel: gdn_decode.FusedDecode) -> None:
+    """The engine's GDN layers with the fused step vs with the references: same logits per step."""
+    from engine.model.loader import load_model
+    from test_model import make_prompt, run_chunks, make_cache
+
+    path = checkpoint_dir("Qwen3_5ForCausalLM")
+    loaded = load_model(path, onednn_linears=True)
+    ids = make_prompt(40, seed=3)
+    pages = list(range(4))
+    calls: list[int] = []
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return kernel(*args)
+    monkeypatch.setattr(gdn_decode, "fused_decode", lambda: counted)
+    fused = run_chunks(loaded, make_cache(loaded), ids, [30] + [1] * 10, pages)
+    assert len(calls) == 10 * len(loaded.config.state_shape().linear_layers)  # every decode, every GDN layer
+    monkeypatch.setattr(gdn_decode, "fused_decode", lambda: None)
+    references = run_chunks(loaded, make_cache(loaded), ids, [30] + [1] * 10, pages)
+    assert (fused - references).abs().max().item() < 1e-4
