@@ -225,6 +225,24 @@ def run_ignis(checkpoint: Path, setup: Setup) -> dict[str, Any]:
             "profile_prefill": prof_prefill, "profile_decode_b": prof_decode}
 
 
+def streaming_read(nbytes: int, threads: int, repeats: int = 5) -> dict[str, float]:
+    """The machine's limit for a decode step: a plain streaming read (a sum) of as many bytes as the
+    model's weights, on the same threads; every decode step must read each weight once."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buf = torch.ones(nbytes // 4, dtype=torch.float32)
+        buf.sum()  # faulted in, warm
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            buf.sum()
+            best = min(best, time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(before)
+    return {"bytes": float(nbytes), "gb_s": nbytes / best / 1e9, "floor_ms": best * 1000}
+
+
 def _timed(t: Timed) -> dict[str, Any]:
     return {**asdict(t), "tok_s": t.tok_s, "ms_step": t.ms_step}
 
@@ -348,6 +366,17 @@ def render(setup: Setup, ignis: dict[str, Any], peer: dict[str, Any], loads: dic
                cells("decode ms/step, batch 1", "decode_1", "ms_step"),
                cells(f"decode tok/s, batch {b} (aggregate)", "decode_b", "tok_s"),
                cells(f"decode ms/step, batch {b}", "decode_b", "ms_step")]), ""]
+    bw = ignis.get("bandwidth")
+    if bw is not None:
+        floor = bw["floor_ms"]
+        theirs = [p[k].get("ms_step") for k in ("decode_1", "decode_b")]
+        out += [f"Memory bandwidth: a streaming read of the weights' {bw['bytes'] / 2**20:.0f} MiB takes "
+                f"{floor:.1f} ms ({bw['gb_s']:.1f} GB/s, {setup.threads} threads), the least any decode step "
+                "can take. Each side's step against that floor (floor / ms per step):", "",
+                table.markdown(["", "ignis", PEER], [
+                    ["batch 1", _num(floor / ignis["decode_1"]["ms_step"]), _num(floor / theirs[0] if theirs[0] else None)],
+                    [f"batch {b}", _num(floor / ignis["decode_b"]["ms_step"]),
+                     _num(floor / theirs[1] if theirs[1] else None)]]), ""]
     if have_peer:
         d = peer["decode_b"]
         out.append(
@@ -379,12 +408,18 @@ def render(setup: Setup, ignis: dict[str, Any], peer: dict[str, Any], loads: dic
     return "\n".join(out)
 
 
+def weight_bytes(checkpoint: Path) -> int:
+    """The checkpoint's weights as stored (fp32 here): the bytes a decode step streams."""
+    return sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+
+
 def profile_kind(setup: Setup, peer: str, out: Path, models: Path | None) -> Path:
     checkpoint = ensure_geometry(setup.kind, setup.hidden, setup.layers, root=models)
     print(f"\n== profile, {setup.kind}: {checkpoint}", flush=True)
     loads: dict[str, list[float]] = {}
     before = os.getloadavg()[0]
     ignis = run_ignis(checkpoint, setup)
+    ignis["bandwidth"] = streaming_read(weight_bytes(checkpoint), setup.threads)
     loads["ignis"] = [before, os.getloadavg()[0]]
     peer_result: dict[str, Any] = {"unavailable": "not run (--peer none)"}
     if peer == PEER:
