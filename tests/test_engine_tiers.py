@@ -496,6 +496,45 @@ def test_state_forged_behind_the_stores_back_is_never_served(tmp_path: Path, mod
         store.stop()
 
 
+@pytest.mark.parametrize("when", ["before the copy", "after the copy"])
+def test_a_restore_checks_the_bytes_it_copied(tmp_path: Path, model, oracle, monkeypatch: pytest.MonkeyPatch,
+                                              when: str) -> None:
+    """A process racing the engine rewrites a state's arena bytes during its restore. Rewritten
+    before the engine's copy (after any check of the arena itself could have passed), the copy
+    fails the tag and the request runs cold; rewritten after it, the copy is the state the engine
+    wrote and is served. The tag is checked on the engine's copies, not on the shared arena."""
+    store = tierstore(tmp_path, arena=16 * MiB, disk=0)
+    engine = Engine(*model, tierstore=store.address)
+    try:
+        for topic in TOPICS:  # the first ones spill to RAM as later ones take the device slots
+            same(engine.run(topic), oracle(topic))
+        link = engine.core.reuse.tiers  # type: ignore[attr-defined]
+        real_unpack = link.codec.unpack
+        scribbled: list[int] = []
+
+        def racing_unpack(arena, offset, tokens, nbytes, slot, pages):  # type: ignore[no-untyped-def]
+            if when == "after the copy":
+                logits = real_unpack(arena, offset, tokens, nbytes, slot, pages)
+            arena[offset:offset + nbytes].zero_()
+            scribbled.append(nbytes)
+            if when == "before the copy":
+                logits = real_unpack(arena, offset, tokens, nbytes, slot, pages)
+            return logits
+        monkeypatch.setattr(link.codec, "unpack", racing_unpack)
+        rejected = link.rejected
+        got = engine.run(TOPICS[0])
+        assert scribbled, "the request did not restore from KV-RAM"
+        same(got, oracle(TOPICS[0]))
+        if when == "before the copy":
+            assert (got.tier, got.cached) == ("none", 0) and link.rejected == rejected + 1
+        else:
+            assert got.tier == "ram" and got.cached > 0 and link.rejected == rejected
+        engine.check()
+    finally:
+        engine.close()
+        store.stop()
+
+
 def test_full_tiers_stop_spills_and_every_request_still_succeeds(tmp_path: Path, model, oracle) -> None:
     from tierstore.client import TierStoreClient
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,6 +24,11 @@ def _align(n: int) -> int:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous host tensor's bytes, zero copy (any dtype: numpy has no bfloat16)."""
+    return t.contiguous().view(-1).view(torch.uint8).numpy().data
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +136,39 @@ class StateCodec:
             torch.index_select(c.kv, 0, idx, out=dst)  # gather straight into the destination
         else:
             dst.copy_(c.kv.index_select(0, idx))
+
+    def hash_unpacked(self, hasher: Any, arena: torch.Tensor, offset: int, tokens: int, nbytes: int,
+                      slot: int | None, pages: list[int], logits: torch.Tensor | None) -> None:
+        """Feed `hasher` the state's bytes in their arena order, each section that `unpack` copied
+        read from the copy (the engine's own memory), the rest (alignment, pages past a prefix,
+        logits not taken) from the arena. A tag checked this way covers exactly what is used:
+        bytes changed in the arena after the copy are not in it, and bytes changed before fail
+        it (checking the arena first and copying after would leave that window open).
+        CPU caches only: the copies are host memory."""
+        c, s = self.cache, self.sections(tokens)
+        fed = 0
+
+        def arena_to(end: int) -> None:
+            nonlocal fed
+            if end > fed:
+                hasher.update(_bytes(arena[offset + fed:offset + end]))
+                fed = end
+
+        def copy(start: int, t: torch.Tensor) -> None:
+            nonlocal fed
+            arena_to(start)
+            hasher.update(_bytes(t))
+            fed = start + _nbytes(t)
+
+        if self.recurrent_bytes and slot is not None:
+            copy(s.recurrent, c.recurrent[slot])
+        if self.conv_bytes and slot is not None:
+            copy(s.conv, c.conv[slot])
+        for i, page in enumerate(pages):
+            copy(s.kv + i * self.page_bytes, c.kv[page])
+        if logits is not None:
+            copy(s.logits, logits)
+        arena_to(nbytes)
 
     def write_logits(self, arena: torch.Tensor, offset: int, tokens: int, logits: torch.Tensor) -> None:
         s = self.sections(tokens)

@@ -51,11 +51,21 @@ class IntegrityKey:
             raise PermissionError(f"the integrity key {path} is readable by others: chmod 600 it")
         return cls(path.read_bytes())
 
-    def tag(self, name: bytes, namespace: bytes, tokens: int, data: memoryview | bytes) -> bytes:
+    def hasher(self, name: bytes, namespace: bytes, tokens: int, nbytes: int) -> blake3.blake3:
+        """The tag's keyed hash, its header fed: update it with the state's `nbytes` bytes, in order."""
         h = blake3.blake3(key=self._key, max_threads=blake3.blake3.AUTO)
-        h.update(name + namespace + tokens.to_bytes(8, "little") + len(data).to_bytes(8, "little"))
+        h.update(name + namespace + tokens.to_bytes(8, "little") + nbytes.to_bytes(8, "little"))
+        return h
+
+    def tag(self, name: bytes, namespace: bytes, tokens: int, data: memoryview | bytes) -> bytes:
+        h = self.hasher(name, namespace, tokens, len(data))
         h.update(data)
         return h.digest()
 
     def verify(self, tag: bytes, name: bytes, namespace: bytes, tokens: int, data: memoryview | bytes) -> bool:
         return len(tag) == 32 and hmac.compare_digest(tag, self.tag(name, namespace, tokens, data))
+
+    @staticmethod
+    def matches(tag: bytes, hashed: blake3.blake3) -> bool:
+        """Whether a hasher fed the whole state (from `hasher`) gives `tag`."""
+        return len(tag) == 32 and hmac.compare_digest(tag, hashed.digest())

@@ -265,15 +265,29 @@ class TierLink:
             meta, ext = lease.metadata, lease.extent
             arena = self.client.arena
             sliced = hit.kind is ReuseKind.PAGES and hit.tokens <= meta.tokens and hit.tokens % self.page_size == 0
-            if (meta.tokens != hit.tokens and not sliced) or ext.length < meta.nbytes or arena is None or \
-                    not self.key.verify(bytes(meta.engine_tag), hit.state_hash, namespace, meta.tokens,
-                                        self.client.arena_bytes(ext.offset, meta.nbytes)):
+            tag = bytes(meta.engine_tag)
+            ok = (meta.tokens == hit.tokens or sliced) and ext.length >= meta.nbytes
+            on_host = self.codec.cache.kv.device.type == "cpu"
+            if arena is None:
+                ok = False
+            elif ok and not on_host:  # device copies: the tag is checked on the arena bytes first
+                ok = self.key.verify(tag, hit.state_hash, namespace, meta.tokens,
+                                     self.client.arena_bytes(ext.offset, meta.nbytes))
+            logits = None
+            if ok and arena is not None:
+                logits = self.codec.unpack(arena, ext.offset, meta.tokens, meta.nbytes, slot, pages)
+            if ok and on_host and arena is not None:
+                # Checked on what was copied (codec.hash_unpacked says why); a failed check leaves
+                # the slot and the fresh pages to a cold prefill, which overwrites them.
+                hashed = self.key.hasher(hit.state_hash, namespace, meta.tokens, meta.nbytes)
+                self.codec.hash_unpacked(hashed, arena, ext.offset, meta.tokens, meta.nbytes, slot, pages, logits)
+                ok = self.key.matches(tag, hashed)
+            if not ok:
                 self.restore_failures += 1
                 self.rejected += 1
                 log_event(log, "ignis.request.restore_rejected", logging.WARNING, hash=hit.state_hash.hex()[:16],
                           tokens=hit.tokens, kind=hit.kind.value, reason="metadata or integrity tag mismatch")
                 return None
-            logits = self.codec.unpack(arena, ext.offset, meta.tokens, meta.nbytes, slot, pages)
         finally:
             self.client.release(lease.lease_id)
         tier = reuse_tier(lease.from_tier, ReuseTier.RAM)
