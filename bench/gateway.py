@@ -2,16 +2,23 @@
 
 - Added latency: a 1-token completion (temperature 0) through the gateway
   (HTTP, non-streamed) versus the same request straight to the engine over
-  gRPC, alternating the two; p50 and p99 of each and their difference.
+  gRPC, interleaved; p50 and p99 of each and their difference, and the
+  gateway's CPU time per request.
 - Streaming: per-stream decode rate (tokens after the first, over the time
-  from the first to the last token) with 1 and with 32 concurrent streams, as
-  Server-Sent Events through the gateway versus the gRPC stream itself.
+  from the first to the last token) with 1, 32 and 256 concurrent streams, as
+  Server-Sent Events through the gateway versus the gRPC stream itself; the
+  gateway's CPU time per streamed token; streams that failed (an error, a
+  short stream) at each width.
+- Variants: one gateway per variant (`--variant NAME=FLAGS`; by default the
+  gateway as shipped and the gateway on asyncio's own event loop), all in
+  front of the same engine, each phase interleaving direct / variant 1 /
+  variant 2 ..., so a library's effect is measured side by side.
 
 It starts its own engine and gateway processes (bench/launch.py) on loopback;
 all processes (and this client, which parses SSE in Python) share this
 machine's cores, as they would on one host. On a small machine the streaming
-ratio is mostly that contention; the gateway's own CPU time per request and
-per streamed token (from /proc) is reported beside it.
+ratio is mostly that contention; the gateway's own CPU time is read from
+/proc (every thread's schedstat, in nanoseconds) around each request or round.
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +38,23 @@ import grpc
 import httpx
 import numpy as np
 
-from bench.launch import launch_engine, launch_gateway
+from bench.launch import Service, launch_engine, launch_gateway
 from bench.table import markdown, save
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 
 PROMPT = "The gateway adds how much latency to a request?"
+DEFAULT_VARIANTS = ["shipped=", "h11=--http h11", "uvloop=--loop uvloop"]  # each library with and without
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc), to charge work to the gateway alone."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of all of a process's threads so far (Linux schedstat: ns, not 10 ms ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended between the listing and the read
+    return total / 1e9
 
 
 def _percentiles(samples: list[float]) -> dict[str, float]:
@@ -48,35 +63,53 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
             "mean_ms": float(a.mean()), "n": len(samples)}
 
 
-def one_token_latency(engine: str, gateway: str, gateway_pid: int, model: str, n: int, warmup: int
-                      ) -> dict[str, Any]:
+@dataclass
+class Gateway:
+    name: str
+    flags: list[str]
+    service: Service
+
+    @property
+    def pid(self) -> int:
+        return self.service.process.pid
+
+
+def one_token_latency(engine: str, gateways: list[Gateway], model: str, n: int, warmup: int) -> dict[str, Any]:
     request = engine_pb2.GenerateRequest(model=model, text=PROMPT,
                                          sampling=engine_pb2.SamplingParams(temperature=0, max_tokens=1))
     body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
     direct: list[float] = []
-    through: list[float] = []
-    cpu = 0.0
-    with grpc.insecure_channel(engine) as channel, httpx.Client(base_url=f"http://{gateway}", timeout=60) as http:
-        stub = engine_pb2_grpc.EngineStub(channel)
-        for i in range(warmup + n):  # alternate, so drift (caches, frequency) hits both alike
-            t = time.perf_counter()
-            for _ in stub.Generate(request, timeout=60):
-                pass
-            d = time.perf_counter() - t
-            c = cpu_seconds(gateway_pid)
-            t = time.perf_counter()
-            reply = http.post("/v1/completions", json=body)
-            g = time.perf_counter() - t
-            if i >= warmup:
-                cpu += cpu_seconds(gateway_pid) - c
-            reply.raise_for_status()
-            if i >= warmup:
-                direct.append(d)
-                through.append(g)
-    out: dict[str, Any] = {"direct": _percentiles(direct), "gateway": _percentiles(through)}
-    out["added_p50_ms"] = out["gateway"]["p50_ms"] - out["direct"]["p50_ms"]
-    out["added_p99_ms"] = out["gateway"]["p99_ms"] - out["direct"]["p99_ms"]
-    out["gateway_cpu_ms_per_request"] = cpu / n * 1000.0
+    through: dict[str, list[float]] = {g.name: [] for g in gateways}
+    cpu = {g.name: 0.0 for g in gateways}
+    clients = {g.name: httpx.Client(base_url=f"http://{g.service.address}", timeout=60) for g in gateways}
+    try:
+        with grpc.insecure_channel(engine) as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            for i in range(warmup + n):  # interleaved, so drift (caches, frequency, load) hits every path alike
+                t = time.perf_counter()
+                for _ in stub.Generate(request, timeout=60):
+                    pass
+                if i >= warmup:
+                    direct.append(time.perf_counter() - t)
+                for g in gateways:
+                    c = cpu_seconds(g.pid)
+                    t = time.perf_counter()
+                    reply = clients[g.name].post("/v1/completions", json=body)
+                    elapsed = time.perf_counter() - t
+                    used = cpu_seconds(g.pid) - c
+                    reply.raise_for_status()
+                    if i >= warmup:
+                        through[g.name].append(elapsed)
+                        cpu[g.name] += used
+    finally:
+        for client in clients.values():
+            client.close()
+    out: dict[str, Any] = {"direct": _percentiles(direct), "gateways": {}}
+    for g in gateways:
+        p = _percentiles(through[g.name])
+        out["gateways"][g.name] = {**p, "added_p50_ms": p["p50_ms"] - out["direct"]["p50_ms"],
+                                   "added_p99_ms": p["p99_ms"] - out["direct"]["p99_ms"],
+                                   "gateway_cpu_ms_per_request": cpu[g.name] / n * 1000.0}
     return out
 
 
@@ -84,104 +117,184 @@ def _rate(tokens: int, first: float, last: float) -> float:
     return (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0
 
 
-async def _grpc_stream(stub: engine_pb2_grpc.EngineStub, model: str, prompt: str, tokens: int) -> float:
+@dataclass
+class Stream:
+    rate: float = 0.0
+    tokens: int = 0
+    error: str = ""
+
+
+async def _grpc_stream(stub: engine_pb2_grpc.EngineStub, model: str, prompt: str, tokens: int) -> Stream:
     request = engine_pb2.GenerateRequest(model=model, text=prompt, sampling=engine_pb2.SamplingParams(
         temperature=0, max_tokens=tokens, ignore_eos=True))
     first = last = 0.0
     count = 0
-    async for msg in stub.Generate(request, timeout=600):
-        if msg.token_ids:
-            last = time.perf_counter()
-            first = first or last
-            count += len(msg.token_ids)
-    return _rate(count, first, last)
+    try:
+        async for msg in stub.Generate(request, timeout=600):
+            if msg.token_ids:
+                last = time.perf_counter()
+                first = first or last
+                count += len(msg.token_ids)
+    except grpc.aio.AioRpcError as exc:
+        return Stream(error=f"{exc.code().name}: {exc.details()}")
+    return Stream(_rate(count, first, last), count, "" if count == tokens else f"{count} of {tokens} tokens")
 
 
-async def _sse_stream(http: httpx.AsyncClient, model: str, prompt: str, tokens: int) -> float:
+async def _sse_stream(http: httpx.AsyncClient, model: str, prompt: str, tokens: int) -> Stream:
     body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     first = last = 0.0
     count = 0
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0]["text"]:
-                last = time.perf_counter()
-                first = first or last
-            if chunk.get("usage"):
-                count = chunk["usage"]["completion_tokens"]
-    return _rate(count, first, last)
+    done = False
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return Stream(error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                if not line.startswith("data: ") or done:
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return Stream(error=str(chunk["error"])[:200])
+                if chunk.get("choices") and chunk["choices"][0]["text"]:
+                    last = time.perf_counter()
+                    first = first or last
+                if chunk.get("usage"):
+                    count = chunk["usage"]["completion_tokens"]
+    except httpx.HTTPError as exc:
+        return Stream(error=f"{type(exc).__name__}: {exc}")
+    error = "" if count == tokens and done else f"{count} of {tokens} tokens, [DONE] {'seen' if done else 'missing'}"
+    return Stream(_rate(count, first, last), count, error)
 
 
-async def stream_rates(engine: str, gateway: str, gateway_pid: int, model: str, streams: int, tokens: int,
+@dataclass
+class Rounds:
+    rates: list[float] = field(default_factory=list)  # mean per-stream rate of each round
+    cpu: float = 0.0
+    tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, streams: list[Stream]) -> None:
+        ok = [s.rate for s in streams if not s.error]
+        self.rates.append(float(np.mean(ok)) if ok else 0.0)
+        self.tokens += sum(s.tokens for s in streams)
+        self.errors += [s.error for s in streams if s.error]
+
+
+async def stream_rates(engine: str, gateways: list[Gateway], model: str, streams: int, tokens: int,
                        repeats: int) -> dict[str, Any]:
-    """Mean per-stream rate of each round; rounds alternate the paths, the median round is reported
+    """Rounds alternate the paths (direct, then each gateway); the median round is reported
     (the cores are shared with the engine and with anything else running)."""
     prompts = [f"Stream {i} of {streams}: tell me about caches." for i in range(streams)]
-    direct: list[float] = []
-    through: list[float] = []
-    cpu = 0.0
-    limits = httpx.Limits(max_connections=streams + 8)
-    async with grpc.aio.insecure_channel(engine) as channel, \
-            httpx.AsyncClient(base_url=f"http://{gateway}", timeout=600, limits=limits) as http:
-        stub = engine_pb2_grpc.EngineStub(channel)
-        for _ in range(repeats):
-            rates = await asyncio.gather(*(_grpc_stream(stub, model, p, tokens) for p in prompts))
-            direct.append(float(np.mean(rates)))
-            c = cpu_seconds(gateway_pid)
-            rates = await asyncio.gather(*(_sse_stream(http, model, p, tokens) for p in prompts))
-            cpu += cpu_seconds(gateway_pid) - c
-            through.append(float(np.mean(rates)))
-    return {"streams": streams, "tokens": tokens, "repeats": repeats,
-            "direct_tokens_per_s": float(np.median(direct)), "gateway_tokens_per_s": float(np.median(through)),
-            "direct_rounds": direct, "gateway_rounds": through,
-            "gateway_cpu_us_per_token": cpu / (repeats * streams * tokens) * 1e6}
+    direct = Rounds()
+    through = {g.name: Rounds() for g in gateways}
+    limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
+    clients = {g.name: httpx.AsyncClient(base_url=f"http://{g.service.address}", timeout=600, limits=limits)
+               for g in gateways}
+    try:
+        async with grpc.aio.insecure_channel(engine) as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            for _ in range(repeats):
+                direct.add(list(await asyncio.gather(*(_grpc_stream(stub, model, p, tokens) for p in prompts))))
+                for g in gateways:
+                    c = cpu_seconds(g.pid)
+                    results = await asyncio.gather(*(_sse_stream(clients[g.name], model, p, tokens)
+                                                     for p in prompts))
+                    through[g.name].cpu += cpu_seconds(g.pid) - c
+                    through[g.name].add(list(results))
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    out: dict[str, Any] = {"streams": streams, "tokens": tokens, "repeats": repeats,
+                           "direct_tokens_per_s": float(np.median(direct.rates)), "direct_rounds": direct.rates,
+                           "direct_errors": len(direct.errors), "gateways": {}}
+    for g in gateways:
+        r = through[g.name]
+        rate = float(np.median(r.rates))
+        out["gateways"][g.name] = {
+            "tokens_per_s": rate, "rounds": r.rates,
+            "ratio": rate / out["direct_tokens_per_s"] if out["direct_tokens_per_s"] else 0.0,
+            "gateway_cpu_us_per_token": r.cpu / r.tokens * 1e6 if r.tokens else 0.0,
+            "errors": len(r.errors), "error_samples": sorted(set(r.errors))[:5]}
+    return out
+
+
+def _variant(text: str) -> tuple[str, list[str]]:
+    name, sep, flags = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"a variant is NAME=FLAGS, not {text!r}")
+    return name, shlex.split(flags)
+
+
+def _rows(latency: dict[str, Any], rates: list[dict[str, Any]], names: list[str]) -> list[list[Any]]:
+    d = latency["direct"]
+    lat = latency["gateways"]
+    rows: list[list[Any]] = [
+        ["1-token completion p50 (ms)", d["p50_ms"], *(f"{lat[n]['p50_ms']:.3g} (+{lat[n]['added_p50_ms']:.2f})"
+                                                        for n in names)],
+        ["1-token completion p99 (ms)", d["p99_ms"], *(f"{lat[n]['p99_ms']:.3g} (+{lat[n]['added_p99_ms']:.2f})"
+                                                        for n in names)],
+        ["gateway CPU per request (ms)", "", *(lat[n]["gateway_cpu_ms_per_request"] for n in names)],
+    ]
+    for r in rates:
+        s = r["streams"]
+        g = r["gateways"]
+        rows.append([f"tokens/s per stream, {s} stream{'s' if s > 1 else ''}", r["direct_tokens_per_s"],
+                     *(f"{g[n]['tokens_per_s']:.3g} (x{g[n]['ratio']:.3f})" for n in names)])
+        rows.append([f"gateway CPU per streamed token, {s} (us)", "",
+                     *(g[n]["gateway_cpu_us_per_token"] for n in names)])
+        rows.append([f"failed streams of {s} x {r['repeats']}", r["direct_errors"], *(g[n]["errors"] for n in names)])
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="ignis-tiny", help="checkpoint directory or ignis-tiny")
-    parser.add_argument("--requests", type=int, default=200, help="1-token completions per path")
+    parser.add_argument("--requests", type=int, default=300, help="1-token completions per path")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=128, help="tokens per stream with 1 stream")
     parser.add_argument("--tokens-32", type=int, default=64, help="tokens per stream with 32 streams")
+    parser.add_argument("--tokens-256", type=int, default=16, help="tokens per stream with 256 streams")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of each streaming measurement")
+    parser.add_argument("--variant", action="append", type=_variant, default=None, metavar="NAME=FLAGS",
+                        help="a gateway to measure, started with FLAGS; repeatable "
+                             f"(default: {' and '.join(repr(v) for v in DEFAULT_VARIANTS)})")
     args = parser.parse_args()
+    variants = args.variant or [_variant(v) for v in DEFAULT_VARIANTS]
+    names = [name for name, _ in variants]
     model = "bench-model"
+    load_before = os.getloadavg()[0]
+    widths = ((1, args.tokens), (32, args.tokens_32), (256, args.tokens_256))
     with tempfile.TemporaryDirectory(prefix="ignis-bench-gateway-") as scratch:
-        engine = launch_engine(Path(scratch), args.model, ["--served-model-name", model, "--max-queue", "256"])
+        engine = launch_engine(Path(scratch), args.model, ["--served-model-name", model, "--max-queue", "1024"])
+        gateways: list[Gateway] = []
         try:
-            gateway = launch_gateway(Path(scratch), [engine.address])
-            try:
-                pid = gateway.process.pid
-                latency = one_token_latency(engine.address, gateway.address, pid, model, args.requests, args.warmup)
-                # warm the streaming paths once (first-use costs are not the steady state)
-                asyncio.run(stream_rates(engine.address, gateway.address, pid, model, 2, 8, 1))
-                rates = [asyncio.run(stream_rates(engine.address, gateway.address, pid, model, n, tokens,
-                                                  args.repeats))
-                         for n, tokens in ((1, args.tokens), (32, args.tokens_32))]
-            finally:
-                gateway.stop()
+            for i, (name, flags) in enumerate(variants):
+                service = launch_gateway(Path(scratch) / f"gateway-{i}", [engine.address],
+                                         ["--max-connections", "4096", *flags])
+                gateways.append(Gateway(name, flags, service))
+            # warm every path once (first-use costs are not the steady state)
+            one_token_latency(engine.address, gateways, model, 10, 5)
+            asyncio.run(stream_rates(engine.address, gateways, model, 8, 8, 1))
+            latency = one_token_latency(engine.address, gateways, model, args.requests, args.warmup)
+            rates = [asyncio.run(stream_rates(engine.address, gateways, model, n, tokens, args.repeats))
+                     for n, tokens in widths]
         finally:
+            for g in gateways:
+                g.service.stop()
             engine.stop()
-    d, g = latency["direct"], latency["gateway"]
-    rows: list[list[Any]] = [
-        ["1-token completion p50 (ms)", d["p50_ms"], g["p50_ms"],
-         f"+{latency['added_p50_ms']:.2f} ms ({latency['gateway_cpu_ms_per_request']:.2f} ms gateway CPU/request)"],
-        ["1-token completion p99 (ms)", d["p99_ms"], g["p99_ms"], f"+{latency['added_p99_ms']:.2f} ms"],
-    ]
-    for r in rates:
-        ratio = r["gateway_tokens_per_s"] / r["direct_tokens_per_s"] if r["direct_tokens_per_s"] else 0.0
-        rows.append([f"tokens/s per stream, {r['streams']} stream{'s' if r['streams'] > 1 else ''}",
-                     r["direct_tokens_per_s"], r["gateway_tokens_per_s"],
-                     f"x{ratio:.3f} ({r['gateway_cpu_us_per_token']:.0f} us gateway CPU/token)"])
-    table = markdown(["measure", "engine over gRPC", "through the gateway", "gateway effect"], rows)
+    load_after = os.getloadavg()[0]
+    table = markdown(["measure", "engine over gRPC", *(f"gateway: {n}" for n in names)],
+                     _rows(latency, rates, names))
+    shown = "; ".join(f"{n}: {shlex.join(f) or '(no flags)'}" for n, f in variants)
+    table += (f"\n\nGateways: {shown}. "
+              f"Load average (1 min) {load_before:.2f} before, {load_after:.2f} after.")
     print(table)
-    path = save("gateway", {"model": args.model, "latency": latency, "streams": rates,
-                            "args": vars(args)}, table)
+    path = save("gateway", {"model": args.model, "variants": {n: f for n, f in variants}, "latency": latency,
+                            "streams": rates, "load_before": load_before, "load_after": load_after,
+                            "args": {k: v for k, v in vars(args).items() if k != "variant"}}, table)
     print(f"\nwrote {path}")
 
 

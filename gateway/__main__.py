@@ -23,7 +23,8 @@ from common.tracing import run_traced
 from gateway.app import create_app
 from gateway.config import DEFAULT_MAX_REQUEST_BYTES, GatewayConfig
 from gateway.connection_faults import UvicornWarnings
-from gateway.http_protocol import protocol_class
+from gateway.event_loop import LOOPS, install, running_loop
+from gateway.http_protocol import HTTP_PARSERS, protocol_class
 from gateway.state import GatewayState
 
 log = logging.getLogger("ignis.gateway")
@@ -98,6 +99,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
                              "(default: what each engine reads off its chat template)")
     parser.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds to finish open streams on shutdown")
+    parser.add_argument("--http", choices=HTTP_PARSERS, default=HTTP_PARSERS[0],
+                        help="HTTP/1.1 parser: httptools (llhttp, in C) or h11 (pure Python)")
+    parser.add_argument("--loop", choices=LOOPS, default="asyncio",
+                        help="event loop: asyncio's own or uvloop (libuv; see the README for what differs)")
     args = parser.parse_args(argv)
     try:
         config = GatewayConfig(engines=args.engine, api_key=args.api_key or None, metrics_auth=args.metrics_auth,
@@ -145,7 +150,7 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
     state: GatewayState = app.state.gateway
     uv_config = uvicorn.Config(app, log_level="info", access_log=args.access_log,
                                timeout_graceful_shutdown=args.grace, lifespan="on", log_config=None,
-                               http=protocol_class(config, state.faults, state.metrics), backlog=BACKLOG)
+                               http=protocol_class(config, state.faults, state.metrics, args.http), backlog=BACKLOG)
     # Connections, plus one accept batch (asyncio takes up to `backlog` per wake-up) and some to spare.
     _raise_fd_limit(config.max_connections + BACKLOG + 256)
     # Floods of broken clients are counted into one summary line, not logged one by one.
@@ -158,8 +163,9 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
             if server.should_exit:
                 return
             await asyncio.sleep(0.02)
-        log.info("gateway serving on %s:%d, engines: %s, routing: %s", args.host, port,
-                 ", ".join([*config.engines, *(f"dns:{n}" for n in config.engine_dns)]), config.routing)
+        log.info("gateway serving on %s:%d, engines: %s, routing: %s, http: %s, loop: %s", args.host, port,
+                 ", ".join([*config.engines, *(f"dns:{n}" for n in config.engine_dns)]), config.routing,
+                 args.http, running_loop())
         if args.port_file:
             tmp = Path(args.port_file + ".tmp")
             tmp.write_text(str(port))
@@ -174,6 +180,7 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
     args, config = parse_args(argv)
+    install(args.loop)
 
     async def serve_traced(tracing: bool) -> int:
         config.tracing = tracing

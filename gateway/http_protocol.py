@@ -1,8 +1,10 @@
-"""uvicorn's h11 protocol with a header deadline, a bounded body drain and a connection limit.
+"""uvicorn's HTTP/1.1 protocols with a header deadline, a bounded body drain and a connection limit.
 
 uvicorn closes idle keep-alive connections (``timeout_keep_alive``) but waits forever for the
-headers of a request that has begun, and for a body the app answered without reading. This
-subclass keeps one timer per connection, re-armed from the state h11 reports after each read:
+headers of a request that has begun, and for a body the app answered without reading. These
+subclasses keep one timer per connection, re-armed from the request's state after each read
+(h11's state machine, or httptools' parser callbacks; `--http` picks the parser: httptools, in C,
+by default, h11 in pure Python as before):
 
 - **headers** (`--header-timeout`): from the connection's start, or from the first byte of a
   later request on it, to the end of its headers. On expiry a client that sent part of a request
@@ -20,10 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.config import GatewayConfig
 from gateway.connection_faults import ConnectionFaults, Phase
@@ -39,8 +42,12 @@ def _raw_response(status: str, err: OpenAIError) -> bytes:
             f"{extra}connection: close\r\n\r\n").encode() + body
 
 
-class GuardedH11Protocol(H11Protocol):
-    """Set the class variables on a subclass (`protocol_class`); uvicorn makes one per connection."""
+class _Guard(asyncio.Protocol):
+    """The deadlines and the connection limit, whatever parses the HTTP; mixed in before uvicorn's protocol.
+
+    Set the class variables on a subclass (`protocol_class`); uvicorn makes one per connection. A parser's
+    subclass says what the client owes now (`_owed`) and whether it has sent part of a request.
+    """
 
     limits: ClassVar[GatewayConfig]
     faults: ClassVar[ConnectionFaults]
@@ -50,6 +57,11 @@ class GuardedH11Protocol(H11Protocol):
 
     _timer: asyncio.TimerHandle | None = None
     _phase: Phase | None = None
+
+    # uvicorn's protocols have these (set in their __init__ / connection_made)
+    transport: asyncio.Transport
+    loop: asyncio.AbstractEventLoop
+    connections: set[Any]
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -66,11 +78,11 @@ class GuardedH11Protocol(H11Protocol):
         self.metrics.connections_open.dec()
         super().connection_lost(exc)
 
-    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+    def handle_websocket_upgrade(self, *event: Any) -> None:
         """The WebSocket protocol takes the connection over; this one's connection_lost never runs,
         so the socket's own lowers the open-connections gauge when it goes."""
         self._disarm()
-        super().handle_websocket_upgrade(event)
+        super().handle_websocket_upgrade(*event)  # type: ignore[misc]
         socket = self.transport.get_protocol()
         if socket is self:
             return
@@ -88,25 +100,27 @@ class GuardedH11Protocol(H11Protocol):
         self._watch()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()  # type: ignore[misc]
         self._watch()
+
+    def _owed(self) -> Phase | None:
+        """What the client owes now: a request's headers, a body nobody reads, or nothing."""
+        raise NotImplementedError
+
+    def _partial_request(self) -> bool:
+        """Whether the client has sent part of a request whose headers have not all arrived."""
+        raise NotImplementedError
 
     def _watch(self) -> None:
         """Keep the timer that fits what the client owes now, or none."""
         if self.transport.is_closing():
             self._disarm()
             return
-        state = self.conn.their_state
-        if state is h11.IDLE:
-            pending, _ = self.conn.trailing_data
-            if pending or self.cycle is None:
-                self._arm("headers")  # a request has begun (or is the connection's first): headers due
-            else:
-                self._disarm()  # between requests: uvicorn's keep-alive timeout governs
-        elif state is h11.SEND_BODY and self.cycle is not None and self.cycle.response_complete:
-            self._arm("body")  # answered already; the client still sends a body nobody reads
+        phase = self._owed()
+        if phase is None:
+            self._disarm()
         else:
-            self._disarm()  # the app has the request (and its body deadline), or the connection ends
+            self._arm(phase)
 
     def _arm(self, phase: Phase) -> None:
         if self._phase == phase:
@@ -129,19 +143,75 @@ class GuardedH11Protocol(H11Protocol):
         if phase is None or self.transport.is_closing():
             return
         self.faults.closed(phase)
-        pending, _ = self.conn.trailing_data
-        if phase == "headers" and pending:
+        if phase == "headers" and self._partial_request():
             self.transport.write(self.header_timeout_answer)
         self.transport.close()
 
 
-def protocol_class(limits: GatewayConfig, faults: ConnectionFaults, metrics: GatewayMetrics
-                   ) -> type[GuardedH11Protocol]:
-    """The protocol class to give uvicorn (``uvicorn.Config(http=...)``) for these limits."""
+class GuardedH11Protocol(_Guard, H11Protocol):
+    """h11 (pure Python): the state of the request comes from h11's state machine after each read."""
+
+    def _owed(self) -> Phase | None:
+        state = self.conn.their_state
+        if state is h11.IDLE:
+            pending, _ = self.conn.trailing_data
+            if pending or self.cycle is None:
+                return "headers"  # a request has begun (or is the connection's first): headers due
+            return None  # between requests: uvicorn's keep-alive timeout governs
+        if state is h11.SEND_BODY and self.cycle is not None and self.cycle.response_complete:
+            return "body"  # answered already; the client still sends a body nobody reads
+        return None  # the app has the request (and its body deadline), or the connection ends
+
+    def _partial_request(self) -> bool:
+        return bool(self.conn.trailing_data[0])
+
+
+class GuardedHttpToolsProtocol(_Guard, HttpToolsProtocol):
+    """httptools (llhttp, in C): the state of the request comes from the parser's callbacks."""
+
+    _receiving = False  # a request's first byte was parsed and its end not yet
+    _headers_done = False
+
+    def on_message_begin(self) -> None:
+        self._receiving, self._headers_done = True, False
+        super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        self._headers_done = True
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._receiving = False
+        super().on_message_complete()
+
+    def _owed(self) -> Phase | None:
+        if not self._receiving:
+            # the connection's first request is due; between requests uvicorn's keep-alive timeout governs
+            return "headers" if self.cycle is None else None
+        if not self._headers_done:
+            return "headers"
+        if self.cycle is not None and self.cycle.response_complete:
+            # answered already; the client still sends a body nobody reads. This deadline, not the
+            # keep-alive one that uvicorn arms once the answer is out, decides when to close.
+            self._unset_keepalive_if_required()
+            return "body"
+        return None
+
+    def _partial_request(self) -> bool:
+        return self._receiving and not self._headers_done
+
+
+HTTP_PARSERS = ("httptools", "h11")  # --http; the first is the default
+
+
+def protocol_class(limits: GatewayConfig, faults: ConnectionFaults, metrics: GatewayMetrics,
+                   parser: str = HTTP_PARSERS[0]) -> type[_Guard]:
+    """The protocol class to give uvicorn (``uvicorn.Config(http=...)``) for these limits and that parser."""
     header_timeout = OpenAIError(408, f"the request headers did not arrive within {limits.header_timeout:g} s",
                                  code="request_timeout")
     refused = unavailable(f"the gateway is at its limit of {limits.max_connections} connections; retry later")
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {
+    base: type[_Guard] = {"httptools": GuardedHttpToolsProtocol, "h11": GuardedH11Protocol}[parser]
+    return type(base.__name__, (base,), {
         "limits": limits, "faults": faults, "metrics": metrics,
         "header_timeout_answer": _raw_response("408 Request Timeout", header_timeout),
         "refused_answer": _raw_response("503 Service Unavailable", refused),

@@ -15,6 +15,7 @@ import contextlib
 import json
 from typing import AsyncIterator
 
+import orjson
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
@@ -30,16 +31,22 @@ _HEADERS = [
 ]
 
 
-def _dumps(data: JSONObject) -> str:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+def dumps(data: JSONObject) -> bytes:
+    """Compact UTF-8 JSON, the same bytes as ``json.dumps(ensure_ascii=False, separators=(",", ":"))``
+    but for floats under 1e-4 (0.00001, not 1e-05) and NaN/Infinity (null, which is JSON). orjson: a
+    chunk in ~0.2 us instead of ~4 us, once per streamed token."""
+    try:
+        return orjson.dumps(data)
+    except TypeError:  # an integer beyond 64 bits (a client's schema or metadata echoed back): the stdlib's
+        return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def data_event(data: JSONObject) -> SSEBytes:
-    return f"data: {_dumps(data)}\n\n".encode()
+    return b"data: " + dumps(data) + b"\n\n"
 
 
 def named_event(event: str, data: JSONObject) -> SSEBytes:
-    return f"event: {event}\ndata: {_dumps(data)}\n\n".encode()
+    return b"event: " + event.encode() + b"\ndata: " + dumps(data) + b"\n\n"
 
 
 class EventStream(Response):
