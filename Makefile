@@ -3,6 +3,7 @@
 #   make run ARGS=...     start gateway + engine + tierstore (scripts/run_all.py)
 #   make bench ARGS=...   benchmarks (python -m bench)
 #   make proto            regenerate ignis/ from protos/ (skips when up to date)
+#   make kernels          the C/OpenMP CPU kernels (kernels/cpu/build/; skipped, saying so, without gcc)
 #   make lint             mypy
 #   make clean            generated files and caches (make distclean: the venv too)
 
@@ -15,7 +16,7 @@ TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 LINT_DIRS := $(foreach d,common engine gateway tierstore kernels,$(if $(wildcard $(d)/*.py $(d)/*/*.py),$(d)))
 
-.PHONY: venv proto test run bench lint gpu-check clean distclean
+.PHONY: venv proto kernels test run bench lint gpu-check clean distclean
 
 venv: $(STAMP)
 
@@ -37,14 +38,27 @@ $(STAMP): pyproject.toml
 proto: $(STAMP)
 	$(PY) scripts/gen_protos.py
 
+# CPU kernels: plain C + OpenMP over tensor data pointers (no torch headers: about a second to
+# build). -march=native: built for the machine that runs them. Without a compiler the engine
+# logs that it runs the torch references instead, so a missing gcc is not a build failure.
+KERNEL_CC ?= gcc
+CPU_KERNEL_LIB := kernels/cpu/build/libignis_cpu.so
+kernels: $(CPU_KERNEL_LIB)
+
+$(CPU_KERNEL_LIB): $(wildcard kernels/cpu/*.c)
+	@if command -v $(KERNEL_CC) >/dev/null 2>&1; then \
+	  mkdir -p $(@D) && echo "$(KERNEL_CC) -O3 -march=native -fopenmp -shared -fPIC -o $@ $^" && \
+	  $(KERNEL_CC) -O3 -march=native -fopenmp -shared -fPIC -o $@ $^; \
+	else echo "no C compiler ($(KERNEL_CC)): CPU kernels not built, the engine runs the torch references"; fi
+
 # pytest exits 5 when it collects no tests; like any non-zero status it fails.
-test: proto
+test: proto kernels
 	$(PY) -m pytest -q $(ARGS)
 
-run: proto
+run: proto kernels
 	$(PY) scripts/run_all.py $(ARGS)
 
-bench: proto
+bench: proto kernels
 	$(PY) -m bench $(ARGS)
 
 lint: proto
@@ -55,7 +69,7 @@ gpu-check:
 	bash scripts/gpu_check.sh $(ARGS) $(or $(OUT),.cache/gpu-check)
 
 clean:
-	rm -rf ignis .pytest_cache .mypy_cache *.egg-info build
+	rm -rf ignis .pytest_cache .mypy_cache *.egg-info build kernels/cpu/build
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean

@@ -27,6 +27,7 @@ SUITES: list[tuple[list[str], bool]] = [
     (["bench.chaos"], False),  # a soak with forced spills and a fault schedule: wrong / failed / lost per fault, RSS
     (["bench.scale"], False),  # 2 and 3 engines behind one gateway by routing rule, then one engine killed
     (["bench.swarm", "--peer", "llama.cpp"], True),
+    (["bench.decode_attention"], False),  # CPU decode attention: torch reference vs the in-place C kernel, per KV dtype
     (["bench.profile", "--peer", "llama.cpp"], True),  # where the step's time goes, per-token rates vs llama.cpp  # ignis alone, and says so, where llama.cpp cannot be built
 ]
 

@@ -35,6 +35,10 @@ SECTIONS: list[tuple[str, list[str], str]] = [
      "reuse tax of device-slot and staging-ring captures; decode ITL while a large state spills, on the step "
      "thread vs written ahead by the copy worker; KV pool room with retained states in host vs device slots. "
      "`python -m bench.residency`"),
+    ("Decode attention on the CPU", ["decode-attention"],
+     "The torch reference (gather + SDPA) against the C kernel reading K/V pages in place, in each "
+     "engine.kv_dtype, and the model's decode forward before and after, at batch 1 and 8 with 2048-token "
+     "contexts on the dense geometry. `python -m bench.decode_attention`"),
     ("The engine's Python around the model", ["overhead"],
      "A decode step at 64 and 256 sequences on a tiny model, cut into the scheduler's plan, the batch build, "
      "the forward pass, sampling and the rest. `python -m bench.overhead`"),

@@ -209,6 +209,11 @@ class EngineSettings(_Section):
     prefill_chunk_tokens: int = setting(2048, parse_int, minimum=1, doc="prefill token budget per step")
     kv_cache_bytes: int = setting(512 * MiB, parse_size, minimum=1, doc="device KV page pool (bytes)")
     dtype: str = setting("auto", choice("auto", "float32", "bfloat16", "float16"), doc="compute dtype")
+    kv_dtype: str = setting("auto", choice("auto", "float32", "bfloat16", "float16"),
+                            doc="dtype of the KV pages (auto: the compute dtype); state slots keep theirs")
+    weight_dtype: str = setting("auto", choice("auto", "float32", "bfloat16"),
+                                doc="the linear layers' weights (auto: the compute dtype); bfloat16 on an fp32 CPU "
+                                    "model: half the bytes per decode step, inputs rounded to bf16 (oneDNN)")
     device: str = setting("auto", parse_device, doc="auto, cpu, cuda or cuda:N")
     cpu_linear: str = setting("onednn", choice("onednn", "torch"),
                               doc="fp32 CPU linear layers: onednn (weights reordered once at load: faster "

@@ -38,6 +38,8 @@ _SETTING_FLAGS = {
     "kv_cache_bytes": "engine.kv_cache_bytes",
     "prefill_chunk_tokens": "engine.prefill_chunk_tokens",
     "dtype": "engine.dtype",
+    "kv_dtype": "engine.kv_dtype",
+    "weight_dtype": "engine.weight_dtype",
     "device": "engine.device",
     "tierstore": "tierstore.address",  # --tierstore HOST:PORT
 }
@@ -67,10 +69,10 @@ def resolve_device(name: str) -> torch.device:
 def build_core(model_path: Path, settings: Settings) -> EngineCore:
     e = settings.engine
     loaded = load_model(model_path, dtype=e.dtype, device=resolve_device(e.device),
-                        onednn_linears=e.cpu_linear == "onednn")
+                        onednn_linears=e.cpu_linear == "onednn", weight_dtype=e.weight_dtype)
     tokenizer = Tokenizer.from_dir(model_path)
     config = EngineConfig(
-        page_size=e.page_size, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,
+        page_size=e.page_size, kv_dtype=e.kv_dtype, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,
         prefill_chunk_tokens=e.prefill_chunk_tokens, max_queue=e.max_queue, max_model_len=e.max_model_len,
         reuse_prompt=settings.reuse.prompt, retained_device=settings.reuse.retained_device,
         retained_host=settings.reuse.retained_host, retained_host_tokens=settings.reuse.retained_host_tokens,

@@ -11,7 +11,7 @@ from engine.cache.retained import RetainedStateReuse
 from engine.cache.reuse import NoReuse, PromptReuse
 from engine.cache.staging import StagingRing
 from engine.config import EngineConfig
-from engine.kv.device_cache import CacheGeometry, DeviceCache
+from engine.kv.device_cache import CacheGeometry, DeviceCache, resolve_kv_dtype
 from engine.kv.host_slots import HostSlots
 from engine.kv.page_pool import PagePool, SlotPool
 from engine.model.loader import LoadedModel
@@ -39,7 +39,8 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     model_cfg = loaded.config
     shape = model_cfg.state_shape()
     dtype = loaded.model.dtype
-    page_bytes = shape.kv_bytes_per_page(config.page_size, dtype)
+    kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype)  # pages hold K/V in it; a page's bytes follow it
+    page_bytes = shape.kv_bytes_per_page(config.page_size, kv_dtype)
     recurrent = shape.has_recurrent_state
     live_slots = config.max_num_seqs + 1 if recurrent else 0
     retained_slots = config.retained_device if recurrent and config.reuse_prompt else 0
@@ -51,8 +52,8 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         # for every live and retained sequence to reach the model's full context.
         context_pages = -(-model_cfg.max_position_embeddings // config.page_size)
         num_pages = context_pages * max(1, num_slots)
-    cache = DeviceCache(shape, CacheGeometry(config.page_size, num_pages, num_slots, dtype), loaded.model.device,
-                        copy_rows=row_copier(loaded.model.device))
+    geometry = CacheGeometry(config.page_size, num_pages, num_slots, dtype, kv_dtype)
+    cache = DeviceCache(shape, geometry, loaded.model.device, copy_rows=row_copier(loaded.model.device))
     pages = PagePool(num_pages)
     tiers = _tier_link(loaded, config, cache)  # retained state spills there; live sequences move there
     reuse: PromptReuse
@@ -79,9 +80,9 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     limit = config.max_model_len or model_cfg.max_position_embeddings
     max_model_len = min(limit, model_cfg.max_position_embeddings, capacity)
     log.info(
-        "cache: %d pages x %d tokens (%.1f MiB), %d state slots (%.1f MiB); max_model_len %d",
-        num_pages, config.page_size, num_pages * page_bytes / 2**20, num_slots,
-        num_slots * shape.state_bytes_per_slot(dtype) / 2**20, max_model_len,
+        "cache: %d pages x %d tokens (%.1f MiB, %s), %d state slots (%.1f MiB); max_model_len %d",
+        num_pages, config.page_size, num_pages * page_bytes / 2**20, str(kv_dtype).removeprefix("torch."),
+        num_slots, num_slots * shape.state_bytes_per_slot(dtype) / 2**20, max_model_len,
     )
     return EngineParts(cache, pages, SlotPool(live_slots) if recurrent else None, reuse, tiers, max_model_len)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     page_size: int = 16
+    kv_dtype: str = "auto"  # engine.kv_dtype: the KV pages' dtype; auto: the model's compute dtype
     kv_cache_bytes: int = 512 << 20
     max_num_seqs: int = 64
     prefill_chunk_tokens: int = 2048  # engine.prefill_chunk_tokens: tokens per step, decodes and prefill chunks

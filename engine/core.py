@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.facts import RequestClass
 from engine.live_moves import LiveMoves
 from engine.kv.chain_hash import BlockHash, Namespace, model_fingerprint, page_hashes
+from engine.kv.device_cache import namespace_dtype
 from engine.metrics import EngineMetrics
 from engine.model.loader import LoadedModel
 from engine.output_processor import Deltas, LiveRequest, OutputProcessor, RequestTotals, Sink
@@ -137,7 +138,7 @@ class EngineCore:
         key = xxhash.xxh3_128_digest(cache_salt.encode("utf-8", "surrogatepass"))
         found = self._namespaces.get(key)
         if found is None:
-            dtype = str(self.loaded.model.dtype).removeprefix("torch.")
+            dtype = namespace_dtype(self.cache.kv.dtype, self.loaded.model.dtype)
             found = Namespace(self._fingerprint, dtype, self.config.page_size, cache_salt).digest()
             if len(self._namespaces) < _MAX_NAMESPACES:
                 self._namespaces[key] = found

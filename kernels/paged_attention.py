@@ -32,8 +32,9 @@ def paged_attention(
     Returns [Tq, H, D].
     """
     tq, heads, _ = q.shape
-    k = gather_pages(k_cache, page_table, context_len)  # [Tk, Hkv, D]
-    v = gather_pages(v_cache, page_table, context_len)
+    # The KV dtype (engine.kv_dtype) may differ from q's: SDPA takes one dtype, so the gathered copy is q's.
+    k = gather_pages(k_cache, page_table, context_len).to(q.dtype)  # [Tk, Hkv, D]
+    v = gather_pages(v_cache, page_table, context_len).to(q.dtype)
     if sliding_window is None and tq == 1:  # a decode: no mask at all
         return single_query_attention(q[0], k, v, scale).unsqueeze(0)
     allowed: torch.Tensor | None = None
@@ -87,8 +88,8 @@ def paged_decode_attention(
     returns [B, H, D].
     """
     heads = q.shape[1]
-    k = k_cache[pages, offsets]  # [B, L, Hkv, D]
-    v = v_cache[pages, offsets]
+    k = k_cache[pages, offsets].to(q.dtype)  # [B, L, Hkv, D], in q's dtype (SDPA takes one)
+    v = v_cache[pages, offsets].to(q.dtype)
     allowed = valid
     if sliding_window is not None:
         lengths = valid.sum(dim=1, keepdim=True)

@@ -1,17 +1,21 @@
 """Which implementation of each kernel a device runs: the one place that decides.
 
-CUDA runs the Triton kernels (kernels/triton_*.py), every other device the torch
-references (kernels/paged_attention.py, gated_delta.py, causal_conv.py, state_copy.py).
-Triton is imported only when a CUDA device asks, so CPU serving never loads it; on CUDA
-without a working Triton the references run and a warning says so, once.
+CUDA runs the Triton kernels (kernels/triton_*.py); the CPU runs the torch references
+(kernels/paged_attention.py, gated_delta.py, causal_conv.py, state_copy.py) but for decode
+attention, which is the C/OpenMP kernel of kernels/cpu/ reading K/V pages in place (built by
+`make kernels`; without it, or with IGNIS_CPU_KERNELS=reference, the reference runs, logged once);
+other devices run the references. Triton is imported only when a CUDA device asks, so CPU serving
+never loads it; on CUDA without a working Triton the references run and a warning says so, once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import os
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -53,13 +57,19 @@ class CopyRows(Protocol):
 class Kernels:
     """One implementation of every kernel, all behind the torch references' signatures."""
 
-    name: str  # "torch" or "triton"
+    name: str  # "torch", "cpu" (the references but for decode attention) or "triton"
     paged_attention: PagedAttention
     paged_decode_attention: PagedDecodeAttention
     chunk_gated_delta_rule: ChunkGatedDeltaRule
     gated_delta_decode_step_: GatedDeltaDecodeStep
     causal_conv1d: CausalConv
     copy_rows_: CopyRows
+    # paged_decode_attention reads pages in place, so one batched call costs nothing per padded
+    # position and wins at any context length (engine/model/batch.py asks, to batch the decodes).
+    decode_in_place: bool = False
+    # The CPU's fused GDN decode step (conv taps + delta rule in one C call per layer,
+    # kernels/cpu/gdn_decode.py); None: causal_conv1d and gated_delta_decode_step_ run.
+    gdn_decode_fused: Callable[..., torch.Tensor] | None = None
 
 
 def torch_kernels() -> Kernels:
@@ -68,6 +78,21 @@ def torch_kernels() -> Kernels:
     return Kernels("torch", paged_attention.paged_attention, paged_attention.paged_decode_attention,
                    gated_delta.chunk_gated_delta_rule, gated_delta.gated_delta_decode_step_,
                    causal_conv.causal_conv1d, state_copy.copy_rows_)
+
+
+def cpu_kernels() -> Kernels:
+    """The references, with the in-place C decode attention when its library loads (else logged)."""
+    references = torch_kernels()
+    if os.environ.get("IGNIS_CPU_KERNELS", "native") == "reference":
+        log.info("IGNIS_CPU_KERNELS=reference: the CPU runs the torch reference kernels")
+        return references
+    from kernels.cpu import gdn_decode, paged_decode
+
+    decode = paged_decode.load()
+    if decode is None:
+        return references
+    return dataclasses.replace(references, name="cpu", paged_decode_attention=decode, decode_in_place=True,
+                               gdn_decode_fused=gdn_decode.load())
 
 
 def triton_kernels() -> Kernels:
@@ -93,6 +118,14 @@ def _cuda_kernels() -> Kernels:
         return _references()
 
 
+@functools.cache
+def _cpu() -> Kernels:
+    return cpu_kernels()
+
+
 def kernels_for(device: torch.device) -> Kernels:
-    """The kernels `device` runs: Triton on CUDA, the torch references elsewhere."""
-    return _cuda_kernels() if device.type == "cuda" else _references()
+    """The kernels `device` runs: Triton on CUDA, the C decode attention and torch references on
+    the CPU, the torch references elsewhere."""
+    if device.type == "cuda":
+        return _cuda_kernels()
+    return _cpu() if device.type == "cpu" else _references()

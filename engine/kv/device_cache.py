@@ -14,16 +14,43 @@ from dataclasses import dataclass
 import torch
 
 
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_kv_dtype(name: str, compute: torch.dtype) -> torch.dtype:
+    """engine.kv_dtype: "auto" is the model's compute dtype."""
+    if name == "auto":
+        return compute
+    try:
+        return KV_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"kv_dtype must be auto, {', '.join(KV_DTYPES)}, got {name!r}") from None
+
+
+def namespace_dtype(kv: torch.dtype, compute: torch.dtype) -> str:
+    """The dtype named in the reuse namespace (chain_hash.Namespace.kv_dtype): the KV pages' dtype,
+    and the compute dtype too when it differs (it made the K/V and the state), so state written
+    under one pair is never claimed by an engine under another, here or through the tierstore."""
+    name = str(kv).removeprefix("torch.")
+    return name if kv == compute else f"{name}/compute={str(compute).removeprefix('torch.')}"
+
+
 @dataclass(frozen=True, slots=True)
 class CacheGeometry:
     page_size: int
     num_pages: int
     num_slots: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the compute dtype: conv taps (the recurrent state is always fp32)
+    kv_dtype: torch.dtype | None = None  # the KV pages' (engine.kv_dtype); None: `dtype`
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.num_pages <= 0 or self.num_slots < 0:
             raise ValueError(f"invalid cache geometry {self}")
+
+    @property
+    def page_dtype(self) -> torch.dtype:
+        """The KV pages' dtype."""
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +102,7 @@ class DeviceCache:
         # kv: [num_pages, L_attn, 2, P, Hkv, D]
         self.kv = torch.zeros(
             geometry.num_pages, n_attn, 2, geometry.page_size, shape.num_kv_heads, shape.head_dim,
-            dtype=geometry.dtype, device=device,
+            dtype=geometry.page_dtype, device=device,
         )
         n_lin = len(shape.linear_layers)
         slots = geometry.num_slots if n_lin else 0

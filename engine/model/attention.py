@@ -61,10 +61,12 @@ class Attention(nn.Module):
         k_cache[batch.kv_pages, batch.kv_offsets] = k.to(k_cache.dtype)
         v_cache[batch.kv_pages, batch.kv_offsets] = v.to(v_cache.dtype)
 
-        ops = kernels_for(x.device)  # Triton on CUDA, the torch references elsewhere
+        ops = kernels_for(x.device)  # Triton on CUDA, the C decode attention + torch references on the CPU
         out = torch.empty_like(q)  # [T, H, D]
         gather = batch.decode
-        if gather is not None:  # all single-token decodes in one padded call
+        # All single-token decodes in one call (K/V may be in another dtype, engine.kv_dtype: the kernels
+        # read it as it is and return q's dtype). On the CPU it reads the pages in place (kernels/cpu/).
+        if gather is not None:
             out[gather.rows] = ops.paged_decode_attention(
                 q[gather.rows], k_cache, v_cache, gather.pages, gather.offsets, gather.valid, self.scale, self.window
             ).to(out.dtype)

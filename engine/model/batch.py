@@ -13,6 +13,8 @@ from typing import Sequence
 
 import torch
 
+from kernels.select import kernels_for
+
 
 class LogitsWanted(Enum):
     NONE = "none"  # a middle chunk of a long prefill
@@ -149,6 +151,8 @@ CPU_PADDED_DECODE_MAX_CONTEXT = 512
 
 def _pad_decodes(decodes: list[SeqView], device: torch.device) -> bool:
     """Whether this step's single-token decodes run as one padded attention call."""
+    if kernels_for(device).decode_in_place:  # the C kernel on the CPU: no cost per padded position
+        return bool(decodes)
     if len(decodes) < 2:
         return False
     return device.type != "cpu" or max(s.end for s in decodes) < CPU_PADDED_DECODE_MAX_CONTEXT
