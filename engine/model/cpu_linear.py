@@ -9,6 +9,11 @@ freezes linears into) is faster at every row count (measured, 2 threads, 48 dist
 against a 48 GB/s streaming read; at 2048 rows 192 -> 428 GFLOPS). It also beats the older
 `to_mkldnn` path (dense <-> mkldnn conversions on every call): 17.7 and 25.0 ms there.
 Results differ from MKL's by summation order only (fp32 rounding, ~1e-6 relative).
+
+`engine.weight_dtype=bfloat16` packs the weights in bf16 instead, half the bytes a decode step
+streams, and each call rounds its input rows to bf16 and returns fp32: oneDNN's AVX512-BF16
+dot products accumulate in fp32, as llama.cpp does with a bf16 GGUF (it converts activations
+to bf16 for its bf16 dot product too).
 """
 
 from __future__ import annotations
@@ -23,32 +28,40 @@ def onednn_available() -> bool:
 
 
 class OneDnnLinear(nn.Module):
-    """nn.Linear whose weight is also kept in oneDNN's blocked layout, which every call uses."""
+    """nn.Linear whose weight is also kept in oneDNN's blocked layout (in `weight_dtype`), which
+    every fp32 call uses."""
 
     packed_weight: torch.Tensor
+    packed_bias: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        self.weight_dtype = weight_dtype
         self.weight = linear.weight  # the original (memory-mapped) tensor: state_dict, tied weights
         self.bias = linear.bias
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()),
-                             persistent=False)
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(weight_dtype))
+        self.register_buffer("packed_weight", packed, persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach().to(weight_dtype)
+        self.register_buffer("packed_bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:  # only fp32 weights are packed; anything else is a caller's choice
+        if x.dtype != torch.float32:  # only fp32 models are packed; anything else is a caller's choice
             return F.linear(x, self.weight, self.bias)
-        bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, bias, "none", [], "")
+        rows = x.contiguous() if self.weight_dtype == torch.float32 else x.to(self.weight_dtype)
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.packed_bias, "none", [], "")
+        return out if out.dtype == torch.float32 else out.float()
 
 
-def use_onednn_linears(model: nn.Module) -> None:
+def use_onednn_linears(model: nn.Module, weight_dtype: torch.dtype = torch.float32) -> None:
     """Swap every fp32 CPU nn.Linear of `model` for an OneDnnLinear (others stay as they are)."""
     if not onednn_available():
+        if weight_dtype != torch.float32:
+            raise RuntimeError("engine.weight_dtype needs oneDNN (torch.backends.mkldnn), which this torch lacks")
         return
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" \
                     and child.weight.dtype == torch.float32:
-                setattr(parent, name, OneDnnLinear(child))
+                setattr(parent, name, OneDnnLinear(child, weight_dtype))

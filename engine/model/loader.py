@@ -6,6 +6,8 @@ from memory-mapped safetensors; only a dtype or device change makes a copy.
 
 from __future__ import annotations
 
+import hashlib
+
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,9 +72,14 @@ def _normalise_names(tensors: dict[str, torch.Tensor], config: ModelConfig) -> d
     return out
 
 
+WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",
-               onednn_linears: bool = False) -> LoadedModel:
-    """`onednn_linears`: on an fp32 CPU model, run the linear layers on oneDNN (engine.cpu_linear)."""
+               onednn_linears: bool = False, weight_dtype: str = "auto") -> LoadedModel:
+    """`onednn_linears`: on an fp32 CPU model, run the linear layers on oneDNN (engine.cpu_linear).
+    `weight_dtype` (engine.weight_dtype): "bfloat16" keeps those layers' weights in bf16 (an fp32
+    CPU model on oneDNN only); "auto" or the compute dtype: as loaded."""
     path = Path(checkpoint).expanduser()
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
@@ -115,6 +122,16 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
     model.load_state_dict(state, assign=True, strict=True)
     model.rotary = Rotary(config, dev)
     model.eval()
+    packed = torch_dtype if weight_dtype == "auto" else WEIGHT_DTYPES.get(weight_dtype)
+    if packed is None:
+        raise ValueError(f"weight_dtype must be auto, {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
+    if packed != torch_dtype:
+        if not (onednn_linears and dev.type == "cpu" and torch_dtype == torch.float32):
+            raise ValueError(f"weight_dtype {weight_dtype} applies to an fp32 CPU model with engine.cpu_linear=onednn; "
+                             "elsewhere set engine.dtype")
+        # Other weights make other state: the reuse namespace must tell them apart.
+        digest = hashlib.sha256(digest + f"/linear-weights={weight_dtype}".encode()).digest()
     if onednn_linears:
-        use_onednn_linears(model)  # copies the linear weights out of the mapped files (cpu_linear.py says why)
+        # copies the linear weights out of the mapped files (cpu_linear.py says why)
+        use_onednn_linears(model, packed if packed != torch_dtype else torch.float32)
     return LoadedModel(model=model, config=config, path=path, weights_digest=digest, files=tuple(files))

@@ -1,0 +1,80 @@
+"""engine.weight_dtype=bfloat16: an fp32 CPU model whose linear layers keep bf16 weights (oneDNN).
+
+The oracle is transformers on the same checkpoint doing what oneDNN's bf16 inner product does:
+each nn.Linear's weight rounded to bf16 (untied: the embedding stays fp32 on both sides), its
+input rounded to bf16, the products summed in fp32 and the result rounded to bf16; everything
+between the linears in fp32. What is left is the order of the sums (and a rounding it flips)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from checkpoints import ARCHITECTURES
+from engine.model.cpu_linear import OneDnnLinear, onednn_available
+from engine.model.loader import load_model
+from test_model import hf_logits, make_cache, make_prompt, run_chunks
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="needs oneDNN")
+
+# Max |logit difference| allowed against the bf16 oracle. The logits come out of the LM head
+# rounded to bf16 on both sides (2^-7 apart near 2, these checkpoints' largest), so two ulps:
+# measured 0 on five of the architectures, one ulp on Qwen2. Qwen3-Next routes tokens to its
+# top-k experts, and a near tie the sum order flips moves a token to another expert: 4 ulps
+# measured. Against the plain fp32 oracle the same logits differ by 2e-2 to 1.4e-1 (the bf16
+# rounding itself), which these bounds would not pass but for Qwen3-Next's.
+BF16_TOLERANCE = 2 * 2**-7
+ROUTED_TOLERANCE = 8 * 2**-7
+
+
+def rounded_oracle(path: Path, ids: list[int]) -> torch.Tensor:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    def bf16(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.bfloat16).float()
+
+    for module in hf.modules():
+        if isinstance(module, nn.Linear):
+            module.weight = nn.Parameter(bf16(module.weight.detach()))
+            if module.bias is not None:
+                module.bias = nn.Parameter(bf16(module.bias.detach()))
+            module.register_forward_pre_hook(lambda _m, args: (bf16(args[0]), *args[1:]))
+            module.register_forward_hook(lambda _m, _args, out: bf16(out))
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if not a.endswith("-moe")])
+def test_bf16_weights_match_the_rounded_oracle(arch: str, checkpoint_dir: Callable[[str], Path]) -> None:
+    path = checkpoint_dir(arch)
+    loaded = load_model(path, onednn_linears=True, weight_dtype="bfloat16")
+    linears = [m for m in loaded.model.modules() if isinstance(m, OneDnnLinear)]
+    assert linears and all(m.packed_weight.dtype == torch.bfloat16 for m in linears)
+    ids = make_prompt(60)
+    ours = run_chunks(loaded, make_cache(loaded), ids, [40, 17, 1, 1, 1], list(range(5)))
+    assert ours.dtype == torch.float32
+    diff = (ours - rounded_oracle(path, ids)).abs().max().item()
+    plain = (ours - hf_logits(path, ids)).abs().max().item()
+    print(f"{arch}: bf16 weights, max |logit diff| vs the bf16 oracle = {diff:.3e}, vs fp32 = {plain:.3e}")
+    assert diff <= (ROUTED_TOLERANCE if arch == "Qwen3NextForCausalLM" else BF16_TOLERANCE)
+
+
+def test_bf16_weights_are_another_namespace(checkpoint_dir: Callable[[str], Path]) -> None:
+    """KV made with other weights is other state: the digest the reuse namespace is built on differs."""
+    path = checkpoint_dir("Qwen3ForCausalLM")
+    fp32 = load_model(path, onednn_linears=True)
+    assert load_model(path, onednn_linears=True, weight_dtype="float32").weights_digest == fp32.weights_digest
+    assert load_model(path, onednn_linears=True, weight_dtype="bfloat16").weights_digest != fp32.weights_digest
+
+
+def test_bf16_weights_need_the_onednn_linears(checkpoint_dir: Callable[[str], Path]) -> None:
+    path = checkpoint_dir("Qwen3ForCausalLM")
+    with pytest.raises(ValueError, match="engine.cpu_linear=onednn"):
+        load_model(path, onednn_linears=False, weight_dtype="bfloat16")
+    with pytest.raises(ValueError, match="weight_dtype must be"):
+        load_model(path, onednn_linears=True, weight_dtype="int4")
