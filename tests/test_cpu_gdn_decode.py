@@ -6,6 +6,7 @@ layers per slot); then a hybrid model's decode through the engine's layer, kerne
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 from kernels.causal_conv import causal_conv1d
 from kernels.cpu import gdn_decode
 from kernels.gated_delta import gated_delta_decode_step_, recurrent_gated_delta_rule
+from kernels.select import kernels_for
 
 # Both sides compute in fp32; only the summation order differs.
 TOLERANCE = 2e-5
@@ -106,9 +108,12 @@ def test_a_hybrid_model_decodes_the_same_through_the_kernel(checkpoint_dir: Call
                                                             monkeypatch: pytest.MonkeyPatch,
                                                             kernel: gdn_decode.FusedDecode) -> None:
     """The engine's GDN layers with the fused step vs with the references: same logits per step."""
+    from engine.model import gated_deltanet as layer
     from engine.model.loader import load_model
-    from test_model import make_prompt, run_chunks, make_cache
+    from test_model import make_cache, make_prompt, run_chunks
 
+    table = kernels_for(torch.device("cpu"))
+    assert table.gdn_decode_fused is not None  # the CPU's kernel table carries it once built
     path = checkpoint_dir("Qwen3_5ForCausalLM")
     loaded = load_model(path, onednn_linears=True)
     ids = make_prompt(40, seed=3)
@@ -118,9 +123,9 @@ def test_a_hybrid_model_decodes_the_same_through_the_kernel(checkpoint_dir: Call
     def counted(*args: object) -> torch.Tensor:
         calls.append(1)
         return kernel(*args)
-    monkeypatch.setattr(gdn_decode, "fused_decode", lambda: counted)
+    monkeypatch.setattr(layer, "kernels_for", lambda device: dataclasses.replace(table, gdn_decode_fused=counted))
     fused = run_chunks(loaded, make_cache(loaded), ids, [30] + [1] * 10, pages)
     assert len(calls) == 10 * len(loaded.config.state_shape().linear_layers)  # every decode, every GDN layer
-    monkeypatch.setattr(gdn_decode, "fused_decode", lambda: None)
+    monkeypatch.setattr(layer, "kernels_for", lambda device: dataclasses.replace(table, gdn_decode_fused=None))
     references = run_chunks(loaded, make_cache(loaded), ids, [30] + [1] * 10, pages)
     assert (fused - references).abs().max().item() < 1e-4

@@ -111,7 +111,7 @@ class GatedDeltaNet(nn.Module):
         state updated in its own slot (gathering them would copy 1 MiB a layer at hidden 1024)."""
         rows = torch.tensor([s.offset for s in seqs], dtype=torch.int64, device=mixed.device)
         slot_ids = [_slot(s) for s in seqs]
-        fused = gdn_decode.fused_decode() if mixed.device.type == "cpu" else None
+        fused = ops.gdn_decode_fused
         if fused is not None and gdn_decode.supports(cache.conv, cache.recurrent, self.dk, self.dv):
             # One C call: conv taps, head split, q/k norms and the delta rule, states in place.
             out = fused(mixed[rows], g[rows], beta[rows], weight, cache.conv, cache.recurrent, li, slot_ids,

@@ -4,8 +4,9 @@ One call per layer does what the torch references do in a chain of small ops: th
 over each sequence's carried taps (kernels/causal_conv.py), the head split and q/k
 normalisation, and the gated delta rule (kernels/gated_delta.py: gated_delta_decode_step_),
 each sequence's conv taps and recurrent state updated in place in its slot. Those references
-are its oracle (tests/test_cpu_gdn_decode.py). `load()` returns None, logging why once, when
-the library `make kernels` builds is not there; the caller then runs the references.
+are its oracle (tests/test_cpu_gdn_decode.py). kernels/select.py's `cpu_kernels` loads it into
+the CPU's kernel table; `load()` returns None, logging why, when the library `make kernels`
+builds is not there, and the references run.
 """
 
 from __future__ import annotations
@@ -74,9 +75,3 @@ def _run(fn: Callable[..., int], x: torch.Tensor, g: torch.Tensor, beta: torch.T
     if status != 0:
         raise RuntimeError(f"gdn_decode_step refused Hk {hk}, Hv {hv}, Dk {dk}, Dv {dv}: this is a bug")
     return out
-
-
-@functools.cache
-def fused_decode() -> FusedDecode | None:
-    """The loaded kernel, once per process (None: the references run)."""
-    return load()
