@@ -69,22 +69,27 @@ CLASS_SCOPES: list[tuple[Any, str, str]] = [
 
 
 # Kernels the model reaches through kernels.select (the table of the device's kernels): field -> scope.
+# On the CPU the fused GDN decode step (C: conv taps and delta rule in one call) counts as the
+# decode kernel; its conv is inside it.
 KERNEL_SCOPES: dict[str, str] = {
     "paged_attention": "ignis.attention.kernel",
     "paged_decode_attention": "ignis.attention.kernel",
     "causal_conv1d": "ignis.gdn.conv",
     "chunk_gated_delta_rule": "ignis.gdn.chunked",
     "gated_delta_decode_step_": "ignis.gdn.recurrent",
+    "gdn_decode_fused": "ignis.gdn.recurrent",
 }
 
 
 def _patch_kernels(undo: list[Callable[[], None]]) -> None:
-    """The CPU kernel table, each kernel in its scope (CPU: the profile runs there)."""
-    original = vars(kernels.select)["_references"]
-    table = original()
-    scoped = dataclasses.replace(table, **{f: _wrap(getattr(table, f), label) for f, label in KERNEL_SCOPES.items()})
-    setattr(kernels.select, "_references", lambda: scoped)
-    undo.append(functools.partial(setattr, kernels.select, "_references", original))
+    """The CPU's kernel tables (the references, and the C kernels' table), each kernel in its scope."""
+    for table_fn in ("_references", "_cpu"):
+        original = vars(kernels.select)[table_fn]
+        table = original()
+        scoped = dataclasses.replace(table, **{f: _wrap(getattr(table, f), label) for f, label in KERNEL_SCOPES.items()
+                                               if getattr(table, f) is not None})
+        setattr(kernels.select, table_fn, functools.partial(lambda t: t, scoped))
+        undo.append(functools.partial(setattr, kernels.select, table_fn, original))
 
 
 @contextmanager
