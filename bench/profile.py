@@ -2,7 +2,8 @@
 on one checkpoint and thread count, and a torch.profiler breakdown of ignis' engine step.
 
     python -m bench.profile [--kind dense,hybrid] [--hidden 1024 --layers 16] [--threads 2]
-        [--prompt 2048] [--decode 32] [--batch 8] [--peer llama.cpp|none] [--out DIR]
+        [--prompt 2048] [--decode 32] [--batch 8] [--peer llama.cpp|none] [--kv-dtype auto|float32|bfloat16|float16]
+        [--out DIR]
 
 ignis runs in this process, stepped synchronously on the main thread (no engine thread), so the
 profiler sees every op. Three measurements per server: (a) prefill of one prompt, (b) decode at
@@ -34,6 +35,7 @@ from bench.geometry import ensure_geometry
 from bench.step_scopes import breakdown, scope_times, scopes, top_ops
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.kv.device_cache import resolve_kv_dtype
 from engine.model.loader import load_model
 from engine.outputs import RequestUpdate
 from engine.request import EngineRequest
@@ -54,6 +56,7 @@ class Setup:
     prompt: int
     decode: int
     batch: int
+    kv_dtype: str = "auto"  # engine.kv_dtype of ignis' cache (llama.cpp keeps its default f16 KV)
 
     def __post_init__(self) -> None:
         if self.prompt < 1 or self.decode < 2 or self.batch < 1 or self.threads < 1:
@@ -93,11 +96,13 @@ class Driver:
     def __init__(self, checkpoint: Path, setup: Setup) -> None:
         self.setup = setup
         loaded = load_model(checkpoint, onednn_linears=True)  # as the engine service loads it
-        page_bytes = loaded.config.state_shape().kv_bytes_per_page(PAGE, loaded.model.dtype)
+        kv_dtype = resolve_kv_dtype(setup.kv_dtype, loaded.model.dtype)
+        page_bytes = loaded.config.state_shape().kv_bytes_per_page(PAGE, kv_dtype)
         if not page_bytes:
             raise ValueError("the model has no full-attention layer (a hybrid needs --layers >= 4)")
         pages = setup.batch * -(-(setup.prompt + setup.decode + setup.slack) // PAGE) + 4
-        config = EngineConfig(page_size=PAGE, kv_cache_bytes=pages * page_bytes, max_num_seqs=setup.batch,
+        config = EngineConfig(page_size=PAGE, kv_dtype=setup.kv_dtype, kv_cache_bytes=pages * page_bytes,
+                              max_num_seqs=setup.batch,
                               prefill_chunk_tokens=setup.prompt, reuse_prompt=False)
         self.core = EngineCore(loaded, Tokenizer.from_dir(checkpoint), config)
         self.updates: dict[str, list[RequestUpdate]] = {}
@@ -358,7 +363,7 @@ def render(setup: Setup, ignis: dict[str, Any], peer: dict[str, Any], loads: dic
 
     load_line = ", ".join(f"{side} {v[0]:.2f} → {v[1]:.2f}" for side, v in loads.items())
     out = [f"# Profile, {setup.kind}: hidden {setup.hidden}, {setup.layers} layers, {setup.threads} threads, "
-           f"prompt {setup.prompt}, decode {setup.decode}, batch {b}",
+           f"prompt {setup.prompt}, decode {setup.decode}, batch {b}, ignis KV dtype {setup.kv_dtype}",
            "", f"1-minute load average before → after each side: {load_line}", "", "## Rates", "",
            table.markdown(["", "ignis", PEER, f"ignis/{PEER}"], [
                cells(f"prefill tok/s (1 seq, {setup.prompt} tokens)", "prefill", "tok_s"),
@@ -431,7 +436,8 @@ def profile_kind(setup: Setup, peer: str, out: Path, models: Path | None) -> Pat
     print(text, flush=True)
     payload = {"setup": asdict(setup), "checkpoint": str(checkpoint), "ignis": ignis, "peer": peer_result,
                "loadavg_1m": loads}
-    return table.save(f"profile-{setup.kind}", payload, text, out)
+    name = f"profile-{setup.kind}" if setup.kv_dtype == "auto" else f"profile-{setup.kind}-kv-{setup.kv_dtype}"
+    return table.save(name, payload, text, out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -444,11 +450,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--peer", choices=[PEER, "none"], default=PEER)
+    parser.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                        help="engine.kv_dtype of ignis' cache (results: profile-<kind>-kv-<dtype> unless auto)")
     parser.add_argument("--out", type=Path, default=table.RESULTS, help="where profile-<kind>.{json,md} go")
     parser.add_argument("--models", type=Path, default=None, help="checkpoint cache (default: ignis' own)")
     a = parser.parse_args(argv)
     for kind in a.kind.split(","):
-        setup = Setup(kind.strip(), a.hidden, a.layers, a.threads, a.prompt, a.decode, a.batch)
+        setup = Setup(kind.strip(), a.hidden, a.layers, a.threads, a.prompt, a.decode, a.batch, a.kv_dtype)
         print(f"wrote {profile_kind(setup, a.peer, a.out, a.models)}", flush=True)
     return 0
 
