@@ -2,12 +2,14 @@
 
 - KV pages, page-major: kv[page] holds every attention layer's K and V for P
   positions, so one page (and one retained state) is a contiguous block to copy.
-- State slots, slot-major: recurrent[slot] and conv[slot] hold every linear-attention
-  layer's state of one sequence, so cloning a slot is two strided copies, not one per layer.
+- State slots, slot-major: one byte row per slot holds every linear-attention layer's
+  recurrent state and conv taps of one sequence (`recurrent` and `conv` are views into
+  it), so cloning a slot is one contiguous copy, not one per layer or per kind.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -82,6 +84,11 @@ class StateShape:
         return recurrent + conv
 
 
+def _aligned(n: int, to: int = 64) -> int:
+    """Sections of a state row start on cache lines (and any dtype's alignment)."""
+    return -(-n // to) * to
+
+
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -106,15 +113,19 @@ class DeviceCache:
         )
         n_lin = len(shape.linear_layers)
         slots = geometry.num_slots if n_lin else 0
+        recurrent_shape = (n_lin, shape.linear_value_heads, shape.linear_key_dim, shape.linear_value_dim)
+        conv_shape = (n_lin, shape.conv_dim, max(shape.conv_kernel - 1, 0))
+        recurrent_bytes = math.prod(recurrent_shape) * 4
+        conv_at = _aligned(recurrent_bytes)
+        row_bytes = max(_aligned(conv_at + math.prod(conv_shape) * _element_size(geometry.dtype)), 64)
+        # One byte row per slot holds the whole sequence state, [recurrent | conv], so cloning a
+        # slot is one contiguous copy; the two are views into it.
+        self.state_rows = torch.zeros(slots, row_bytes, dtype=torch.uint8, device=device)
         # recurrent: [slots, L_lin, Hv, Dk, Dv] kept in fp32 (the delta rule accumulates in it)
-        self.recurrent = torch.zeros(
-            slots, n_lin, shape.linear_value_heads, shape.linear_key_dim, shape.linear_value_dim,
-            dtype=torch.float32, device=device,
-        )
+        self.recurrent = self.state_rows[:, :recurrent_bytes].view(torch.float32).view(slots, *recurrent_shape)
         # conv: [slots, L_lin, conv_dim, K-1]
-        self.conv = torch.zeros(
-            slots, n_lin, shape.conv_dim, max(shape.conv_kernel - 1, 0), dtype=geometry.dtype, device=device,
-        )
+        conv_bytes = math.prod(conv_shape) * _element_size(geometry.dtype)
+        self.conv = self.state_rows[:, conv_at:conv_at + conv_bytes].view(geometry.dtype).view(slots, *conv_shape)
         self._attn_index = {layer: i for i, layer in enumerate(shape.attention_layers)}
         self._linear_index = {layer: i for i, layer in enumerate(shape.linear_layers)}
 
@@ -128,14 +139,11 @@ class DeviceCache:
         return self._linear_index[layer]
 
     def copy_slot(self, src: int, dst: int) -> None:
-        """Clone one sequence's recurrent state and conv taps: two copies for all layers."""
+        """Clone one sequence's recurrent state and conv taps: one copy of its row, all layers."""
         if self.copy_rows is not None:
-            rows = self._rows(src, dst)
-            self.copy_rows(self.recurrent, *rows)
-            self.copy_rows(self.conv, *rows)
+            self.copy_rows(self.state_rows, *self._rows(src, dst))
             return
-        self.recurrent[dst].copy_(self.recurrent[src])
-        self.conv[dst].copy_(self.conv[src])
+        self.state_rows[dst].copy_(self.state_rows[src])
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy one KV page (all attention layers): a partial last page a fork or a claim makes private."""
