@@ -25,6 +25,7 @@ from engine.tiers.codec import StateCodec
 from engine.text.tokenizer import Tokenizer
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 from services import start_engine
+from test_engine_tiers import MiB, TOPICS, Engine, tierstore
 from test_model import PAGE, hf_logits, make_prompt, run_chunks
 from test_reuse import TOOLS, Harness, Result, conversation
 
@@ -115,6 +116,51 @@ def test_the_kv_dtype_is_in_the_namespace_and_the_page_bytes(hybrid: tuple[Loade
     assert codecs["bfloat16"].layout() != codecs["float32"].layout()
     # The same KV byte budget holds twice the pages in 16 bits.
     assert cores["bfloat16"].pages.num_pages == 2 * cores["float32"].pages.num_pages
+
+
+class KvEngine(Engine):
+    """test_engine_tiers' engine (2 retained device slots, nothing protected) in a KV dtype, with a
+    shared integrity key, so another engine in this process may read back what it spilled."""
+
+    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, kv_dtype: str, store: str, key: Path) -> None:
+        self.tokenizer = tokenizer
+        self.core = EngineCore(loaded, tokenizer, EngineConfig(
+            page_size=PAGE, kv_dtype=kv_dtype, kv_cache_bytes=16 * MiB, max_num_seqs=4, retained_device=2,
+            retained_interactive_ttl=0.0, tierstore_address=store, tier_timeout=2.0, tier_retry_seconds=0.3,
+            integrity_key_file=str(key)))
+        self.core.start()
+        self.n = 0
+
+
+def test_states_spilled_in_one_kv_dtype_are_claimed_only_in_it(tmp_path: Path,
+                                                               hybrid: tuple[LoadedModel, Tokenizer]) -> None:
+    """An fp16-KV engine's states displaced to KV-RAM: a later fp16 engine on the same tierstore
+    restores one from RAM; an fp32 one (another h0, so another namespace there) finds nothing."""
+    store = tierstore(tmp_path, arena=16 * MiB, disk=0)
+    key = tmp_path / "integrity.key"
+    try:
+        writer = KvEngine(*hybrid, "float16", store.address, key)
+        try:
+            for topic in TOPICS:
+                assert writer.run(topic).error is None
+            writer.settle()
+            assert writer.core.reuse.counters.evictions >= 1  # states left the device for KV-RAM
+        finally:
+            writer.close()
+        for kv_dtype, claimed in (("float32", False), ("float16", True)):
+            reader = KvEngine(*hybrid, kv_dtype, store.address, key)
+            try:
+                got = reader.run(TOPICS[0])
+                assert got.error is None
+                if claimed:
+                    assert (got.tier, got.cached) == ("ram", len(reader.request(TOPICS[0]).prompt_ids))
+                else:
+                    assert (got.tier, got.cached) == ("none", 0)
+                reader.check()
+            finally:
+                reader.close()
+    finally:
+        store.stop()
 
 
 def test_namespace_names_both_dtypes_when_they_differ() -> None:
