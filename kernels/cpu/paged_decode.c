@@ -240,7 +240,7 @@ static void scores_row(int dtype, const float *q, const char *row, int group, in
 
 /* Rows a page apart (and pages anywhere in the pool) defeat the hardware prefetcher: each K/V row is
  * asked for AHEAD positions before it is read, so the loads overlap the arithmetic. */
-#define AHEAD 8
+#define AHEAD 32
 static inline void prefetch_row(const void *base, int64_t idx, int elem, int row_bytes) {
     const char *p = (const char *)base + idx * elem;
     for (int off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
