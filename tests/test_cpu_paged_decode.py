@@ -149,3 +149,21 @@ def test_reference_kernels_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IGNIS_CPU_KERNELS", "reference")
     ops = cpu_kernels()
     assert ops.name == "torch" and not ops.decode_in_place and ops.paged_decode_attention is reference
+
+
+def test_the_bench_runs_both_kernels_in_each_dtype(kernel: paged_decode.DecodeFn, tmp_path: Path) -> None:
+    """bench/decode_attention.py on a small geometry: a row per batch and KV dtype, both kernels timed,
+    the CPU's kernels left as they were."""
+    import json
+
+    from bench import decode_attention
+
+    argv = ["--hidden", "256", "--layers", "2", "--context", "40", "--batch", "3", "--repeats", "1", "--steps", "1",
+            "--threads", str(torch.get_num_threads()), "--models", str(tmp_path / "models"), "--out", str(tmp_path)]
+    assert decode_attention.main(argv) == 0
+    rows = json.loads((tmp_path / "decode-attention.json").read_text())["rows"]
+    assert [(r["batch"], r["kv_dtype"]) for r in rows] == [(b, d) for b in (1, 3) for d in ("float32", "bfloat16",
+                                                                                             "float16")]
+    assert all(r["attention_native_ms"] > 0 and r["forward_reference_fp32_ms"] > 0 for r in rows)
+    assert "| 3 | fp16 |" in (tmp_path / "decode-attention.md").read_text()
+    assert kernels_for(CPU).decode_in_place
