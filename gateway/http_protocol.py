@@ -14,6 +14,8 @@ by default, h11 in pure Python as before):
   the client can finish and read the answer, then the connection is closed. (A body the app is
   reading has the app's own deadline: gateway/body_deadline.py.)
 - **connections** (`--max-connections`): one over the limit is answered 503 and closed at once.
+- **head size**: a request line and headers over 16 KiB are a 400 and the connection is closed
+  (h11's own bound; llhttp has none, so the httptools protocol counts the bytes itself).
 
 Each close is counted in `ConnectionFaults` (metrics, and one summary log line per interval).
 """
@@ -171,10 +173,20 @@ class GuardedHttpToolsProtocol(_Guard, HttpToolsProtocol):
 
     _receiving = False  # a request's first byte was parsed and its end not yet
     _headers_done = False
+    _head_bytes = 0  # bytes read while this request's head is incomplete
 
     def on_message_begin(self) -> None:
-        self._receiving, self._headers_done = True, False
+        self._receiving, self._headers_done, self._head_bytes = True, False, 0
         super().on_message_begin()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._receiving and not self._headers_done and not self.transport.is_closing():
+            # llhttp bounds no header: a head longer than h11's bound is malformed here too (400, closed)
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self.faults.malformed()
+                self.send_400_response(f"Invalid HTTP request received: a head over {MAX_HEAD_BYTES} bytes.")
 
     def on_headers_complete(self) -> None:
         self._headers_done = True
@@ -201,6 +213,7 @@ class GuardedHttpToolsProtocol(_Guard, HttpToolsProtocol):
         return self._receiving and not self._headers_done
 
 
+MAX_HEAD_BYTES = 16 * 1024  # a request line and headers, at most: h11's bound (uvicorn's default for h11)
 HTTP_PARSERS = ("httptools", "h11")  # --http; the first is the default
 
 
