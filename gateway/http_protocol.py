@@ -15,7 +15,8 @@ by default, h11 in pure Python as before):
   reading has the app's own deadline: gateway/body_deadline.py.)
 - **connections** (`--max-connections`): one over the limit is answered 503 and closed at once.
 - **head size**: a request line and headers over 16 KiB are a 400 and the connection is closed
-  (h11's own bound; llhttp has none, so the httptools protocol counts the bytes itself).
+  (h11's own bound; llhttp has none, so the httptools protocol counts the bytes read after the
+  one the head began in).
 
 Each close is counted in `ConnectionFaults` (metrics, and one summary log line per interval).
 """
@@ -174,16 +175,20 @@ class GuardedHttpToolsProtocol(_Guard, HttpToolsProtocol):
     _receiving = False  # a request's first byte was parsed and its end not yet
     _headers_done = False
     _head_bytes = 0  # bytes read while this request's head is incomplete
+    _begun = False  # a request began in the read being parsed
 
     def on_message_begin(self) -> None:
-        self._receiving, self._headers_done, self._head_bytes = True, False, 0
+        self._receiving, self._headers_done, self._head_bytes, self._begun = True, False, 0, True
         super().on_message_begin()
 
     def data_received(self, data: bytes) -> None:
+        self._begun = False
         super().data_received(data)
         if self._receiving and not self._headers_done and not self.transport.is_closing():
-            # llhttp bounds no header: a head longer than h11's bound is malformed here too (400, closed)
-            self._head_bytes += len(data)
+            # llhttp bounds no header: a head longer than h11's bound is malformed here too (400, closed).
+            # The read a head began in is not counted (it may hold a pipelined request before it): the
+            # bound is 16 KiB past that read.
+            self._head_bytes += 0 if self._begun else len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self.faults.malformed()
                 self.send_400_response(f"Invalid HTTP request received: a head over {MAX_HEAD_BYTES} bytes.")
