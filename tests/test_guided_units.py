@@ -138,3 +138,26 @@ def test_a_grammar_survives_a_move_down_a_tier(tiny: tuple[LoadedModel, Tokenize
         assert got.finish == "stop" and len(json.loads(got.text)) == 12
     finally:
         driver.close()
+
+
+@pytest.mark.parametrize("fmt, opener", [("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "'),
+                                         ("llama3_json", '{"name": "get_weather", "parameters": {"city": "')])
+def test_a_tool_call_argument_string_takes_no_control_character(compiler: GuidedCompiler, fmt: str,
+                                                                 opener: str) -> None:
+    """xgrammar writes a length-limited string's character as [^"\\\r\n] inside tool-call tags too
+    (a raw control character: invalid JSON arguments, seen once from the random tiny model): the
+    compiler mends the tag's grammar as it does a json_schema's."""
+    import xgrammar as xgr
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city"], "additionalProperties": False,
+        "properties": {"city": {"type": "string", "maxLength": 8}}}}}]
+    spec = GuidedSpec(GuideKind.TOOL_CALLS, source=json.dumps(tools), tool_choice="required", tool_format=fmt,
+                      parallel_tool_calls=False)
+    grammar = compiler.compile(spec).grammar
+
+    def accepts(text: str) -> bool:
+        return bool(xgr.GrammarMatcher(grammar).accept_string(text))
+    assert accepts(opener + "Paris")
+    assert not accepts(opener + "Pa\x15ris")
+    assert not accepts(opener + "\x00")

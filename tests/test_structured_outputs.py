@@ -140,7 +140,7 @@ def test_a_forced_tool_with_a_format_is_a_tool_call(http: httpx.Client) -> None:
     # openai-agents sends both for an agent with an output_type: the call wins, the format has no text.
     r = http.post("/v1/chat/completions", json={
         "model": MODEL, "messages": MESSAGES, "max_tokens": 120, "tools": TOOLS, "tool_choice": "required",
-        "parallel_tool_calls": False,
+        "parallel_tool_calls": False, "seed": 1,
         "response_format": {"type": "json_object"}})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]

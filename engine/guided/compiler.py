@@ -90,10 +90,11 @@ class GuidedCompiler:
                 return self._xgr.compile_grammar(spec.source)
             if spec.kind is GuideKind.STRUCTURAL_TAG:
                 _check_json(spec.source, "structural_tag")
-                return self._xgr.compile_structural_tag(spec.source)
+                return self._xgr.compile_grammar(_mended(xgr.Grammar.from_structural_tag(spec.source)))
             what = "tool_choice"
             tag = tool_call_tag(spec.source, spec.tool_choice, spec.tool_format, spec.parallel_tool_calls)
-            return self._xgr.compile_structural_tag(tag)
+            # The arguments' schemas are JSON schemas inside the tag: the same string rule is mended.
+            return self._xgr.compile_grammar(_mended(xgr.Grammar.from_structural_tag(tag)))
         except GuidedError:
             raise
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar raises RuntimeError from C++
@@ -102,7 +103,11 @@ class GuidedCompiler:
 
 def _json_grammar(schema: str, strict: bool) -> xgr.Grammar:
     # Compact JSON (no free whitespace): a model must not be able to stall the output on it.
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    return _mended(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict))
+
+
+def _mended(grammar: xgr.Grammar) -> xgr.Grammar:
+    """`grammar` with xgrammar's length-limited string character replaced by JSON's own."""
     text = str(grammar)
     if _BOUNDED_STRING_CHAR not in text:
         return grammar
