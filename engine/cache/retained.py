@@ -599,7 +599,7 @@ class RetainedStateReuse(TieredReuse):
     def describe(self) -> list[StateView]:
         """Every indexed state as a copy (the Monitor; engine thread): one list walk, no ranking."""
         shape, geometry = self.cache.shape, self.cache.geometry
-        page_bytes = shape.kv_bytes_per_page(self.page_size, geometry.dtype)
+        page_bytes = shape.kv_bytes_per_page(self.page_size, geometry.page_dtype)
         slot_bytes = shape.state_bytes_per_slot(geometry.dtype)
         views = []
         for s in self._by_name.values():
