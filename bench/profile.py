@@ -3,7 +3,7 @@ on one checkpoint and thread count, and a torch.profiler breakdown of ignis' eng
 
     python -m bench.profile [--kind dense,hybrid] [--hidden 1024 --layers 16] [--threads 2]
         [--prompt 2048] [--decode 32] [--batch 8] [--peer llama.cpp|none] [--kv-dtype auto|float32|bfloat16|float16]
-        [--out DIR]
+        [--weight-dtype auto|bfloat16] [--out DIR]
 
 ignis runs in this process, stepped synchronously on the main thread (no engine thread), so the
 profiler sees every op. Three measurements per server: (a) prefill of one prompt, (b) decode at
@@ -57,6 +57,18 @@ class Setup:
     decode: int
     batch: int
     kv_dtype: str = "auto"  # engine.kv_dtype of ignis' cache (llama.cpp keeps its default f16 KV)
+    weight_dtype: str = "auto"  # engine.weight_dtype of ignis' linears; bfloat16: llama.cpp gets a bf16 GGUF
+
+    @property
+    def gguf_type(self) -> str:
+        return "bf16" if self.weight_dtype == "bfloat16" else "f32"
+
+    @property
+    def name(self) -> str:
+        """profile-<kind>[-kv-<dtype>][-w-<dtype>]: the results' file name."""
+        kv = "" if self.kv_dtype == "auto" else f"-kv-{self.kv_dtype}"
+        weights = "" if self.weight_dtype == "auto" else f"-w-{self.weight_dtype}"
+        return f"profile-{self.kind}{kv}{weights}"
 
     def __post_init__(self) -> None:
         if self.prompt < 1 or self.decode < 2 or self.batch < 1 or self.threads < 1:
@@ -95,7 +107,8 @@ class Driver:
 
     def __init__(self, checkpoint: Path, setup: Setup) -> None:
         self.setup = setup
-        loaded = load_model(checkpoint, onednn_linears=True)  # as the engine service loads it
+        loaded = load_model(checkpoint, onednn_linears=True,  # as the engine service loads it
+                            weight_dtype=setup.weight_dtype)
         kv_dtype = resolve_kv_dtype(setup.kv_dtype, loaded.model.dtype)
         page_bytes = loaded.config.state_shape().kv_bytes_per_page(PAGE, kv_dtype)
         if not page_bytes:
@@ -302,7 +315,7 @@ def run_peer(checkpoint: Path, setup: Setup) -> dict[str, Any]:
         return {"unavailable": "peer not built (python -m bench.peers.llama_cpp build)"}
     try:
         llama_cpp.ensure_built()
-        gguf = llama_cpp.convert_to_gguf(checkpoint, "f32")
+        gguf = llama_cpp.convert_to_gguf(checkpoint, setup.gguf_type)
     except llama_cpp.PeerUnavailable as e:
         return {"unavailable": f"peer unavailable: {e}"}
     one, many = setup.prompts()
@@ -363,7 +376,8 @@ def render(setup: Setup, ignis: dict[str, Any], peer: dict[str, Any], loads: dic
 
     load_line = ", ".join(f"{side} {v[0]:.2f} → {v[1]:.2f}" for side, v in loads.items())
     out = [f"# Profile, {setup.kind}: hidden {setup.hidden}, {setup.layers} layers, {setup.threads} threads, "
-           f"prompt {setup.prompt}, decode {setup.decode}, batch {b}, ignis KV dtype {setup.kv_dtype}",
+           f"prompt {setup.prompt}, decode {setup.decode}, batch {b}, ignis KV dtype {setup.kv_dtype}, "
+           f"weights {setup.weight_dtype} ({PEER}: a {setup.gguf_type} GGUF, f16 KV)",
            "", f"1-minute load average before → after each side: {load_line}", "", "## Rates", "",
            table.markdown(["", "ignis", PEER, f"ignis/{PEER}"], [
                cells(f"prefill tok/s (1 seq, {setup.prompt} tokens)", "prefill", "tok_s"),
@@ -424,7 +438,8 @@ def profile_kind(setup: Setup, peer: str, out: Path, models: Path | None) -> Pat
     loads: dict[str, list[float]] = {}
     before = os.getloadavg()[0]
     ignis = run_ignis(checkpoint, setup)
-    ignis["bandwidth"] = streaming_read(weight_bytes(checkpoint), setup.threads)
+    stored = weight_bytes(checkpoint)  # fp32 on disk; bf16 linears stream about half (they are nearly all of it)
+    ignis["bandwidth"] = streaming_read(stored // 2 if setup.weight_dtype == "bfloat16" else stored, setup.threads)
     loads["ignis"] = [before, os.getloadavg()[0]]
     peer_result: dict[str, Any] = {"unavailable": "not run (--peer none)"}
     if peer == PEER:
@@ -436,8 +451,7 @@ def profile_kind(setup: Setup, peer: str, out: Path, models: Path | None) -> Pat
     print(text, flush=True)
     payload = {"setup": asdict(setup), "checkpoint": str(checkpoint), "ignis": ignis, "peer": peer_result,
                "loadavg_1m": loads}
-    name = f"profile-{setup.kind}" if setup.kv_dtype == "auto" else f"profile-{setup.kind}-kv-{setup.kv_dtype}"
-    return table.save(name, payload, text, out)
+    return table.save(setup.name, payload, text, out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -452,11 +466,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", choices=[PEER, "none"], default=PEER)
     parser.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                         help="engine.kv_dtype of ignis' cache (results: profile-<kind>-kv-<dtype> unless auto)")
+    parser.add_argument("--weight-dtype", choices=["auto", "bfloat16"], default="auto",
+                        help="engine.weight_dtype of ignis' linears; bfloat16 also gives llama.cpp a bf16 GGUF "
+                             "(results: ...-w-bfloat16)")
     parser.add_argument("--out", type=Path, default=table.RESULTS, help="where profile-<kind>.{json,md} go")
     parser.add_argument("--models", type=Path, default=None, help="checkpoint cache (default: ignis' own)")
     a = parser.parse_args(argv)
     for kind in a.kind.split(","):
-        setup = Setup(kind.strip(), a.hidden, a.layers, a.threads, a.prompt, a.decode, a.batch, a.kv_dtype)
+        setup = Setup(kind.strip(), a.hidden, a.layers, a.threads, a.prompt, a.decode, a.batch, a.kv_dtype,
+                      a.weight_dtype)
         print(f"wrote {profile_kind(setup, a.peer, a.out, a.models)}", flush=True)
     return 0
 
