@@ -2,8 +2,9 @@
 
 CUDA runs the Triton kernels (kernels/triton_*.py); the CPU runs the torch references
 (kernels/paged_attention.py, gated_delta.py, causal_conv.py, state_copy.py) but for decode
-attention, which is the C/OpenMP kernel of kernels/cpu/ reading K/V pages in place (built by
-`make kernels`; without it, or with IGNIS_CPU_KERNELS=reference, the reference runs, logged once);
+attention (reading K/V pages in place), the GDN decode step (fused) and the GDN prefill conv,
+which are the C/OpenMP kernels of kernels/cpu/ (built by `make kernels`; without them, or with
+IGNIS_CPU_KERNELS=reference, the references run, logged once);
 other devices run the references. Triton is imported only when a CUDA device asks, so CPU serving
 never loads it; on CUDA without a working Triton the references run and a warning says so, once.
 """
@@ -86,13 +87,14 @@ def cpu_kernels() -> Kernels:
     if os.environ.get("IGNIS_CPU_KERNELS", "native") == "reference":
         log.info("IGNIS_CPU_KERNELS=reference: the CPU runs the torch reference kernels")
         return references
-    from kernels.cpu import gdn_decode, paged_decode
+    from kernels.cpu import causal_conv, gdn_decode, paged_decode
 
     decode = paged_decode.load()
     if decode is None:
         return references
     return dataclasses.replace(references, name="cpu", paged_decode_attention=decode, decode_in_place=True,
-                               gdn_decode_fused=gdn_decode.load())
+                               gdn_decode_fused=gdn_decode.load(),
+                               causal_conv1d=causal_conv.load() or references.causal_conv1d)
 
 
 def triton_kernels() -> Kernels:
