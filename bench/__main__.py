@@ -29,6 +29,9 @@ SUITES: list[tuple[list[str], bool]] = [
     (["bench.swarm", "--peer", "llama.cpp"], True),
     (["bench.decode_attention"], False),  # CPU decode attention: torch reference vs the in-place C kernel, per KV dtype
     (["bench.profile", "--peer", "llama.cpp"], True),  # where the step's time goes, per-token rates vs llama.cpp  # ignis alone, and says so, where llama.cpp cannot be built
+    # the same with fp16 KV (llama.cpp's default), then also bf16 weights against a bf16 GGUF
+    (["bench.profile", "--peer", "llama.cpp", "--kv-dtype", "float16"], True),
+    (["bench.profile", "--peer", "llama.cpp", "--kv-dtype", "float16", "--weight-dtype", "bfloat16"], True),
 ]
 
 

@@ -22,7 +22,9 @@ SECTIONS: list[tuple[str, list[str], str]] = [
     ("Agent swarm: ignis vs llama.cpp's llama-server", ["swarm-dense", "swarm-hybrid"],
      "The same seeded agent trace (bench/workload.py) on both servers, same checkpoint, threads and slots: "
      "does a repeated prompt cost a copy instead of a prefill? `python -m bench.swarm`"),
-    ("Per-token rates vs llama.cpp, and where ignis' step time goes", ["profile-dense", "profile-hybrid"],
+    ("Per-token rates vs llama.cpp, and where ignis' step time goes",
+     ["profile-dense", "profile-hybrid", "profile-dense-kv-float16", "profile-hybrid-kv-float16",
+      "profile-dense-kv-float16-w-bfloat16", "profile-hybrid-kv-float16-w-bfloat16"],
      "Prefill and decode rates of both servers on the swarm's checkpoint and threads, and a torch.profiler "
      "breakdown of ignis' engine step (the slow side of the swarm). `python -m bench.profile`"),
     ("Reuse vs cold", ["reuse"],
