@@ -4,7 +4,6 @@ layer passes them (a channels-last view of the projections' rows) and contiguous
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -14,18 +13,14 @@ from hypothesis import strategies as st
 from kernels.causal_conv import causal_conv1d as reference
 from kernels.cpu import causal_conv
 from kernels.select import kernels_for
+from cpu_kernels import built_kernel
 
 TOLERANCE = 1e-5  # fp32 both sides; the sums' order differs
 
 
 @pytest.fixture(scope="module")
 def kernel() -> causal_conv.CausalConv:
-    fn = causal_conv.load()
-    if fn is None:
-        if shutil.which("gcc") is None:
-            pytest.skip("no gcc: `make kernels` cannot build the CPU kernels (the engine runs the references)")
-        pytest.fail(f"{causal_conv.LIBRARY} is not built: `make kernels` (make test builds it first)")
-    return fn
+    return built_kernel(causal_conv.load)
 
 
 def check(kernel: causal_conv.CausalConv, channels: int, tokens: int, width: int, with_state: bool,

@@ -7,7 +7,6 @@ layers per slot); then a hybrid model's decode through the engine's layer, kerne
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -20,6 +19,7 @@ from kernels.causal_conv import causal_conv1d
 from kernels.cpu import gdn_decode
 from kernels.gated_delta import gated_delta_decode_step_, recurrent_gated_delta_rule
 from kernels.select import kernels_for
+from cpu_kernels import built_kernel
 
 # Both sides compute in fp32; only the summation order differs.
 TOLERANCE = 2e-5
@@ -27,12 +27,7 @@ TOLERANCE = 2e-5
 
 @pytest.fixture(scope="module")
 def kernel() -> gdn_decode.FusedDecode:
-    fn = gdn_decode.load()
-    if fn is None:
-        if shutil.which("gcc") is None:
-            pytest.skip("no gcc: `make kernels` cannot build the CPU kernels (the engine runs the references)")
-        pytest.fail(f"{gdn_decode.LIBRARY} is not built: `make kernels` (make test builds it first)")
-    return fn
+    return built_kernel(gdn_decode.load)
 
 
 def split(y: torch.Tensor, hk: int, hv: int, dk: int, dv: int) -> tuple[torch.Tensor, ...]:

@@ -5,7 +5,6 @@ DeviceCache holds them (strided views of one page-major pool, pages scattered an
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from engine.kv.device_cache import CacheGeometry, DeviceCache, StateShape
 from kernels.cpu import paged_decode
 from kernels.paged_attention import paged_decode_attention as reference
 from kernels.select import cpu_kernels, kernels_for
+from cpu_kernels import built_kernel
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 IDS = ["fp32", "bf16", "fp16"]
@@ -27,12 +27,7 @@ TOLERANCE = 2e-5
 
 @pytest.fixture(scope="module")
 def kernel() -> paged_decode.DecodeFn:
-    fn = paged_decode.load()
-    if fn is None:
-        if shutil.which("gcc") is None:
-            pytest.skip("no gcc: `make kernels` cannot build the CPU kernels (the engine runs the references)")
-        pytest.fail(f"{paged_decode.LIBRARY} is not built: `make kernels` (make test builds it first)")
-    return fn
+    return built_kernel(paged_decode.load)
 
 
 def make_inputs(lengths: list[int], heads: int, kv_heads: int, dim: int, dtype: torch.dtype, page: int = 16,

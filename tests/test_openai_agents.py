@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -24,27 +23,10 @@ from agents import (  # noqa: E402
     set_tracing_disabled,
 )
 
-from services import RunningService, start_engine, start_gateway  # noqa: E402
-
-MODEL = "ignis-tiny"
+from services import RunningService  # noqa: E402
+# An engine with a response store of its own and a gateway in front: the WebSocket tests' fixtures.
+from test_responses_ws import MODEL, engine, gateway  # noqa: E402,F401
 WEATHER = {"paris": "sunny", "rome": "rain", "oslo": "snow"}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
-    store = tmp_path_factory.mktemp("responses") / "store"
-    service = start_engine(tmp_path_factory.mktemp("engine"), str(tiny_model_dir),
-                           ["--served-model-name", MODEL, "--set", f"responses.path={store}",
-                            "--set", "reuse.retained_interactive_ttl=0"])
-    yield service
-    assert service.stop() == 0, service.log()
-
-
-@pytest.fixture(scope="module")
-def gateway(engine: RunningService, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
-    service = start_gateway(tmp_path_factory.mktemp("gateway"), [engine.address])
-    yield service
-    assert service.stop() == 0, service.log()
 
 
 class Forecast(BaseModel):

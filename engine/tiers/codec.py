@@ -164,8 +164,13 @@ class StateCodec:
             copy(s.recurrent, c.recurrent[slot])
         if self.conv_bytes and slot is not None:
             copy(s.conv, c.conv[slot])
-        for i, page in enumerate(pages):
-            copy(s.kv + i * self.page_bytes, c.kv[page])
+        i = 0
+        while i < len(pages):  # a run of consecutive pages is one contiguous block: one (threaded) update
+            run = 1
+            while i + run < len(pages) and pages[i + run] == pages[i] + run:
+                run += 1
+            copy(s.kv + i * self.page_bytes, c.kv[pages[i]:pages[i] + run])
+            i += run
         if logits is not None:
             copy(s.logits, logits)
         arena_to(nbytes)

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from kernels.cpu.library import LIBRARY, bind
 from kernels.causal_conv import causal_conv1d as reference
 
-log = logging.getLogger("ignis.engine")
-
-LIBRARY = Path(__file__).resolve().parent / "build" / "libignis_cpu.so"
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES: list[Any] = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr]
@@ -33,13 +30,8 @@ CausalConv = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 def load(path: Path = LIBRARY) -> CausalConv | None:
     """The conv bound to the library at `path`, or None (logged) when it cannot be loaded."""
-    try:
-        fn = ctypes.CDLL(str(path)).causal_conv_prefill
-    except (OSError, AttributeError) as exc:
-        log.warning("CPU causal conv kernel not loaded (%s; `make kernels` builds it): the reference runs", exc)
-        return None
-    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-    return functools.partial(_run, fn)
+    fn = bind(path, "causal_conv_prefill", _ARGTYPES, "the GDN prefill conv runs the torch reference")
+    return None if fn is None else functools.partial(_run, fn)
 
 
 def _run(fn: Callable[..., int], x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None

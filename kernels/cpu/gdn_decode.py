@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-log = logging.getLogger("ignis.engine")
+from kernels.cpu.library import LIBRARY, bind
 
-LIBRARY = Path(__file__).resolve().parent / "build" / "libignis_cpu.so"
 MAX_HEAD_DIM = 256  # the C kernel's per-thread buffers
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -33,15 +31,8 @@ FusedDecode = Callable[..., torch.Tensor]
 
 def load(path: Path = LIBRARY) -> FusedDecode | None:
     """The fused step bound to the library at `path`, or None (logged) when it cannot be loaded."""
-    try:
-        lib = ctypes.CDLL(str(path))
-        fn = lib.gdn_decode_step
-    except (OSError, AttributeError) as exc:
-        log.warning("CPU fused GDN decode kernel not loaded (%s; `make kernels` builds it with gcc): "
-                    "GDN decode runs the torch references", exc)
-        return None
-    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-    return functools.partial(_run, fn)
+    fn = bind(path, "gdn_decode_step", _ARGTYPES, "GDN decode runs the torch references")
+    return None if fn is None else functools.partial(_run, fn)
 
 
 def supports(conv_pool: torch.Tensor, state_pool: torch.Tensor, dk: int, dv: int) -> bool:

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from kernels.cpu.library import LIBRARY, bind
 from kernels.paged_attention import paged_decode_attention as reference
 
-log = logging.getLogger("ignis.engine")
-
-LIBRARY = Path(__file__).resolve().parent / "build" / "libignis_cpu.so"
 MAX_GROUP, MAX_DIM = 64, 256  # the C kernel's fixed per-thread buffers (query heads per KV head, head dim)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -32,15 +29,8 @@ DecodeFn = Callable[..., torch.Tensor]
 
 def load(path: Path = LIBRARY) -> DecodeFn | None:
     """The in-place kernel bound to the library at `path`, or None (logged) when it cannot be loaded."""
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        log.warning("CPU paged decode kernel not loaded (%s; `make kernels` builds it with gcc): "
-                    "decode attention runs the torch reference", exc)
-        return None
-    fn = lib.paged_decode_attention
-    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-    return functools.partial(_run, fn)
+    fn = bind(path, "paged_decode_attention", _ARGTYPES, "decode attention runs the torch reference")
+    return None if fn is None else functools.partial(_run, fn)
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
