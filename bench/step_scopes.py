@@ -103,8 +103,10 @@ def scopes(model: CausalLM) -> Iterator[None]:
         _patch(model.lm_head, "forward", "ignis.lm_head", undo)
         for module in model.modules():
             if isinstance(module, Attention):
-                for proj in (module.q_proj, module.k_proj, module.v_proj, module.o_proj):
-                    _patch(proj, "forward", "ignis.attention.proj", undo)
+                projections = (module.q_proj, module.k_proj, module.v_proj, module.o_proj, module.fused_qkv)
+                for proj in projections:
+                    if isinstance(proj, nn.Module):  # fused_qkv: None where q, k and v run as three calls
+                        _patch(proj, "forward", "ignis.attention.proj", undo)
             elif isinstance(module, GatedDeltaNet):
                 _patch(module.out_proj, "forward", "ignis.gdn.out_proj", undo)
         yield

@@ -8,7 +8,7 @@ from torch import nn
 from engine.kv.device_cache import DeviceCache
 from engine.model.batch import ForwardBatch
 from engine.model.config import SLIDING_ATTENTION, ModelConfig
-from engine.model.layers import RMSNorm, Rotary
+from engine.model.layers import Projections, RMSNorm, Rotary
 from kernels.select import kernels_for
 
 
@@ -28,6 +28,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_out, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_out, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
+        # engine/model/cpu_linear.py may run q, k and v as one call (set at load; None: three calls)
+        self.fusible_linears = {"fused_qkv": ("q_proj", "k_proj", "v_proj")}
+        self.fused_qkv: Projections | None = None
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.zero_centered_norm)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.zero_centered_norm)
@@ -42,14 +45,18 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         # x: [T, hidden]
-        q = self.q_proj(x).view(t, self.num_heads, -1)
+        if self.fused_qkv is not None:
+            q, k, v = self.fused_qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, -1)
         gate = None
         if self.gated:
             # Per head: first head_dim is the query, next head_dim the output gate.
             q, gate = q.split(self.head_dim, dim=-1)
             gate = gate.reshape(t, -1)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q = self.q_norm(q)
             k = self.k_norm(k)

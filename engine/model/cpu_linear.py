@@ -27,6 +27,20 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _pack(weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: torch.dtype
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A weight [out, in] in oneDNN's blocked layout (in `weight_dtype`), and its bias in that dtype."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(weight_dtype))
+    return packed, None if bias is None else bias.detach().to(weight_dtype)
+
+
+def _run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, weight_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 rows through a packed weight: fp32 out (bf16 weights: the rows rounded to bf16 first)."""
+    rows = x.contiguous() if weight_dtype == torch.float32 else x.to(weight_dtype)
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return out if out.dtype == torch.float32 else out.float()
+
+
 class OneDnnLinear(nn.Module):
     """nn.Linear whose weight is also kept in oneDNN's blocked layout (in `weight_dtype`), which
     every fp32 call uses."""
@@ -41,27 +55,72 @@ class OneDnnLinear(nn.Module):
         self.weight_dtype = weight_dtype
         self.weight = linear.weight  # the original (memory-mapped) tensor: state_dict, tied weights
         self.bias = linear.bias
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(weight_dtype))
+        packed, bias = _pack(linear.weight, linear.bias, weight_dtype)
         self.register_buffer("packed_weight", packed, persistent=False)
-        bias = None if linear.bias is None else linear.bias.detach().to(weight_dtype)
         self.register_buffer("packed_bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:  # only fp32 models are packed; anything else is a caller's choice
             return F.linear(x, self.weight, self.bias)
-        rows = x.contiguous() if self.weight_dtype == torch.float32 else x.to(self.weight_dtype)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.packed_bias, "none", [], "")
-        return out if out.dtype == torch.float32 else out.float()
+        return _run(x, self.packed_weight, self.packed_bias, self.weight_dtype)
+
+
+class FusedLinears(nn.Module):
+    """Linears that read the same input (q|k|v, gate|up, a GDN layer's input projections) run as
+    one oneDNN call over their weights stacked by rows; returns each one's output, as views.
+
+    At a decode step's few rows every call pays a fixed cost, and in bf16 a rounding of its
+    input, that one call pays once. The members stay on their module as plain nn.Linear (their
+    memory-mapped weights are the state_dict); only this module's packed copy is read.
+    """
+
+    packed_weight: torch.Tensor
+    packed_bias: torch.Tensor | None
+
+    def __init__(self, linears: list[nn.Linear], weight_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.sizes = [linear.out_features for linear in linears]
+        self.weight_dtype = weight_dtype
+        biases = [linear.bias for linear in linears]
+        weight = torch.cat([linear.weight.detach() for linear in linears])
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
+        packed, packed_bias = _pack(weight, bias, weight_dtype)
+        self.register_buffer("packed_weight", packed, persistent=False)
+        self.register_buffer("packed_bias", packed_bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _run(x, self.packed_weight, self.packed_bias, self.weight_dtype).split(self.sizes, dim=-1)
+
+
+def _packable(linear: nn.Module) -> bool:
+    return isinstance(linear, nn.Linear) and linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32
+
+
+def _fuse_groups(model: nn.Module, weight_dtype: torch.dtype) -> set[int]:
+    """Give each module that names fusible groups (its `fusible_linears`: attribute -> member
+    names) a FusedLinears per group; returns the ids of the linears fused."""
+    fused: set[int] = set()
+    for module in list(model.modules()):
+        for attribute, names in getattr(module, "fusible_linears", {}).items():
+            members = [getattr(module, name) for name in names]
+            if not all(_packable(m) for m in members) or len({m.in_features for m in members}) != 1 \
+                    or len({m.bias is None for m in members}) != 1:
+                continue
+            setattr(module, attribute, FusedLinears(members, weight_dtype))
+            fused.update(id(m) for m in members)
+    return fused
 
 
 def use_onednn_linears(model: nn.Module, weight_dtype: torch.dtype = torch.float32) -> None:
-    """Swap every fp32 CPU nn.Linear of `model` for an OneDnnLinear (others stay as they are)."""
+    """Run every fp32 CPU nn.Linear of `model` on oneDNN: the fusible groups as one FusedLinears
+    each, the others swapped for an OneDnnLinear (other linears stay as they are)."""
     if not onednn_available():
         if weight_dtype != torch.float32:
             raise RuntimeError("engine.weight_dtype needs oneDNN (torch.backends.mkldnn), which this torch lacks")
         return
+    fused = _fuse_groups(model, weight_dtype)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" \
-                    and child.weight.dtype == torch.float32:
+            if _packable(child) and id(child) not in fused:
+                assert isinstance(child, nn.Linear)
                 setattr(parent, name, OneDnnLinear(child, weight_dtype))

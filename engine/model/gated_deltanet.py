@@ -9,7 +9,7 @@ from torch import nn
 from engine.kv.device_cache import DeviceCache
 from engine.model.batch import ForwardBatch, SeqView
 from engine.model.config import ModelConfig
-from engine.model.layers import GatedRMSNorm
+from engine.model.layers import GatedRMSNorm, Projections
 from kernels.cpu import gdn_decode
 from kernels.select import Kernels, kernels_for
 
@@ -40,22 +40,28 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.hv))
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        inputs = ("in_proj_qkvz", "in_proj_ba") if self.fused else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        self.fusible_linears = {"fused_inputs": inputs}
+        self.fused_inputs: Projections | None = None
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> mixed qkv [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv]."""
         t = x.shape[0]
         if not self.fused:
-            return (
-                self.in_proj_qkv(x),
-                self.in_proj_z(x).view(t, self.hv, self.dv),
-                self.in_proj_b(x),
-                self.in_proj_a(x),
-            )
+            if self.fused_inputs is not None:
+                mixed, z, b, a = self.fused_inputs(x)
+            else:
+                mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+            return mixed, z.view(t, self.hv, self.dv), b, a
         # Qwen3-Next packs the projections per key-head group: [q, k, v-group, z-group] and [b-group, a-group].
         ratio = self.hv // self.hk
-        qkvz = self.in_proj_qkvz(x).view(t, self.hk, 2 * self.dk + 2 * ratio * self.dv)
+        if self.fused_inputs is not None:
+            qkvz, ba = self.fused_inputs(x)
+        else:
+            qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
+        qkvz = qkvz.view(t, self.hk, 2 * self.dk + 2 * ratio * self.dv)
         q, k, v, z = qkvz.split([self.dk, self.dk, ratio * self.dv, ratio * self.dv], dim=-1)
-        ba = self.in_proj_ba(x).view(t, self.hk, 2 * ratio)
+        ba = ba.view(t, self.hk, 2 * ratio)
         b, a = ba.split([ratio, ratio], dim=-1)
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return mixed, z.reshape(t, self.hv, self.dv), b.reshape(t, self.hv), a.reshape(t, self.hv)

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import ModelConfig
+
+
+# Several linears of one input run as one call (engine/model/cpu_linear.py's FusedLinears):
+# input -> each member's output, in the order the module names them in its `fusible_linears`.
+Projections = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 class RMSNorm(nn.Module):
@@ -119,9 +125,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.fusible_linears = {"fused_gate_up": ("gate_proj", "up_proj")}
+        self.fused_gate_up: Projections | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused_gate_up is not None:
+            gate, up = self.fused_gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Router(nn.Module):
