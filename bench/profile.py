@@ -7,13 +7,15 @@ on one checkpoint and thread count, and a torch.profiler breakdown of ignis' eng
 
 ignis runs in this process, stepped synchronously on the main thread (no engine thread), so the
 profiler sees every op. Three measurements per server: (a) prefill of one prompt, (b) decode at
-batch 1, (c) decode at batch B with every sequence decoding. (a) and (c) run a second time under
-torch.profiler, with the model's parts wrapped in `ignis.*` scopes for the breakdown.
+batch 1, (c) decode at batch B with every sequence decoding, each ROUNDS times with the two servers
+alternating (llama-server stays up throughout), the median round reported. (a) and (c) run once more
+under torch.profiler, with the model's parts wrapped in `ignis.*` scopes for the breakdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -220,27 +222,56 @@ def profiled(driver: Driver, run: Callable[[Around], Timed], unprofiled: Timed) 
             "breakdown": breakdown(prof, wall_ms), "top_ops": top_ops(prof, wall_ms)}
 
 
-def run_ignis(checkpoint: Path, setup: Setup) -> dict[str, Any]:
+ROUNDS = 3  # each measurement, ignis and llama.cpp alternating: a load spike hits one round, not one side
+PHASES = ("prefill", "decode_1", "decode_b")
+
+
+def _median(results: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """The round whose `key` is the median (an odd count: a real round, not an average), with every
+    round's `key` beside it."""
+    ordered = sorted(results, key=lambda r: r[key])
+    return {**ordered[len(ordered) // 2], "rounds": [r[key] for r in results]}
+
+
+def run_both(checkpoint: Path, setup: Setup, peer: Peer | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """ROUNDS of (a), (b), (c) on each side in turn (the first side alternating by round), the
+    median round of each; then ignis' (a) and (c) again under torch.profiler."""
     one, many = setup.prompts()
     threads = torch.get_num_threads()
     torch.set_num_threads(setup.threads)
+    ours: dict[str, list[dict[str, Any]]] = {phase: [] for phase in PHASES}
+    theirs: dict[str, list[dict[str, Any]]] = {phase: [] for phase in PHASES}
     try:
         with torch.set_grad_enabled(False):
             driver = Driver(checkpoint, setup)
             driver.warm_up()
-            print("  ignis: (a) prefill", flush=True)
-            prefill = driver.prefill(one)
-            print("  ignis: (b) decode batch 1", flush=True)
-            decode1 = driver.decode_one(one)
-            print(f"  ignis: (c) decode batch {setup.batch}", flush=True)
-            decode_b = driver.decode_batch(many)
+            mine: dict[str, Callable[[], Timed]] = {
+                "prefill": lambda: driver.prefill(one), "decode_1": lambda: driver.decode_one(one),
+                "decode_b": lambda: driver.decode_batch(many)}
+            peers: dict[str, Callable[[], dict[str, Any]]] = {} if peer is None else {
+                "prefill": lambda: peer.prefill(one), "decode_1": lambda: peer.decode_one(one),
+                "decode_b": lambda: peer.decode_batch(many)}
+            for r in range(ROUNDS):
+                print(f"  round {r + 1}/{ROUNDS}: (a) prefill, (b) decode batch 1, (c) decode batch {setup.batch}"
+                      f"{'' if peer is None else f', ignis and {PEER}'}", flush=True)
+                for phase in PHASES:
+                    sides = [functools.partial(lambda p: ours[p].append(_timed(mine[p]())), phase)]
+                    if peer is not None:
+                        sides.append(functools.partial(lambda p: theirs[p].append(peers[p]()), phase))
+                    for side in sides if r % 2 == 0 else reversed(sides):
+                        side()
+            ignis = {phase: _median(ours[phase], "wall_s") for phase in PHASES}
             print("  ignis: (a) and (c) under torch.profiler", flush=True)
-            prof_prefill = profiled(driver, lambda around: driver.prefill(one, around), prefill)
-            prof_decode = profiled(driver, lambda around: driver.decode_batch(many, around), decode_b)
+            prefill, decode_b = (Timed(ignis[k]["wall_s"], ignis[k]["tokens"], ignis[k]["steps"])
+                                 for k in ("prefill", "decode_b"))
+            ignis["profile_prefill"] = profiled(driver, lambda around: driver.prefill(one, around), prefill)
+            ignis["profile_decode_b"] = profiled(driver, lambda around: driver.decode_batch(many, around), decode_b)
     finally:
         torch.set_num_threads(threads)
-    return {"prefill": _timed(prefill), "decode_1": _timed(decode1), "decode_b": _timed(decode_b),
-            "profile_prefill": prof_prefill, "profile_decode_b": prof_decode}
+    if peer is None:
+        return ignis, None
+    keys = {"prefill": "prefill_ms", "decode_1": "ms_step", "decode_b": "ms_step"}  # lower is the median's order
+    return ignis, {**peer.about, **{phase: _median(theirs[phase], keys[phase]) for phase in PHASES}}
 
 
 def streaming_read(nbytes: int, threads: int, repeats: int = 5) -> dict[str, float]:
@@ -308,49 +339,59 @@ def all_decoding_window(series: list[list[tuple[float, int]]]) -> tuple[float, i
     return end - start, sum(decoded_at(s, end) - decoded_at(s, start) for s in series)
 
 
-def run_peer(checkpoint: Path, setup: Setup) -> dict[str, Any]:
-    from bench.peers import llama_cpp  # imported here: --peer none needs none of it
+class Peer:
+    """A llama-server on the same GGUF, threads and batch, kept up for every round."""
 
-    if not llama_cpp.is_built():  # building takes ~20 minutes: not this benchmark's job
-        return {"unavailable": "peer not built (python -m bench.peers.llama_cpp build)"}
-    try:
-        llama_cpp.ensure_built()
-        gguf = llama_cpp.convert_to_gguf(checkpoint, setup.gguf_type)
-    except llama_cpp.PeerUnavailable as e:
-        return {"unavailable": f"peer unavailable: {e}"}
-    one, many = setup.prompts()
-    n_predict_b = setup.decode + setup.slack
-    ctx_size = setup.batch * (setup.prompt + setup.decode + max(64, setup.slack))
-    workdir = llama_cpp.BUILD / f"profile-{setup.kind}"  # its log, beside the build (git-ignored)
-    server = llama_cpp.launch_llama_server(workdir, gguf, threads=setup.threads, parallel=setup.batch,
-                                           ctx_size=ctx_size, cache_ram_mib=0)
-    try:
-        with httpx.Client(base_url=f"http://{server.address}", timeout=3600) as http:
-            _complete(http, random_prompt(32, 0), 4)  # warm-up
-            print(f"  {PEER}: (a) prefill", flush=True)
-            prefill = _complete(http, one, 1)
-            print(f"  {PEER}: (b) decode batch 1", flush=True)
-            decode1 = _complete(http, one, setup.decode)
-            print(f"  {PEER}: (c) decode batch {setup.batch}", flush=True)
-            with ThreadPoolExecutor(setup.batch) as pool:
-                streamed = list(pool.map(lambda p: _stream(http, p, n_predict_b), many))
-    finally:
-        server.stop()
-    window_s, window_tokens = all_decoding_window([s for s, _ in streamed])
-    timings_b = [t for _, t in streamed]
-    # The brief's figure from the timings: it counts decode steps that overlap other slots' prefill.
-    n_b, ms_b = sum(t["predicted_n"] for t in timings_b), max(t["predicted_ms"] for t in timings_b)
-    steps_b = window_tokens / setup.batch
-    return {
-        "gguf": str(gguf), "threads": setup.threads, "parallel": setup.batch, "ctx_size": ctx_size,
-        "prefill": {"tok_s": prefill["prompt_per_second"], "timings": prefill},
-        "decode_1": {"tok_s": decode1["predicted_per_second"], "ms_step": decode1["predicted_per_token_ms"],
-                     "timings": decode1},
-        "decode_b": {"tok_s": window_tokens / window_s if window_s > 0 else 0.0,
-                     "ms_step": window_s * 1000 / steps_b if steps_b else 0.0,
-                     "window_s": window_s, "window_tokens": window_tokens, "n_predict": n_predict_b,
-                     "timings_tok_s": n_b / ms_b * 1000 if ms_b else 0.0, "timings": timings_b},
-    }
+    def __init__(self, checkpoint: Path, setup: Setup, gguf: Path) -> None:
+        from bench.peers import llama_cpp
+
+        self.setup = setup
+        self.n_predict_b = setup.decode + setup.slack
+        ctx_size = setup.batch * (setup.prompt + setup.decode + max(64, setup.slack))
+        workdir = llama_cpp.BUILD / f"profile-{setup.kind}"  # its log, beside the build (git-ignored)
+        self.server = llama_cpp.launch_llama_server(workdir, gguf, threads=setup.threads, parallel=setup.batch,
+                                                    ctx_size=ctx_size, cache_ram_mib=0)
+        self.http = httpx.Client(base_url=f"http://{self.server.address}", timeout=3600)
+        self.about = {"gguf": str(gguf), "threads": setup.threads, "parallel": setup.batch, "ctx_size": ctx_size}
+        _complete(self.http, random_prompt(32, 0), 4)  # warm-up
+
+    @classmethod
+    def start(cls, checkpoint: Path, setup: Setup) -> Peer | str:
+        """The running peer, or why there is none."""
+        from bench.peers import llama_cpp  # imported here: --peer none needs none of it
+
+        if not llama_cpp.is_built():  # building takes ~20 minutes: not this benchmark's job
+            return "peer not built (python -m bench.peers.llama_cpp build)"
+        try:
+            llama_cpp.ensure_built()
+            return cls(checkpoint, setup, llama_cpp.convert_to_gguf(checkpoint, setup.gguf_type))
+        except llama_cpp.PeerUnavailable as e:
+            return f"peer unavailable: {e}"
+
+    def prefill(self, prompt: tuple[int, ...]) -> dict[str, Any]:
+        t = _complete(self.http, prompt, 1)
+        return {"tok_s": t["prompt_per_second"], "prefill_ms": t["prompt_ms"], "timings": t}
+
+    def decode_one(self, prompt: tuple[int, ...]) -> dict[str, Any]:
+        t = _complete(self.http, prompt, self.setup.decode)
+        return {"tok_s": t["predicted_per_second"], "ms_step": t["predicted_per_token_ms"], "timings": t}
+
+    def decode_batch(self, prompts: list[tuple[int, ...]]) -> dict[str, Any]:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            streamed = list(pool.map(lambda p: _stream(self.http, p, self.n_predict_b), prompts))
+        window_s, window_tokens = all_decoding_window([s for s, _ in streamed])
+        timings = [t for _, t in streamed]
+        # The brief's figure from the timings: it counts decode steps that overlap other slots' prefill.
+        n, ms = sum(t["predicted_n"] for t in timings), max(t["predicted_ms"] for t in timings)
+        steps = window_tokens / len(prompts)
+        return {"tok_s": window_tokens / window_s if window_s > 0 else 0.0,
+                "ms_step": window_s * 1000 / steps if steps else 0.0,
+                "window_s": window_s, "window_tokens": window_tokens, "n_predict": self.n_predict_b,
+                "timings_tok_s": n / ms * 1000 if ms else 0.0, "timings": timings}
+
+    def close(self) -> None:
+        self.http.close()
+        self.server.stop()
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -375,10 +416,15 @@ def render(setup: Setup, ignis: dict[str, Any], peer: dict[str, Any], loads: dic
         return [label, _num(mine), _num(theirs), _ratio(mine, theirs)]
 
     load_line = ", ".join(f"{side} {v[0]:.2f} → {v[1]:.2f}" for side, v in loads.items())
+    spread = ", ".join(f"{phase} {_num(min(ignis[phase]['rounds']) * 1000)}–{_num(max(ignis[phase]['rounds']) * 1000)} ms"
+                       for phase in PHASES if "rounds" in ignis[phase])
     out = [f"# Profile, {setup.kind}: hidden {setup.hidden}, {setup.layers} layers, {setup.threads} threads, "
            f"prompt {setup.prompt}, decode {setup.decode}, batch {b}, ignis KV dtype {setup.kv_dtype}, "
            f"weights {setup.weight_dtype} ({PEER}: a {setup.gguf_type} GGUF, f16 KV)",
-           "", f"1-minute load average before → after each side: {load_line}", "", "## Rates", "",
+           "", f"1-minute load average before → after: {load_line}", "", "## Rates", "",
+           f"Each figure is the median of {ROUNDS} rounds, ignis and {PEER} alternating (which goes first "
+           f"alternates by round), so a load spike lands in one round rather than on one side. ignis' "
+           f"rounds, wall: {spread}.", "",
            table.markdown(["", "ignis", PEER, f"ignis/{PEER}"], [
                cells(f"prefill tok/s (1 seq, {setup.prompt} tokens)", "prefill", "tok_s"),
                cells("decode tok/s, batch 1", "decode_1", "tok_s"),
@@ -435,18 +481,17 @@ def weight_bytes(checkpoint: Path) -> int:
 def profile_kind(setup: Setup, peer: str, out: Path, models: Path | None) -> Path:
     checkpoint = ensure_geometry(setup.kind, setup.hidden, setup.layers, root=models)
     print(f"\n== profile, {setup.kind}: {checkpoint}", flush=True)
-    loads: dict[str, list[float]] = {}
     before = os.getloadavg()[0]
-    ignis = run_ignis(checkpoint, setup)
+    started = Peer.start(checkpoint, setup) if peer == PEER else "not run (--peer none)"
+    try:
+        ignis, measured = run_both(checkpoint, setup, started if isinstance(started, Peer) else None)
+    finally:
+        if isinstance(started, Peer):
+            started.close()
     stored = weight_bytes(checkpoint)  # fp32 on disk; bf16 linears stream about half (they are nearly all of it)
     ignis["bandwidth"] = streaming_read(stored // 2 if setup.weight_dtype == "bfloat16" else stored, setup.threads)
-    loads["ignis"] = [before, os.getloadavg()[0]]
-    peer_result: dict[str, Any] = {"unavailable": "not run (--peer none)"}
-    if peer == PEER:
-        before = os.getloadavg()[0]
-        peer_result = run_peer(checkpoint, setup)
-        if "unavailable" not in peer_result:
-            loads[PEER] = [before, os.getloadavg()[0]]
+    loads = {"both sides": [before, os.getloadavg()[0]]}
+    peer_result = measured if measured is not None else {"unavailable": started}
     text = render(setup, ignis, peer_result, loads)
     print(text, flush=True)
     payload = {"setup": asdict(setup), "checkpoint": str(checkpoint), "ignis": ignis, "peer": peer_result,

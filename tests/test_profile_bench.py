@@ -48,6 +48,9 @@ def test_rates_are_measured(results: dict[str, dict[str, Any]], kind: str) -> No
     assert ignis["decode_b"]["tokens"] == 2 * 3 and ignis["decode_b"]["steps"] == 3  # both decode every step
     assert ignis["decode_1"]["ms_step"] > 0 and ignis["decode_b"]["tok_s"] > 0
     assert results[kind]["peer"] == {"unavailable": "not run (--peer none)"}
+    for phase in ("prefill", "decode_1", "decode_b"):  # the figure is the median round's
+        rounds = ignis[phase]["rounds"]
+        assert len(rounds) == bench_profile.ROUNDS and ignis[phase]["wall_s"] == sorted(rounds)[len(rounds) // 2]
 
 
 @pytest.mark.parametrize("kind", KINDS)
