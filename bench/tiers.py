@@ -3,23 +3,30 @@
 One ~150 MiB state, side by side in one run, through a real tierstore process:
 
 - KV-RAM: the engine's copy into / out of the shared-memory arena by offset
-  (and the whole Reserve+copy+Commit / Acquire+copy+Release) vs a raw numpy
-  memcpy of the same bytes;
+  (and the whole Reserve+copy+Commit) vs a raw numpy memcpy of the same bytes;
+  a claim the way the engine makes it (engine/tiers/client.py: one Match that
+  leases the hit, the copy, Release in the background) and the way the example
+  client does (tierstore/client.py: Match, Acquire, copy, Release, each waited for);
 - KV-disk: a spill (checksum, write, fsync, rename, LMDB) and a cold restore
   (read, checksum, into the arena) vs a raw sequential write+fsync / cold read
   of a file of the same size in the same folder (page cache dropped with
-  posix_fadvise(DONTNEED) before each cold read);
-- claim latency (Match + Acquire + copy out + Release) from each tier, and the
-  cross-host path (Put / Get streams over loopback gRPC).
+  posix_fadvise(DONTNEED) before each cold read, blob and raw file alike); the
+  cold read with O_DIRECT is shown too (the restore reads that way where it can);
+- a claim from disk the engine's way (Match, Acquire restoring it, copy, Release
+  in the background), and the cross-host path (Put / Get streams over loopback gRPC).
 
-Best of --repeats (baselines: best of runs before and after the tierstore's). Prints a Markdown table, writes bench/results/tiers.json.
+Every figure is the median of --repeats runs, each round measuring the baselines and
+the tiers one after the other (interleaved), with the 1-minute load average before and
+after. Prints a Markdown table, writes bench/results/tiers.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -32,16 +39,13 @@ import numpy as np
 from bench import tier_claims
 from bench.launch import launch_tierstore
 from bench.table import markdown, save
+from engine.tiers.client import TierClient
 from ignis.v1 import common_pb2, tierstore_pb2
 from tierstore.client import TierStoreClient
 
 MiB = 1 << 20
 NS = b"bench-namespace!"
-
-
-def best(fn: Callable[[], float], repeats: int) -> float:
-    """The fastest of ``repeats`` runs of ``fn`` (which returns the seconds it measured)."""
-    return min(fn() for _ in range(repeats))
+REGISTRATION = dict(model="bench", page_size=16, layout="bytes")  # the same for both clients: one namespace
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -73,16 +77,30 @@ class Names:
         return self.i.to_bytes(16, "big")
 
 
+class Samples:
+    """Seconds per measurement name, collected round by round."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, list[float]] = {}
+
+    def add(self, **seconds: float) -> None:
+        for key, value in seconds.items():
+            self.runs.setdefault(key, []).append(value)
+
+    def medians(self) -> dict[str, float]:
+        return {key: statistics.median(values) for key, values in self.runs.items()}
+
+
 def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
     src = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
-    dst = np.empty_like(src)
+    dst = np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)  # page-aligned, as O_DIRECT needs
     src_bytes = memoryview(src.data).cast("B")
-    results: dict[str, float] = {}
-
-    # ---------------------------------------------------------------- raw baselines
-    np.copyto(dst, src)  # fault the destination in once
-    results["raw_memcpy"] = best(lambda: timed(lambda: np.copyto(dst, src)), repeats)
+    out = memoryview(dst.data).cast("B")
     raw_file = folder / "raw.bin"
+    samples = Samples()
+
+    def raw_memcpy() -> float:
+        return timed(lambda: np.copyto(dst, src))
 
     def raw_write() -> float:
         def write() -> None:
@@ -94,31 +112,37 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
             os.close(fd)
         return timed(write)
 
-    def raw_read() -> float:
+    def raw_read(direct: bool = False) -> float:
         drop_cache(raw_file)
-        out = memoryview(dst.data).cast("B")
 
         def read() -> None:
-            with open(raw_file, "rb", buffering=0) as f:
+            fd = os.open(raw_file, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+            try:
                 pos = 0
                 while pos < n:
-                    pos += f.readinto(out[pos:pos + 8 * MiB]) or 0
+                    pos += os.readv(fd, [out[pos:pos + 8 * MiB]]) or 0
+            finally:
+                os.close(fd)
         return timed(read)
 
-    results["raw_write_fsync"] = best(raw_write, repeats)
-    results["raw_read_cold"] = best(raw_read, repeats)
-    assert np.array_equal(dst, src)
+    np.copyto(dst, src)  # fault the destination in once
+    raw_write()
 
-    # ---------------------------------------------------------------- through a tierstore
     store = launch_tierstore(folder, arena_bytes=n + n // 2 + MiB, disk_bytes=4 * n + 64 * MiB,
                              env={"IGNIS_LOG_LEVEL": "WARNING"})
     name = Names()
+    engine = TierClient(store.address, kv_bytes_per_token=0, fixed_state_bytes=0, timeout=120, **REGISTRATION)
     try:
         with TierStoreClient(store.address, timeout=120) as c:
-            c.register(NS, model="bench", page_size=16, layout="bytes")
+            c.register(NS, **REGISTRATION)  # type: ignore[arg-type]
+            assert engine.ensure(NS), "the engine's client could not map the arena"
             blobs = folder / "kv-disk" / "blobs"
 
-            def ram_write() -> tuple[float, float]:
+            def drain() -> None:
+                """Waits for the engine client's background Releases (outside the timed part)."""
+                engine._releaser.submit(lambda: None).result()
+
+            def ram_write() -> None:
                 h = name()
                 t0 = time.perf_counter()
                 extent = c.reserve(h, n)
@@ -128,16 +152,23 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
                 c.commit(h, meta(n))
                 t3 = time.perf_counter()
                 c.drop(h)
-                return t2 - t1, t3 - t0
-
-            runs = [ram_write() for _ in range(repeats + 1)]  # the first run also faults the mapping in
-            results["ram_write_copy"] = min(r[0] for r in runs)
-            results["ram_write_e2e"] = min(r[1] for r in runs)
+                samples.add(ram_write_copy=t2 - t1, ram_write_e2e=t3 - t0)
 
             held = name()
-            c.store(held, src_bytes, meta(n))
 
-            def ram_read() -> tuple[float, float]:
+            def ram_claim_engine() -> None:
+                t0 = time.perf_counter()
+                [hit], _ = engine.match(NS, [], held, lease_seconds=3.0)
+                assert hit.lease_id, "a RAM hit comes leased"
+                tm = time.perf_counter()
+                np.copyto(dst, np.frombuffer(engine.arena_bytes(hit.extent.offset, n), dtype=np.uint8))
+                tc = time.perf_counter()
+                engine.release(hit.lease_id, (), engine.match_instance)
+                t1 = time.perf_counter()
+                drain()
+                samples.add(ram_claim_engine=t1 - t0, ram_claim_engine_match=tm - t0, ram_claim_engine_copy=tc - tm)
+
+            def ram_claim_sync() -> None:
                 t0 = time.perf_counter()
                 [hit] = c.match(NS, [], tail_hash=held)
                 lease = c.acquire(hit.state_hash)
@@ -148,15 +179,9 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
                 view.release()
                 c.release(lease.lease_id)
                 t3 = time.perf_counter()
-                return t2 - t1, t3 - t0
+                samples.add(ram_read_copy=t2 - t1, ram_claim_sync=t3 - t0)
 
-            runs = [ram_read() for _ in range(repeats)]
-            results["ram_read_copy"] = min(r[0] for r in runs)
-            results["ram_claim"] = min(r[1] for r in runs)
-            assert np.array_equal(dst, src)
-            c.drop(held)
-
-            def disk_round() -> tuple[float, float, float]:
+            def disk_round() -> None:
                 victim, pusher = name(), name()
                 c.store(victim, src_bytes, meta(n))
                 spill = timed(lambda: c.reserve(pusher, n))  # no room for two: the victim goes to disk
@@ -164,25 +189,19 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
                 assert c.match(NS, [], tail_hash=victim)[0].tier == common_pb2.REUSE_TIER_DISK
                 drop_cache(blobs / victim.hex())
                 t0 = time.perf_counter()
-                [hit] = c.match(NS, [], tail_hash=victim)
-                lease = c.acquire(hit.state_hash)
+                [hit], _ = engine.match(NS, [], victim, lease_seconds=3.0)
                 t1 = time.perf_counter()
-                assert lease.from_tier == common_pb2.REUSE_TIER_DISK
-                view = c.read(lease.extent)
-                np.copyto(dst, np.frombuffer(view, dtype=np.uint8))
-                view.release()
-                c.release(lease.lease_id)
+                lease = engine.acquire(hit.state_hash)
                 t2 = time.perf_counter()
+                assert lease is not None and lease.from_tier == common_pb2.REUSE_TIER_DISK and not hit.lease_id
+                np.copyto(dst, np.frombuffer(engine.arena_bytes(lease.extent.offset, n), dtype=np.uint8))
+                engine.release(lease.lease_id, (), lease.instance_id)
+                t3 = time.perf_counter()
+                drain()
                 c.drop(victim)
-                return spill, t1 - t0, t2 - t0
+                samples.add(disk_spill=spill, disk_match=t1 - t0, disk_restore_cold=t2 - t1, disk_claim_cold=t3 - t0)
 
-            rounds = [disk_round() for _ in range(repeats)]
-            results["disk_spill"] = min(r[0] for r in rounds)
-            results["disk_restore_cold"] = min(r[1] for r in rounds)
-            results["disk_claim_cold"] = min(r[2] for r in rounds)
-            assert np.array_equal(dst, src)
-
-            def stream() -> tuple[float, float]:
+            def stream() -> None:
                 h = name()
                 put = timed(lambda: c.put(h, src_bytes, meta(n)))
                 t0 = time.perf_counter()
@@ -190,19 +209,35 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
                 get = time.perf_counter() - t0
                 assert len(data) == n
                 c.drop(h)
-                return put, get
+                samples.add(grpc_put=put, grpc_get=get)
 
-            runs = [stream() for _ in range(repeats)]
-            results["grpc_put"] = min(r[0] for r in runs)
-            results["grpc_get"] = min(r[1] for r in runs)
+            ram_write()  # the first run faults the arena mapping in: not counted
+            samples.runs.clear()
+            load_before = os.getloadavg()[0]
+            for _ in range(repeats):  # RAM: baseline and tiers interleaved, round by round
+                samples.add(raw_memcpy=raw_memcpy())
+                ram_write()
+                c.store(held, src_bytes, meta(n))
+                samples.add(raw_memcpy=raw_memcpy())
+                ram_claim_engine()
+                samples.add(raw_memcpy=raw_memcpy())
+                ram_claim_sync()
+                c.drop(held)
+            assert np.array_equal(dst, src)
+            for _ in range(repeats):  # disk: the raw file's write and cold reads beside each spill and restore
+                samples.add(raw_write_fsync=raw_write(), raw_read_cold=raw_read())
+                disk_round()
+                samples.add(raw_read_cold=raw_read(), raw_read_cold_direct=raw_read(direct=True))
+            assert np.array_equal(dst, src)
+            for _ in range(max(1, repeats // 2)):
+                stream()
+            load_after = os.getloadavg()[0]
             stats = c.stats()
-        # The baselines again, after: on a shared machine the best of both runs is the fair comparison.
-        results["raw_memcpy"] = min(results["raw_memcpy"], best(lambda: timed(lambda: np.copyto(dst, src)), repeats))
-        results["raw_write_fsync"] = min(results["raw_write_fsync"], best(raw_write, repeats))
-        results["raw_read_cold"] = min(results["raw_read_cold"], best(raw_read, repeats))
     finally:
+        engine.close()
         store.stop()
-    return {"bytes": n, "repeats": repeats, "seconds": results,
+    return {"bytes": n, "repeats": repeats, "seconds": samples.medians(), "samples": samples.runs,
+            "load_1min": [load_before, load_after],
             "stats": {"spills": stats.spills, "restores": stats.restores, "checksum_failures": stats.checksum_failures}}
 
 
@@ -222,12 +257,17 @@ def table(res: dict[str, Any]) -> tuple[str, list[list[Any]]]:
     row("KV-RAM write", "copy into the arena by offset", "ram_write_copy", "raw_memcpy")
     row("KV-RAM write", "Reserve + copy + Commit (checksum)", "ram_write_e2e", "raw_memcpy")
     row("KV-RAM read", "copy out of the arena", "ram_read_copy", "raw_memcpy")
-    row("KV-RAM claim", "Match + Acquire + copy + Release", "ram_claim", "raw_memcpy")
+    row("KV-RAM claim", "engine: Match (leases the hit) + copy, Release in the background", "ram_claim_engine",
+        "raw_memcpy")
+    row("KV-RAM claim", "example client: Match + Acquire + copy + Release, each waited for", "ram_claim_sync",
+        "raw_memcpy")
     row("raw", "file write + fsync", "raw_write_fsync", None)
     row("raw", "file read, cold", "raw_read_cold", None)
+    row("raw", "file read, cold, O_DIRECT", "raw_read_cold_direct", "raw_read_cold")
     row("KV-disk spill", "checksum + write + fsync + rename + LMDB", "disk_spill", "raw_write_fsync")
-    row("KV-disk restore", "read + checksum into the arena, cold", "disk_restore_cold", "raw_read_cold")
-    row("KV-disk claim", "Match + Acquire(restore) + copy + Release", "disk_claim_cold", "raw_read_cold")
+    row("KV-disk restore", "Acquire: read + checksum into the arena, cold", "disk_restore_cold", "raw_read_cold")
+    row("KV-disk claim", "engine: Match + Acquire(restore) + copy, Release in the background", "disk_claim_cold",
+        "raw_read_cold")
     row("gRPC Put", "stream in 1 MiB chunks (loopback)", "grpc_put", "raw_memcpy")
     row("gRPC Get", "stream in 1 MiB chunks (loopback)", "grpc_get", "raw_memcpy")
     headers = ["path", "what", "ms", "GiB/s", "baseline", "vs baseline"]
@@ -237,7 +277,7 @@ def table(res: dict[str, Any]) -> tuple[str, list[list[Any]]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.tiers", description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=150, help="state size in MiB (default 150)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the best counts")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved runs per measurement; the median counts")
     parser.add_argument("--dir", default=None, help="scratch folder on the disk to measure (default: $TMPDIR)")
     parser.add_argument("--claims", action=argparse.BooleanOptionalAction, default=True,
                         help="also claim a state of that size through the engine vs re-prefilling it (default on)")
@@ -258,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
                      + markdown(tier_claims.CLAIM_HEADERS, claim_rows))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    title = f"### Tiers: one {args.mib} MiB state (best of {args.repeats})"
+    load = res["load_1min"]
+    title = (f"### Tiers: one {args.mib} MiB state (medians of {args.repeats}, interleaved; "
+             f"load {load[0]:.2f} -> {load[1]:.2f})")
     print(title + "\n\n" + text)
     path = save("tiers", {**res, "rows": rows}, title + "\n\n" + text)
     print(f"\nwrote {path}")

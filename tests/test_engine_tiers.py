@@ -147,6 +147,14 @@ def tierstore(tmp_path: Path, arena: int, disk: int, port: int = 0) -> RunningSe
     return start_tierstore(tmp_path / "ts", args + (["--port", str(port)] if port else []))
 
 
+def leases_settle(link, want: int) -> None:  # type: ignore[no-untyped-def]
+    """Wait until the store holds `want` leases (Release runs in the background)."""
+    deadline = time.monotonic() + 10
+    while (stats := link.client.side_stats()) is None or stats.leases_active != want:
+        assert time.monotonic() < deadline, f"the store holds {stats and stats.leases_active} leases, not {want}"
+        time.sleep(0.01)
+
+
 def same(got: Result, want: Result) -> None:
     assert got.error is None
     assert got.tokens == want.tokens
@@ -217,12 +225,24 @@ def test_evicted_states_spill_to_ram_and_hit_from_ram(tmp_path: Path, model, ora
             got = engine.run(topic)
             same(got, oracle(topic))
             assert got.tier == "ram" and got.cached == len(engine.request(topic).prompt_ids)
+        # Each claim copied under its Match's lease (no Acquire), and every lease went back.
+        assert link.match_leases_used == 3
+        leases_settle(link, 0)
         assert engine.core.reuse.counters.reused_tokens[ReuseTier.RAM] > 0
         assert engine.core.stats().reused_tokens[ReuseTier.RAM] == engine.core.reuse.counters.reused_tokens[ReuseTier.RAM]
+        floor = engine.core.reuse.lower.restore_floor  # type: ignore[attr-defined,union-attr]
         engine.core.reuse.lower.restore_floor = 10**6  # type: ignore[attr-defined,union-attr] # a restore never beats re-prefilling
         got = engine.run(TOPICS[3])  # in RAM, but below the floor: served cold
         same(got, oracle(TOPICS[3]))
         assert (got.tier, got.cached) == ("none", 0)
+        engine.core.reuse.lower.restore_floor = floor  # type: ignore[attr-defined,union-attr]
+        # A lookup whose restore never comes: its lease is held, then goes back at the next lookup.
+        namespace, prompt = engine.core.namespace_hash(""), list(engine.request(TOPICS[1]).prompt_ids)
+        assert link.find(namespace, engine_page_hashes(engine, TOPICS[1]), prompt) is not None
+        leases_settle(link, 1)
+        assert link.find(namespace, [], [7] * 5) is None
+        leases_settle(link, 0)
+        assert link.match_leases_used == 3
         engine.check()
     finally:
         engine.close()

@@ -265,3 +265,28 @@ def test_health_reflection_metrics_and_graceful_stop(start: Start) -> None:
     assert arena_path.exists()
     assert ts.stop() == 0  # SIGTERM: a clean exit that removes the shared memory
     assert not arena_path.exists()
+
+
+def test_a_match_that_leases_replaces_the_acquire_round_trip(start: Start) -> None:
+    ts = start()
+    with TierStoreClient(ts.address) as c:
+        c.register(NS, model="tiny", page_size=16, layout="l")
+        data = make_data(3, 100_000)
+        c.store(h(3), data, make_meta(3, len(data)))
+        [plain] = c.match(NS, [h(3)])
+        assert plain.lease_id == 0 and not plain.HasField("metadata") and c.stats().leases_active == 0
+        [hit] = c.match(NS, [h(3)], lease_seconds=5)
+        assert hit.tier == RAM and hit.lease_id > 0
+        assert (hit.metadata.nbytes, hit.metadata.tokens, len(hit.metadata.checksum)) == (len(data), 16, 16)
+        view = c.read(hit.extent)
+        assert bytes(view) == data  # read under the Match's lease, no Acquire
+        view.release()
+        assert c.stats().leases_active == 1
+        c.release(hit.lease_id, instance_id="another-instance")  # another instance's lease ids: nothing ends
+        assert c.stats().leases_active == 1
+        [again] = c.match(NS, [h(3)], lease_seconds=5)
+        c.release(hit.lease_id, [again.lease_id], instance_id=c.instance_id)
+        assert c.stats().leases_active == 0
+        assert code_of(lambda: c.release(0, [again.lease_id])) == grpc.StatusCode.NOT_FOUND
+        assert code_of(lambda: c.match(NS, [h(3)], lease_seconds=-1)) == grpc.StatusCode.INVALID_ARGUMENT
+        assert c.stats().leases_active == 0  # the store kept serving

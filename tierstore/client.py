@@ -80,9 +80,12 @@ class TierStoreClient:
 
     # ------------------------------------------------------------ control plane
 
-    def match(self, namespace: bytes, page_hashes: Sequence[bytes], tail_hash: bytes | None = None
-              ) -> list[tierstore_pb2.MatchHit]:
-        request = tierstore_pb2.MatchRequest(namespace=namespace, page_hashes=page_hashes)
+    def match(self, namespace: bytes, page_hashes: Sequence[bytes], tail_hash: bytes | None = None, *,
+              lease_seconds: float = 0.0) -> list[tierstore_pb2.MatchHit]:
+        """The hits; with ``lease_seconds``, each RAM hit carries a lease (``lease_id``, ``metadata``): read its
+        ``extent`` without an Acquire, then ``release`` it."""
+        request = tierstore_pb2.MatchRequest(namespace=namespace, page_hashes=page_hashes,
+                                             lease_seconds=lease_seconds)
         if tail_hash is not None:
             request.tail_hash = tail_hash
         return list(self.stub.Match(request, timeout=self.timeout).hits)
@@ -109,8 +112,11 @@ class TierStoreClient:
         return self.stub.Acquire(tierstore_pb2.AcquireRequest(
             hash=hash, lease_seconds=lease_seconds), timeout=self.timeout)
 
-    def release(self, lease_id: int) -> None:
-        self.stub.Release(tierstore_pb2.ReleaseRequest(lease_id=lease_id), timeout=self.timeout)
+    def release(self, lease_id: int, unused: Sequence[int] = (), *, instance_id: str = "") -> None:
+        """Ends a lease (0: none) and the ``unused`` leases of a Match (no hit counted on those), of
+        ``instance_id`` (empty: the store's own; another's were void already)."""
+        self.stub.Release(tierstore_pb2.ReleaseRequest(lease_id=lease_id, unused_lease_ids=unused,
+                                                       instance_id=instance_id), timeout=self.timeout)
 
     def drop(self, hash: bytes) -> bool:
         return bool(self.stub.Drop(tierstore_pb2.DropRequest(hash=hash), timeout=self.timeout).dropped)

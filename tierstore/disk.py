@@ -42,6 +42,7 @@ import xxhash
 
 from tierstore.auth import private_dir
 from tierstore.blob import BadBlob, DiskRecord, blob_cost, read_header, with_header
+from tierstore.blob_read import BlobReader
 from tierstore.errors import DataLoss
 from tierstore.index import Index, IndexDamaged, move_aside
 from tierstore.state import StateInfo, short
@@ -127,6 +128,7 @@ class DiskTier:
         self.blobs = self.path / "blobs"
         self._map_size = map_size
         self._io = io or DiskIO()
+        self._reader = BlobReader()  # restores: each chunk hashed beside the read of the next
         self._clock = clock
         private_dir(self.path, fix=True)
         private_dir(self.blobs, fix=True)
@@ -335,22 +337,17 @@ class DiskTier:
             return False
         except OSError as exc:
             raise self._failed("reading a blob", exc) from None
-        hasher = xxhash.xxh3_128()
         try:
             if os.fstat(fd).st_size != record.file_size:
                 return self._fail(hash, "has the wrong size")
-            pos = 0
-            while pos < len(out):
-                n = os.preadv(fd, [out[pos:pos + _CHUNK]], record.data_offset + pos)
-                if not n:
-                    return self._fail(hash, "is short")
-                hasher.update(out[pos:pos + n])
-                pos += n
+            digest = self._reader.read(fd, record.data_offset, out)
         except OSError as exc:
             raise self._failed("reading a blob", exc) from None
         finally:
             os.close(fd)
-        if hasher.digest() != record.info.checksum:
+        if digest is None:
+            return self._fail(hash, "is short")
+        if digest != record.info.checksum:
             return self._fail(hash, "failed its checksum")
         return True
 
@@ -399,6 +396,7 @@ class DiskTier:
 
     def close(self) -> None:
         self._index.close()
+        self._reader.close()
 
     # ------------------------------------------------------------ internals
 

@@ -49,7 +49,8 @@ def _extent(e: Extent) -> tierstore_pb2.Extent:
 def _hit(h: Hit) -> tierstore_pb2.MatchHit:
     return tierstore_pb2.MatchHit(hash=h.hash, state_hash=h.state_hash, tokens=h.tokens, tier=h.tier,  # type: ignore[arg-type]
                                   kind=h.kind, nbytes=h.nbytes,  # type: ignore[arg-type]
-                                  extent=_extent(h.extent) if h.extent is not None else None)
+                                  extent=_extent(h.extent) if h.extent is not None else None, lease_id=h.lease_id,
+                                  metadata=h.info.to_proto() if h.info is not None else None)
 
 
 def stats_message(s: StoreStats) -> tierstore_pb2.StatsResponse:
@@ -93,7 +94,8 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
                     ) -> tierstore_pb2.MatchResponse:
         tail = bytes(request.tail_hash) if request.HasField("tail_hash") else None
         hits, candidates = await self._call(context, self.store.match_anchored, bytes(request.namespace),
-                                            [bytes(p) for p in request.page_hashes], tail, request.anchored)
+                                            [bytes(p) for p in request.page_hashes], tail, request.anchored,
+                                            request.lease_seconds)
         return tierstore_pb2.MatchResponse(hits=[_hit(h) for h in hits], candidates=[_hit(c) for c in candidates],
                                            instance_id=self.store.instance_id)
 
@@ -122,7 +124,8 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
 
     async def Release(self, request: tierstore_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
                       ) -> tierstore_pb2.ReleaseResponse:
-        await self._call(context, self.store.release, request.lease_id)
+        if not request.instance_id or request.instance_id == self.store.instance_id:
+            await self._call(context, self.store.release, request.lease_id, list(request.unused_lease_ids))
         return tierstore_pb2.ReleaseResponse()
 
     async def Drop(self, request: tierstore_pb2.DropRequest, context: grpc.aio.ServicerContext

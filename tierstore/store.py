@@ -4,7 +4,9 @@
   offset; Commit makes it a state (checksummed here, so a later scribble over
   the arena is caught before it reaches disk).
 - Acquire pins a state in the arena (restoring it from disk first if needed);
-  Release, or the lease running out, unpins it.
+  Release, or the lease running out, unpins it. A Match may lease the RAM
+  states it names in the same step (one round trip for a claim from RAM); such
+  a lease counts a hit only when released as used.
 - RAM pressure spills unpinned states to disk in the one eviction order
   (common/eviction.py, through policy.py); disk pressure drops only states ranked
   below the one coming down, and only those the Reserve/Put that forced the move
@@ -87,6 +89,8 @@ class Hit:
     kind: int
     extent: Extent | None  # RAM only: (offset, nbytes)
     nbytes: int
+    lease_id: int = 0  # a Match that asked for leases: the lease on state_hash (RAM only)
+    info: StateInfo | None = None  # with a lease: the leased state's metadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +175,7 @@ class _Reservation:
 class _LeaseEntry:
     state: _State
     expires_at: float
+    from_match: bool = False  # taken by a Match: its hit is counted when it is released as used
 
 
 @dataclass(slots=True)
@@ -237,26 +242,52 @@ class TierStore:
         return self._disk is not None and any(r.info.namespace == namespace for r in self._disk.records())
 
     def match_anchored(self, namespace: bytes, page_hashes: Iterable[bytes], tail_hash: bytes | None = None,
-                       anchored: bool = True) -> tuple[list[Hit], list[Hit]]:
+                       anchored: bool = True, lease_seconds: float = 0.0) -> tuple[list[Hit], list[Hit]]:
         """The longest state per tier whose tokens prefix the prompt (a lower tier only if longer);
         with `anchored`, also the states ending mid-page right after one of the pages.
 
         Those candidates are named by a hash over tokens the store never sees, so the
-        caller verifies each by name; longest first, at most MAX_CANDIDATES.
+        caller verifies each by name; longest first, at most MAX_CANDIDATES. With
+        `lease_seconds` > 0, every RAM state named is leased in the same step (its
+        hits carry the lease): the caller copies without an Acquire, then releases
+        them all (`release`).
         """
         check_hash(namespace, "namespace")
         pages = [check_hash(p, f"page_hashes[{i}]") for i, p in enumerate(page_hashes)]
         if tail_hash is not None:
             check_hash(tail_hash, "tail_hash")
-        with self._lock:  # no arena check: Match reads no arena bytes (Acquire and Get check)
-            self._expire(self._clock())
+        _check_seconds(lease_seconds, "lease_seconds")
+        with self._lock:  # no arena check unless leasing: Match reads no arena bytes (Acquire and Get check)
+            now = self._clock()
+            self._expire(now)
+            leasing = lease_seconds > 0 and self._check_arena()  # a broken arena: plain hits, the caller Acquires
             ram = self._best(namespace, pages, tail_hash, in_ram=True)
             disk = self._best(namespace, pages, tail_hash, in_ram=False) if self._disk is not None else None
             candidates = self._anchored_at(namespace, pages) if anchored else []
-        hits = [h for h in (ram,) if h is not None]
-        if disk is not None and disk.tokens > (ram.tokens if ram is not None else 0):
-            hits.append(disk)
+            hits = [h for h in (ram,) if h is not None]
+            if disk is not None and disk.tokens > (ram.tokens if ram is not None else 0):
+                hits.append(disk)
+            if leasing:
+                hits, candidates = self._lease_hits(hits, candidates, now + lease_seconds)
         return hits, candidates
+
+    def _lease_hits(self, hits: list[Hit], candidates: list[Hit], expires_at: float) -> tuple[list[Hit], list[Hit]]:
+        """The hits with a lease on each RAM state they name (one per state), taken under the lock
+        that found them, so the extents they report stay put until released."""
+        leases: dict[bytes, int] = {}
+
+        def leased(hit: Hit) -> Hit:
+            state = self._states.get(hit.state_hash)
+            if hit.tier != RAM or state is None or state.extent is None:
+                return hit
+            lease_id = leases.get(hit.state_hash)
+            if lease_id is None:
+                lease_id = leases[hit.state_hash] = next(self._lease_ids)
+                state.leases += 1
+                self._leases[lease_id] = _LeaseEntry(state, expires_at, from_match=True)
+            return replace(hit, lease_id=lease_id, info=state.info)
+
+        return [leased(h) for h in hits], [leased(c) for c in candidates]
 
     def _anchored_at(self, namespace: bytes, pages: Sequence[bytes]) -> list[Hit]:
         found: list[Hit] = []
@@ -355,13 +386,27 @@ class TierStore:
             assert state.extent is not None
             return Lease(lease_id, Extent(state.extent.offset, state.info.nbytes), state.info, from_tier)
 
-    def release(self, lease_id: int) -> None:
+    def release(self, lease_id: int, unused: Iterable[int] = ()) -> None:
+        """Ends `lease_id` (0: none) and the `unused` leases of a Match; a Match lease released as
+        `lease_id` was used, and counts the hit Acquire would have. NotFound if any was unknown
+        (the others are released all the same)."""
         with self._lock:
-            entry = self._leases.pop(lease_id, None)
-            if entry is None:
-                raise NotFound(f"no lease {lease_id} (released already, expired, or its arena was recreated)")
-            entry.state.leases -= 1
-            self._unpinned(entry.state)
+            now = self._clock()
+            missing = []
+            for lid, used in ([(lease_id, True)] if lease_id else []) + [(u, False) for u in unused]:
+                entry = self._leases.pop(lid, None)
+                if entry is None:
+                    missing.append(lid)
+                    continue
+                state = entry.state
+                if used and entry.from_match:
+                    state.hits += 1
+                    state.last_used = now
+                state.leases -= 1
+                self._unpinned(state)
+            if missing:
+                raise NotFound(f"no lease {', '.join(map(str, missing))} "
+                               "(released already, expired, or its arena was recreated)")
 
     def drop(self, hash: bytes) -> bool:
         """Removes a state from every tier, or abandons a reservation; False if neither existed."""

@@ -80,6 +80,7 @@ class TierClient:
         self._detached = "not attached yet (no spill or restore has registered)"  # why no arena is mapped
         # Release runs off the engine thread: the copy is done, nothing waits for the answer.
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="ignis-tier-release")
+        self.match_instance = ""  # the instance that answered the last Match (its leases are that instance's)
         # The Monitor's read-only calls, on a channel of their own (side_stats, side_list).
         self._side_channel: grpc.Channel | None = None
         self._side_stub: tierstore_pb2_grpc.TierStoreStub | None = None
@@ -294,17 +295,21 @@ class TierClient:
         return memoryview(self._mmap)[offset:offset + length]
 
     # --- control plane -------------------------------------------------------------------
-    def match(self, namespace: bytes, page_hashes: Sequence[bytes], tail_hash: bytes | None
-              ) -> tuple[list[tierstore_pb2.MatchHit], list[tierstore_pb2.MatchHit]]:
-        """(hits, anchored candidates): candidates end mid-page and must be verified by name."""
+    def match(self, namespace: bytes, page_hashes: Sequence[bytes], tail_hash: bytes | None,
+              lease_seconds: float = 0.0) -> tuple[list[tierstore_pb2.MatchHit], list[tierstore_pb2.MatchHit]]:
+        """(hits, anchored candidates): candidates end mid-page and must be verified by name. With
+        `lease_seconds`, each RAM hit carries a lease of the instance in `match_instance` (release them)."""
+        self.match_instance = ""
         if self._refusing(namespace):
             return [], []
-        request = tierstore_pb2.MatchRequest(namespace=namespace, page_hashes=page_hashes, anchored=True)
+        request = tierstore_pb2.MatchRequest(namespace=namespace, page_hashes=page_hashes, anchored=True,
+                                             lease_seconds=lease_seconds)
         if tail_hash is not None:
             request.tail_hash = tail_hash
         reply = self._call(lambda s: s.Match(request, timeout=self.timeout))
         if reply is None:
             return [], []
+        self.match_instance = reply.instance_id
         self.same_instance(reply.instance_id)
         return list(reply.hits), list(reply.candidates)
 
@@ -333,17 +338,20 @@ class TierClient:
             hash=hash, lease_seconds=lease_seconds), timeout=self.timeout),
             quiet=(grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED))
 
-    def release(self, lease_id: int) -> None:
-        """Unpin a lease in the background; if the call fails the lease simply expires."""
+    def release(self, lease_id: int, unused: Sequence[int] = (), instance_id: str = "") -> None:
+        """Unpin a lease (0: none) and the `unused` leases of a Match, granted by `instance_id` (a
+        store restarted since releases nothing: lease ids are per instance), in the background; if
+        the call fails the leases simply expire."""
         stub = self._stub
-        if stub is None:
+        if stub is None or not (lease_id or unused):
             return
+        request = tierstore_pb2.ReleaseRequest(lease_id=lease_id, unused_lease_ids=unused, instance_id=instance_id)
         parent = otel_context.get_current()
 
         def send() -> None:
             token = otel_context.attach(parent)  # the Release span joins the caller's trace
             try:
-                stub.Release(tierstore_pb2.ReleaseRequest(lease_id=lease_id), timeout=self.timeout)
+                stub.Release(request, timeout=self.timeout)
             except grpc.RpcError:
                 pass
             finally:

@@ -5,6 +5,13 @@ spills written ahead of need. Every failure ends in "nothing happened": a spill 
 fails loses the state (as without a store), a restore that fails leaves the sequence
 cold.
 
+A lookup asks the Match to lease the RAM states it names, so a claim from KV-RAM is one
+round trip: the restore uses the lease of the hit it was given (`_take_held`) instead of an
+Acquire, when that lease is recent and of the arena mapped now, and every other lease goes
+back in one background Release. Only the last lookup's lease is kept (the scheduler restores
+right after the lookup, or within the second its answer is remembered); one whose restore
+never comes goes back at the next lookup, or expires in the store (MATCH_LEASE_SECONDS).
+
 Two threads share the link, so its calls to the store and its use of the arena mapping
 are serialised by one lock; the bulk of a spill (the copy into its reservation, the
 checksum and the integrity tag) runs outside it, on the arena tensor the reservation was
@@ -32,9 +39,22 @@ from engine.proto_convert import request_class_pb, reuse_kind, reuse_kind_pb, re
 from engine.tiers.client import TierClient
 from engine.tiers.codec import StateCodec
 from engine.tiers.integrity import IntegrityKey
-from ignis.v1 import tierstore_pb2
+from ignis.v1 import common_pb2, tierstore_pb2
 
 log = logging.getLogger("ignis.request")
+
+MATCH_LEASE_SECONDS = 3.0  # how long the store keeps a Match's leases if nobody releases them
+# A restore copies under a Match's lease only this soon after the Match (a lookup's answer is
+# remembered for a second: engine/cache/tier_claims.py), leaving the rest of the lease to copy.
+LEASE_USE_SECONDS = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A Match's lease kept for the restore of its state, as Acquire would have answered."""
+
+    lease: tierstore_pb2.AcquireResponse
+    taken: float  # time.monotonic() before the Match was sent: the store's lease ends after taken + its seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +104,8 @@ class TierLink:
         self.restores = 0
         self.restore_failures = 0
         self.rejected = 0  # restores refused: the bytes or metadata are not what this engine wrote
+        self.match_leases_used = 0  # restores that copied under a Match's lease (no Acquire round trip)
+        self._held: tuple[bytes, _Held] | None = None  # the last lookup's lease: (state hash, lease)
         self._lock = threading.RLock()  # the store calls and the mapping: the engine thread and the copy worker
 
     # --- down ----------------------------------------------------------------------------
@@ -211,7 +233,9 @@ class TierLink:
         tail = None
         if n % self.page_size and len(page_hashes) >= n // self.page_size:
             tail = state_name(namespace, page_hashes, tokens, n, self.page_size)
-        hits, candidates = self.client.match(namespace, pages, tail)
+        sent = time.monotonic()
+        hits, candidates = self.client.match(namespace, pages, tail, MATCH_LEASE_SECONDS)
+        leased = [(self.client.match_instance, h) for h in (*hits, *candidates) if h.lease_id]
         best: tierstore_pb2.MatchHit | None = None
         for hit in hits:
             if self._usable(hit, n) and (best is None or hit.tokens > best.tokens):
@@ -219,7 +243,8 @@ class TierLink:
         if best is None and hits and (tail is not None or pages):
             # The longest hit is the whole prompt without its logits: ask again one step shorter.
             shorter = pages if tail is not None else pages[:-1]
-            retry, _ = self.client.match(namespace, shorter, None)
+            retry, more = self.client.match(namespace, shorter, None, MATCH_LEASE_SECONDS)
+            leased += [(self.client.match_instance, h) for h in (*retry, *more) if h.lease_id]
             best = max((h for h in retry if self._usable(h, n)), key=lambda h: h.tokens, default=None)
         for c in candidates:  # longest first
             if best is not None and c.tokens <= best.tokens:
@@ -228,10 +253,56 @@ class TierLink:
             if self._usable(c, n) and state_matches(bytes(c.hash), m, namespace, page_hashes, tokens, self.page_size):
                 best = c
                 break
+        self._keep_lease(best, leased, sent)
         if best is None:
             return None
         return TierHit(bytes(best.state_hash or best.hash), best.tokens,
                        reuse_kind(best.kind, ReuseKind.CHECKPOINT), reuse_tier(best.tier, ReuseTier.RAM))
+
+    # --- a Match's leases -------------------------------------------------------------------
+    def _keep_lease(self, best: tierstore_pb2.MatchHit | None, leased: list[tuple[str, tierstore_pb2.MatchHit]],
+                    sent: float) -> None:
+        """Holds the chosen hit's lease for its restore; the lease held before and every other lease
+        of this lookup go back."""
+        unused = [self._held[1]] if self._held is not None else []
+        self._held = None
+        kept = next(((instance, hit.lease_id) for instance, hit in leased if hit is best), None)
+        seen: set[tuple[str, int]] = set()
+        for instance, hit in leased:
+            key = (instance, hit.lease_id)
+            if key in seen:
+                continue  # one state named twice in a reply: one lease
+            seen.add(key)
+            held = _Held(tierstore_pb2.AcquireResponse(lease_id=hit.lease_id, extent=hit.extent, metadata=hit.metadata,
+                                                       from_tier=common_pb2.REUSE_TIER_RAM,
+                                                       instance_id=instance), sent)
+            if key == kept:
+                self._held = (bytes(hit.state_hash or hit.hash), held)
+            else:
+                unused.append(held)
+        self._let_go(unused)
+
+    def _let_go(self, held: list[_Held]) -> None:
+        """Releases Match leases nobody will use (one background call per instance that granted some)."""
+        by_instance: dict[str, list[int]] = {}
+        for h in held:
+            by_instance.setdefault(h.lease.instance_id, []).append(h.lease.lease_id)
+        for instance, ids in by_instance.items():
+            self.client.release(0, ids, instance)
+
+    def _take_held(self, name: bytes) -> tierstore_pb2.AcquireResponse | None:
+        """The last lookup's lease if it is on `name`, recent enough to copy under and of the arena
+        mapped now; else None (that lease goes back) and the restore Acquires."""
+        kept, self._held = self._held, None
+        if kept is None:
+            return None
+        held_name, held = kept
+        if held_name != name or time.monotonic() - held.taken > LEASE_USE_SECONDS \
+                or held.lease.instance_id != self.client.instance_id:
+            self._let_go([held])
+            return None
+        self.match_leases_used += 1
+        return held.lease
 
     def _usable(self, hit: tierstore_pb2.MatchHit, n: int) -> bool:
         """A state ending before the prompt's end, or at it with its next-token logits stored."""
@@ -254,7 +325,7 @@ class TierLink:
             self.restore_failures += 1
             return None
         started = time.perf_counter()
-        lease = self.client.acquire(hit.state_hash)
+        lease = self._take_held(hit.state_hash) or self.client.acquire(hit.state_hash)
         if lease is None:
             self.restore_failures += 1
             return None
@@ -289,7 +360,7 @@ class TierLink:
                           tokens=hit.tokens, kind=hit.kind.value, reason="metadata or integrity tag mismatch")
                 return None
         finally:
-            self.client.release(lease.lease_id)
+            self.client.release(lease.lease_id, (), lease.instance_id)
         tier = reuse_tier(lease.from_tier, ReuseTier.RAM)
         self.restores += 1
         ids = {"request_id": request_id} if request_id else {}
