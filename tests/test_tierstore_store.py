@@ -664,3 +664,15 @@ def test_a_match_on_a_broken_arena_leases_nothing(store: TierStore, clock: Clock
     hits = store.match_anchored(NS, [h("a")], lease_seconds=5)[0]
     assert all(hit.lease_id == 0 for hit in hits) and store.stats().leases_active == 0
     store._arena_fault = None
+
+
+def test_match_now_never_waits_for_the_lock(store: TierStore) -> None:
+    """The server runs a Match on its event loop only through match_now: with the lock held (a spill or
+    restore moving bytes) it does nothing and says so, and the Match goes to the pool instead."""
+    put(store, "a")
+    with store._lock:
+        assert store.match_now(NS, [h("a")], lease_seconds=5) is None
+    assert store.stats().leases_active == 0  # nothing was leased by the refused try
+    found = store.match_now(NS, [h("a")], lease_seconds=5)
+    assert found is not None and [hit.hash for hit in found[0]] == [h("a")] and found[0][0].lease_id
+    store.release(found[0][0].lease_id)

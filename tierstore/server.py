@@ -1,7 +1,10 @@
 """The gRPC face of the tierstore: a thin servicer over TierStore, plus health and reflection.
 
 Every store call runs in the default thread pool (it may fsync or hash a large
-state) so the asyncio loop keeps answering health checks.
+state) so the asyncio loop keeps answering health checks. Match, on every claim's
+path, runs on the loop itself when the store's lock is free (it reads only the
+in-memory index and the LMDB one, and saves the two thread hops of the pool); when
+the lock is held (a spill or a restore is moving bytes) it goes to the pool too.
 """
 
 from __future__ import annotations
@@ -68,10 +71,12 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
     def __init__(self, store: TierStore) -> None:
         self.store = store
 
-    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: object) -> T:
-        """Runs a store call off the loop; its refusals become their status codes."""
+    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: object,
+                    inline: bool = False) -> T:
+        """Runs a store call off the loop (on it with `inline`: never one that may wait); its refusals
+        become their status codes."""
         try:
-            return await asyncio.to_thread(fn, *args)
+            return fn(*args) if inline else await asyncio.to_thread(fn, *args)
         except TierStoreError as exc:
             await _abort(context, exc)
         except Exception:  # a bug: say so with INTERNAL rather than a bare UNKNOWN
@@ -93,9 +98,11 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
     async def Match(self, request: tierstore_pb2.MatchRequest, context: grpc.aio.ServicerContext
                     ) -> tierstore_pb2.MatchResponse:
         tail = bytes(request.tail_hash) if request.HasField("tail_hash") else None
-        hits, candidates = await self._call(context, self.store.match_anchored, bytes(request.namespace),
-                                            [bytes(p) for p in request.page_hashes], tail, request.anchored,
-                                            request.lease_seconds)
+        args = (bytes(request.namespace), [bytes(p) for p in request.page_hashes], tail, request.anchored,
+                request.lease_seconds)
+        found = await self._call(context, self.store.match_now, *args, inline=True)
+        hits, candidates = found if found is not None else \
+            await self._call(context, self.store.match_anchored, *args)  # the lock is held: wait in the pool
         return tierstore_pb2.MatchResponse(hits=[_hit(h) for h in hits], candidates=[_hit(c) for c in candidates],
                                            instance_id=self.store.instance_id)
 

@@ -252,12 +252,26 @@ class TierStore:
         hits carry the lease): the caller copies without an Acquire, then releases
         them all (`release`).
         """
+        found = self._match(True, namespace, page_hashes, tail_hash, anchored, lease_seconds)
+        assert found is not None
+        return found
+
+    def match_now(self, namespace: bytes, page_hashes: Iterable[bytes], tail_hash: bytes | None = None,
+                  anchored: bool = True, lease_seconds: float = 0.0) -> tuple[list[Hit], list[Hit]] | None:
+        """`match_anchored` if the lock is free now, else None (nothing done): the server runs a Match on
+        its event loop this way, and in its pool when the lock is held."""
+        return self._match(False, namespace, page_hashes, tail_hash, anchored, lease_seconds)
+
+    def _match(self, blocking: bool, namespace: bytes, page_hashes: Iterable[bytes], tail_hash: bytes | None,
+               anchored: bool, lease_seconds: float) -> tuple[list[Hit], list[Hit]] | None:
         check_hash(namespace, "namespace")
         pages = [check_hash(p, f"page_hashes[{i}]") for i, p in enumerate(page_hashes)]
         if tail_hash is not None:
             check_hash(tail_hash, "tail_hash")
         _check_seconds(lease_seconds, "lease_seconds")
-        with self._lock:  # no arena check unless leasing: Match reads no arena bytes (Acquire and Get check)
+        if not self._lock.acquire(blocking=blocking):
+            return None
+        try:  # no arena check unless leasing: Match reads no arena bytes (Acquire and Get check)
             now = self._clock()
             self._expire(now)
             leasing = lease_seconds > 0 and self._check_arena()  # a broken arena: plain hits, the caller Acquires
@@ -269,6 +283,8 @@ class TierStore:
                 hits.append(disk)
             if leasing:
                 hits, candidates = self._lease_hits(hits, candidates, now + lease_seconds)
+        finally:
+            self._lock.release()
         return hits, candidates
 
     def _lease_hits(self, hits: list[Hit], candidates: list[Hit], expires_at: float) -> tuple[list[Hit], list[Hit]]:
