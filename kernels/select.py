@@ -71,6 +71,12 @@ class Kernels:
     # The CPU's fused GDN decode step (conv taps + delta rule in one C call per layer,
     # kernels/cpu/gdn_decode.py); None: causal_conv1d and gated_delta_decode_step_ run.
     gdn_decode_fused: Callable[..., torch.Tensor] | None = None
+    # The CPU's RMSNorm (kernels/cpu/rms_norm.py: x, weight, eps, zero_centered -> out, or None
+    # where it does not take x); None: engine/model/layers.py's torch forms run.
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float, bool], torch.Tensor | None] | None = None
+    # The CPU's rotary embedding + KV-cache write of an attention layer (kernels/cpu/rope_cache.py:
+    # returns rope(q), or None where it does not take the shapes); None: the torch ops run.
+    rope_and_cache: Callable[..., torch.Tensor | None] | None = None
 
 
 def torch_kernels() -> Kernels:
@@ -87,13 +93,14 @@ def cpu_kernels() -> Kernels:
     if os.environ.get("IGNIS_CPU_KERNELS", "native") == "reference":
         log.info("IGNIS_CPU_KERNELS=reference: the CPU runs the torch reference kernels")
         return references
-    from kernels.cpu import causal_conv, gdn_decode, paged_decode
+    from kernels.cpu import causal_conv, gdn_decode, paged_decode, rms_norm, rope_cache
 
     decode = paged_decode.load()
     if decode is None:
         return references
     return dataclasses.replace(references, name="cpu", paged_decode_attention=decode, decode_in_place=True,
-                               gdn_decode_fused=gdn_decode.load(),
+                               gdn_decode_fused=gdn_decode.load(), rms_norm=rms_norm.load(),
+                               rope_and_cache=rope_cache.load(),
                                causal_conv1d=causal_conv.load() or references.causal_conv1d)
 
 

@@ -1,8 +1,9 @@
 """The CPU's fused Gated DeltaNet decode step (kernels/cpu/gdn_decode.c) against its torch
-references: kernels/causal_conv.py's causal_conv1d and kernels/gated_delta.py's
-gated_delta_decode_step_ (itself checked against the token-by-token recurrent rule), on conv taps
-and recurrent states laid out as the engine's DeviceCache holds them (slots scattered, several
-layers per slot); then a hybrid model's decode through the engine's layer, kernel vs references."""
+references: the layer's gates, kernels/causal_conv.py's causal_conv1d, kernels/gated_delta.py's
+gated_delta_decode_step_ (itself checked against the token-by-token recurrent rule) and the
+layer's GatedRMSNorm, on conv taps and recurrent states laid out as the engine's DeviceCache
+holds them (slots scattered, several layers per slot); then a hybrid model's decode through the
+engine's layer, kernel vs references."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import torch.nn.functional as F
+
+from engine.model.layers import GatedRMSNorm
 from kernels.causal_conv import causal_conv1d
 from kernels.cpu import gdn_decode
 from kernels.gated_delta import gated_delta_decode_step_, recurrent_gated_delta_rule
@@ -47,26 +51,39 @@ def check(kernel: gdn_decode.FusedDecode, batch: int, hk: int, hv: int, dk: int,
     slot_ids = torch.randperm(slots, generator=g)[:batch].tolist()
     x = torch.randn(batch, channels, generator=g)
     weight = torch.randn(channels, kernel_size, generator=g) * 0.5
-    gate = -torch.rand(batch, hv, generator=g) * 2  # log decay <= 0
-    beta = torch.rand(batch, hv, generator=g)
+    a = torch.randn(batch, hv, generator=g) * 4  # some past softplus' threshold of 20 once shifted
+    a[0, 0] = 25.0
+    b = torch.randn(batch, hv, generator=g) * 2
+    a_log = torch.randn(hv, generator=g) * 0.5
+    dt_bias = torch.randn(hv, generator=g)
+    z = torch.randn(batch, hv, dv, generator=g)
+    norm = GatedRMSNorm(dv, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dv, generator=g))
 
-    # The references, on copies of the pools.
+    # The references, on copies of the pools: the layer's gates, the conv, the delta rule, the norm.
+    beta = b.sigmoid()
+    gate = -a_log.exp() * F.softplus(a + dt_bias)  # log decay <= 0
     ref_conv, ref_state = conv_pool.clone(), state_pool.clone()
     y, new_taps = causal_conv1d(x.unsqueeze(-1), weight, ref_conv[slot_ids, layer])
     q, k, v = split(y[..., 0], hk, hv, dk, dv)
     states = [ref_state[s, layer] for s in slot_ids]
-    want = gated_delta_decode_step_(q, k, v, gate.unsqueeze(1), beta.unsqueeze(1), states)[:, 0]
+    core = gated_delta_decode_step_(q, k, v, gate.unsqueeze(1), beta.unsqueeze(1), states)[:, 0]
+    with torch.no_grad():
+        want = norm(core.reshape(-1, dv), z.reshape(-1, dv)).view(batch, hv * dv)
     ref_conv[slot_ids, layer] = new_taps
     # The decode step agrees with the token-by-token rule too (the oracle's oracle).
     rec_out, _ = recurrent_gated_delta_rule(q, k, v, gate.unsqueeze(1), beta.unsqueeze(1),
                                             state_pool[slot_ids, layer])
-    assert (rec_out[:, 0] - want).abs().max().item() < TOLERANCE
+    assert (rec_out[:, 0] - core).abs().max().item() < TOLERANCE
 
     untouched = [s for s in range(slots) if s not in slot_ids]
     before_conv, before_state = conv_pool[untouched].clone(), state_pool[untouched].clone()
-    got = kernel(x, gate, beta, weight, conv_pool, state_pool, layer, slot_ids, hk, dk, dv)
-    assert got.shape == (batch, hv, dv)
-    assert (got - want).abs().max().item() < TOLERANCE
+    got = kernel(x, a, b, z, a_log, dt_bias, norm.weight.detach(), norm.eps, weight, conv_pool, state_pool, layer,
+                 slot_ids, hk, dk, dv)
+    assert got.shape == (batch, hv * dv)
+    # The norm divides by the output's RMS, so compare relative to the output's scale.
+    assert (got - want).abs().max().item() < TOLERANCE * max(1.0, want.abs().max().item())
     assert (conv_pool - ref_conv).abs().max().item() < TOLERANCE  # taps shifted in place, exactly
     assert (state_pool - ref_state).abs().max().item() < TOLERANCE
     # Other slots, and other layers of the same slots, are not touched.

@@ -61,18 +61,27 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         cos, sin = cos_sin
-        q = rotary.apply(q, cos, sin)
-        k = rotary.apply(k, cos, sin)
-
         k_cache, v_cache = cache.k_cache(self.layer), cache.v_cache(self.layer)
-        k_cache[batch.kv_pages, batch.kv_offsets] = k.to(k_cache.dtype)
-        v_cache[batch.kv_pages, batch.kv_offsets] = v.to(v_cache.dtype)
-
         ops = kernels_for(x.device)  # Triton on CUDA, the C decode attention + torch references on the CPU
-        out = torch.empty_like(q)  # [T, H, D]
+        # The CPU's one C call for the rope and the cache writes (kernels/cpu/rope_cache.py), where it takes them.
+        rotated = None if ops.rope_and_cache is None else \
+            ops.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, batch.kv_pages, batch.kv_offsets)
+        if rotated is not None:
+            q = rotated
+        else:
+            q = rotary.apply(q, cos, sin)
+            k = rotary.apply(k, cos, sin)
+            k_cache[batch.kv_pages, batch.kv_offsets] = k.to(k_cache.dtype)
+            v_cache[batch.kv_pages, batch.kv_offsets] = v.to(v_cache.dtype)
+
         gather = batch.decode
         # All single-token decodes in one call (K/V may be in another dtype, engine.kv_dtype: the kernels
         # read it as it is and return q's dtype). On the CPU it reads the pages in place (kernels/cpu/).
+        if gather is not None and gather.every_row:  # a decode-only step: its output is the layer's
+            out = ops.paged_decode_attention(q, k_cache, v_cache, gather.pages, gather.offsets, gather.valid,
+                                             self.scale, self.window).to(q.dtype)
+            return self.o_proj(self._gated(out.reshape(t, -1), gate))
+        out = torch.empty_like(q)  # [T, H, D]
         if gather is not None:
             out[gather.rows] = ops.paged_decode_attention(
                 q[gather.rows], k_cache, v_cache, gather.pages, gather.offsets, gather.valid, self.scale, self.window
@@ -84,7 +93,9 @@ class Attention(nn.Module):
             out[rows] = ops.paged_attention(
                 q[rows], k_cache, v_cache, seq.page_table, seq.end, self.scale, self.window
             ).to(out.dtype)
-        out = out.reshape(t, -1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return self.o_proj(self._gated(out.reshape(t, -1), gate))
+
+    @staticmethod
+    def _gated(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The attention output [T, H*D] through its output gate (gated attention: Qwen3.5/Next)."""
+        return out if gate is None else out * torch.sigmoid(gate)

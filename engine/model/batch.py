@@ -66,6 +66,7 @@ class DecodeGather:
     pages: torch.Tensor  # [B, L] page id of each context position (padding: any valid page)
     offsets: torch.Tensor  # [B, L] offset inside the page
     valid: torch.Tensor  # [B, L] bool: position < context length
+    every_row: bool = False  # rows are all the step's rows, in order (a decode-only step): no picking
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +129,7 @@ class ForwardBatch:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
         decodes = [s for s in seqs if s.is_decode]
-        decode = _decode_gather(decodes, page_size, device) if _pad_decodes(decodes, device) else None
+        decode = _decode_gather(decodes, page_size, device, len(ids)) if _pad_decodes(decodes, device) else None
 
         return cls(
             input_ids=tensor(ids),
@@ -158,7 +159,8 @@ def _pad_decodes(decodes: list[SeqView], device: torch.device) -> bool:
     return device.type != "cpu" or max(s.end for s in decodes) < CPU_PADDED_DECODE_MAX_CONTEXT
 
 
-def _decode_gather(seqs: list[SeqView], page_size: int, device: torch.device) -> DecodeGather:
+def _decode_gather(seqs: list[SeqView], page_size: int, device: torch.device, total_rows: int) -> DecodeGather:
+    offsets = [s.offset for s in seqs]
     longest = max(s.end for s in seqs)
     max_pages = -(-longest // page_size)
     table = torch.zeros(len(seqs), max_pages, dtype=torch.int64, device=device)
@@ -168,8 +170,9 @@ def _decode_gather(seqs: list[SeqView], page_size: int, device: torch.device) ->
     pages = table[:, positions // page_size]  # [B, L]
     lengths = torch.tensor([s.end for s in seqs], device=device)
     return DecodeGather(
-        rows=torch.tensor([s.offset for s in seqs], dtype=torch.int64, device=device),
+        rows=torch.tensor(offsets, dtype=torch.int64, device=device),
         pages=pages,
         offsets=(positions % page_size).expand(len(seqs), -1),
         valid=positions[None, :] < lengths[:, None],
+        every_row=offsets == list(range(total_rows)),
     )

@@ -69,22 +69,26 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: DeviceCache) -> torch.Tensor:
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # log decay, <= 0
         weight = self.conv1d.weight.squeeze(1)  # [C, K]
         li = cache.linear_index(self.layer)
-        core = torch.empty(t, self.hv, self.dv, dtype=x.dtype, device=x.device)
+        normed = torch.empty(t, self.value_dim, dtype=x.dtype, device=x.device)  # the output projection's input
         ops = kernels_for(x.device)  # Triton on CUDA, the torch references elsewhere
 
         decodes = [s for s in batch.seqs if s.is_decode]
         if decodes:
-            self._decode(ops, decodes, mixed, g, beta, weight, cache, li, core)
+            self._decode(ops, decodes, mixed, z, b, a, weight, cache, li, normed)
         for seq in batch.seqs:
             if not seq.is_decode:
-                self._prefill(ops, seq, mixed, g, beta, weight, cache, li, core)
+                self._prefill(ops, seq, mixed, z, b, a, weight, cache, li, normed)
+        return self.out_proj(normed)
 
-        out = self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv)).view(t, -1)
-        return self.out_proj(out)
+    def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The write strength beta and the log decay g (<= 0) of these rows."""
+        return b.sigmoid(), -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+    def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """core, z: [R, Hv, Dv] -> [R, value_dim]"""
+        return self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv)).view(core.shape[0], -1)
 
     def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # mixed: [B, T, conv_dim] -> q, k [B, T, Hk, Dk], v [B, T, Hv, Dv]
@@ -93,43 +97,50 @@ class GatedDeltaNet(nn.Module):
         return q.view(bsz, t, self.hk, self.dk), k.view(bsz, t, self.hk, self.dk), v.view(bsz, t, self.hv, self.dv)
 
     def _prefill(
-        self, ops: Kernels, seq: SeqView, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-        weight: torch.Tensor, cache: DeviceCache, li: int, core: torch.Tensor,
+        self, ops: Kernels, seq: SeqView, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+        weight: torch.Tensor, cache: DeviceCache, li: int, normed: torch.Tensor,
     ) -> None:
         slot = _slot(seq)
         rows = slice(seq.offset, seq.offset + seq.length)
         fresh = seq.start == 0  # a fresh sequence starts from zeros, whatever the slot held
+        beta, g = self._gates(b[rows], a[rows])
         conv_in = mixed[rows].T.unsqueeze(0)  # [1, C, T]
         conv_state = None if fresh else cache.conv[slot, li].unsqueeze(0)
         conv_out, new_conv = ops.causal_conv1d(conv_in, weight, conv_state)
         q, k, v = self._split_heads(conv_out.transpose(1, 2))
         state = None if fresh else cache.recurrent[slot, li].unsqueeze(0)
-        out, new_state = ops.chunk_gated_delta_rule(q, k, v, g[rows].unsqueeze(0), beta[rows].unsqueeze(0), state)
-        core[rows] = out[0]
+        out, new_state = ops.chunk_gated_delta_rule(q, k, v, g.unsqueeze(0), beta.unsqueeze(0), state)
+        normed[rows] = self._gated_norm(out[0], z[rows]).to(normed.dtype)
         cache.conv[slot, li] = new_conv[0]
         cache.recurrent[slot, li] = new_state[0]
 
     def _decode(
-        self, ops: Kernels, seqs: list[SeqView], mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-        weight: torch.Tensor, cache: DeviceCache, li: int, core: torch.Tensor,
+        self, ops: Kernels, seqs: list[SeqView], mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor,
+        a: torch.Tensor, weight: torch.Tensor, cache: DeviceCache, li: int, normed: torch.Tensor,
     ) -> None:
         """All single-token decodes of the step: projections and conv batched, each recurrent
         state updated in its own slot (gathering them would copy 1 MiB a layer at hidden 1024)."""
-        rows = torch.tensor([s.offset for s in seqs], dtype=torch.int64, device=mixed.device)
+        offsets = [s.offset for s in seqs]
+        every_row = offsets == list(range(normed.shape[0]))  # a decode-only step: no rows to pick
+        rows = slice(None) if every_row else torch.tensor(offsets, dtype=torch.int64, device=mixed.device)
         slot_ids = [_slot(s) for s in seqs]
         fused = ops.gdn_decode_fused
         if fused is not None and gdn_decode.supports(cache.conv, cache.recurrent, self.dk, self.dv):
-            # One C call: conv taps, head split, q/k norms and the delta rule, states in place.
-            out = fused(mixed[rows], g[rows], beta[rows], weight, cache.conv, cache.recurrent, li, slot_ids,
-                        self.hk, self.dk, self.dv)
-            core[rows] = out.to(core.dtype)
+            # One C call: gates, conv taps, head split, q/k norms, the delta rule (states in place), gated norm.
+            into = normed if every_row and normed.dtype == torch.float32 else None
+            out = fused(mixed[rows], a[rows], b[rows], z[rows], self.A_log, self.dt_bias, self.norm.weight,
+                        self.norm.eps, weight, cache.conv, cache.recurrent, li, slot_ids, self.hk, self.dk, self.dv,
+                        into)
+            if into is None:
+                normed[rows] = out.to(normed.dtype)
             return
+        beta, g = self._gates(b[rows], a[rows])
         slots = torch.tensor(slot_ids, dtype=torch.int64, device=mixed.device)
         conv_out, new_conv = ops.causal_conv1d(mixed[rows].unsqueeze(-1), weight, cache.conv[slots, li])
         q, k, v = self._split_heads(conv_out.transpose(1, 2))  # [B, 1, ...]
         states = [cache.recurrent[slot, li] for slot in slot_ids]  # views, updated in place
-        out = ops.gated_delta_decode_step_(q, k, v, g[rows].unsqueeze(1), beta[rows].unsqueeze(1), states)
-        core[rows] = out[:, 0]
+        out = ops.gated_delta_decode_step_(q, k, v, g.unsqueeze(1), beta.unsqueeze(1), states)
+        normed[rows] = self._gated_norm(out[:, 0], z[rows]).to(normed.dtype)
         cache.conv[slots, li] = new_conv
 
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import ModelConfig
+from kernels.select import kernels_for
 
 
 # Several linears of one input run as one call (engine/model/cpu_linear.py's FusedLinears):
@@ -27,6 +28,11 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        native = kernels_for(x.device).rms_norm  # the CPU's C norm (kernels/cpu/rms_norm.py), where built
+        if native is not None:
+            out = native(x, self.weight, self.eps, self.zero_centered)
+            if out is not None:
+                return out
         if not self.zero_centered and x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op: decode runs ~65 a step
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)

@@ -1,9 +1,13 @@
-/* One Gated DeltaNet decode step for B sequences on the CPU, fused: the causal conv over the
- * carried taps, the head split, q/k L2 normalisation, and the gated delta rule, each state
- * updated where it lies in its slot (no gather, no scatter, no intermediate tensors).
+/* One Gated DeltaNet layer's decode step for B sequences on the CPU, fused, from its input
+ * projections to the input of its output projection: the gates (beta = sigmoid(b), log decay
+ * g = -exp(A_log) softplus(a + dt_bias)), the causal conv over the carried taps, the head split,
+ * q/k L2 normalisation, the gated delta rule with each state updated where it lies in its slot,
+ * and the output's gated RMSNorm (w * rmsnorm(o) * silu(z)): no gather, no scatter, no
+ * intermediate tensors, and none of the ~30 small torch ops per layer those steps take.
  *
- * The torch references are kernels/causal_conv.py (causal_conv1d, T = 1) and
- * kernels/gated_delta.py (gated_delta_decode_step_); kernels/cpu/gdn_decode.py binds this.
+ * The torch references are kernels/causal_conv.py (causal_conv1d, T = 1), kernels/gated_delta.py
+ * (gated_delta_decode_step_) and the layer's own gates and GatedRMSNorm
+ * (engine/model/gated_deltanet.py, layers.py); kernels/cpu/gdn_decode.py binds this.
  *
  * Per (sequence, value head) the state S is Dk x Dv fp32 (64 KiB at 128 x 128): it is read from
  * memory once, for S^T k, and the update S' = decay S + k delta^T with out = S'^T q is a second
@@ -12,12 +16,15 @@
  *
  * Layouts (all fp32, innermost stride 1):
  *   x        [B, C]           the step's mixed q|k|v projections, one row per sequence
- *   g, beta  [B, Hv]          log decay (<= 0) and the write strength
+ *   a, b     [B, Hv]          the decay and write-strength projections, before their gates
+ *   a_log, dt_bias [Hv]       the decay's per-head parameters
+ *   z        [B, Hv, Dv]      the output gate's projection
+ *   norm_w   [Dv]             the gated RMSNorm's weight (eps: its epsilon)
  *   w        [C, K]           depthwise conv weight
  *   conv     pool + slot * conv_slot_stride + conv_offset: [C, K-1] taps of that sequence
  *   state    pool + slot * state_slot_stride + state_offset: [Hv, Dk, Dv] of that sequence
  *   y        [B, C]           scratch: the conv's output
- *   out      [B, Hv, Dv]
+ *   out      [B, Hv, Dv]      normed and gated: the output projection's input
  * Returns 0, or -1 when a size exceeds the fixed per-thread buffers.
  */
 #include <math.h>
@@ -27,7 +34,8 @@
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
-int gdn_decode_step(const float *x, const float *g, const float *beta, const float *w,
+int gdn_decode_layer(const float *x, const float *a, const float *b_proj, const float *a_log,
+                     const float *dt_bias, const float *z, const float *norm_w, float eps, const float *w,
                     float *conv_pool, int64_t conv_slot_stride, int64_t conv_offset,
                     float *state_pool, int64_t state_slot_stride, int64_t state_offset,
                     const int64_t *slots, int64_t batch, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
@@ -68,7 +76,11 @@ int gdn_decode_step(const float *x, const float *g, const float *beta, const flo
             for (int64_t i = 0; i < dk; i++) { q[i] = yq[i] * qn; k[i] = yk[i] * kn; }
 
             float *s = state_pool + slots[b] * state_slot_stride + state_offset + h * dk * dv;
-            const float decay = expf(g[b * hv + h]), strength = beta[b * hv + h];
+            /* softplus as torch's (threshold 20: the identity above it) */
+            const float shifted = a[b * hv + h] + dt_bias[h];
+            const float softplus = shifted > 20.0f ? shifted : log1pf(expf(shifted));
+            const float decay = expf(-expf(a_log[h]) * softplus);
+            const float strength = 1.0f / (1.0f + expf(-b_proj[b * hv + h]));
             for (int64_t j = 0; j < dv; j++) delta[j] = 0.0f;
             for (int64_t i = 0; i < dk; i++) {  /* S^T k, before the decay */
                 const float ki = k[i];
@@ -88,8 +100,13 @@ int gdn_decode_step(const float *x, const float *g, const float *beta, const flo
                     o[j] += qi * updated;
                 }
             }
+            /* The gated RMSNorm over this head's output, in the reference's order of products. */
+            float oo = 0.0f;
+            for (int64_t j = 0; j < dv; j++) oo += o[j] * o[j];
+            const float inv_rms = 1.0f / sqrtf(oo / (float)dv + eps);
+            const float *zr = z + (b * hv + h) * dv;
             float *dst = out + (b * hv + h) * dv;
-            for (int64_t j = 0; j < dv; j++) dst[j] = o[j];
+            for (int64_t j = 0; j < dv; j++) dst[j] = norm_w[j] * (o[j] * inv_rms) * silu(zr[j]);
         }
     }
     return 0;

@@ -1,10 +1,11 @@
 """The fused Gated DeltaNet decode step on the CPU: kernels/cpu/gdn_decode.c via ctypes.
 
-One call per layer does what the torch references do in a chain of small ops: the causal conv
-over each sequence's carried taps (kernels/causal_conv.py), the head split and q/k
-normalisation, and the gated delta rule (kernels/gated_delta.py: gated_delta_decode_step_),
-each sequence's conv taps and recurrent state updated in place in its slot. Those references
-are its oracle (tests/test_cpu_gdn_decode.py). kernels/select.py's `cpu_kernels` loads it into
+One call per layer does what the torch references do in a chain of small ops, from the input
+projections to the output projection's input: the gates, the causal conv over each sequence's
+carried taps (kernels/causal_conv.py), the head split and q/k normalisation, the gated delta
+rule (kernels/gated_delta.py: gated_delta_decode_step_), each sequence's conv taps and
+recurrent state updated in place in its slot, and the gated RMSNorm of the output. Those
+references and the layer's own gates and norm are its oracle (tests/test_cpu_gdn_decode.py). kernels/select.py's `cpu_kernels` loads it into
 the CPU's kernel table; `load()` returns None, logging why, when the library `make kernels`
 builds is not there, and the references run.
 """
@@ -23,15 +24,15 @@ from kernels.cpu.library import LIBRARY, bind
 MAX_HEAD_DIM = 256  # the C kernel's per-thread buffers
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_ARGTYPES: list[Any] = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64,
-                        _i64, _i64, _ptr, _ptr]
+_ARGTYPES: list[Any] = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_float, _ptr,
+                        _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr]
 
 FusedDecode = Callable[..., torch.Tensor]
 
 
 def load(path: Path = LIBRARY) -> FusedDecode | None:
     """The fused step bound to the library at `path`, or None (logged) when it cannot be loaded."""
-    fn = bind(path, "gdn_decode_step", _ARGTYPES, "GDN decode runs the torch references")
+    fn = bind(path, "gdn_decode_layer", _ARGTYPES, "GDN decode runs the torch references")
     return None if fn is None else functools.partial(_run, fn)
 
 
@@ -44,25 +45,39 @@ def supports(conv_pool: torch.Tensor, state_pool: torch.Tensor, dk: int, dv: int
             and state_pool.stride(-1) == 1 and state_pool.stride(-2) == dv and state_pool.stride(-3) == dk * dv)
 
 
-def _run(fn: Callable[..., int], x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor,
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    # A check in Python is cheaper than the two no-op torch calls a decode step would make ~100 times.
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.to(torch.float32).contiguous()
+
+
+def _run(fn: Callable[..., int], x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
+         a_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
          conv_pool: torch.Tensor, state_pool: torch.Tensor, layer: int, slots: list[int],
-         hk: int, dk: int, dv: int) -> torch.Tensor:
-    """x: [B, C] mixed q|k|v rows; g, beta: [B, Hv]; weight: [C, K]; conv_pool: [slots, L, C, K-1];
+         hk: int, dk: int, dv: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [B, C] mixed q|k|v rows; a, b: [B, Hv] the gates' projections; z: [B, Hv, Dv] (or [B, Hv*Dv]);
+    a_log, dt_bias: [Hv]; norm_weight: [Dv]; weight: [C, K]; conv_pool: [slots, L, C, K-1];
     state_pool: [slots, L, Hv, Dk, Dv]; `layer`: this layer's index in the pools; `slots`: each
-    sequence's slot. Updates the pools in place; returns the delta rule's output [B, Hv, Dv] fp32."""
+    sequence's slot. Updates the pools in place; returns the gated RMSNorm of the delta rule's
+    output, [B, Hv * Dv] fp32: the output projection's input (written into `out` if given: a
+    contiguous fp32 [B, Hv * Dv])."""
     batch, channels = x.shape
-    hv = g.shape[1]
+    hv = a.shape[1]
     kernel = weight.shape[1]
     assert channels == 2 * hk * dk + hv * dv and weight.shape[0] == channels, (x.shape, weight.shape)
     assert conv_pool.shape[-2:] == (channels, kernel - 1) and state_pool.shape[-3:] == (hv, dk, dv)
-    x, g, beta, weight = (t.to(torch.float32).contiguous() for t in (x, g, beta, weight))
-    slot_ids = torch.tensor(slots, dtype=torch.int64)
+    assert b.shape == (batch, hv) and z.numel() == batch * hv * dv and norm_weight.shape == (dv,)
+    x, a, b, z, a_log, dt_bias, norm_weight, weight = (
+        _fp32(t) for t in (x, a, b, z, a_log, dt_bias, norm_weight, weight))
+    slot_ids = (ctypes.c_int64 * batch)(*slots)
     y = torch.empty(batch, channels, dtype=torch.float32)
-    out = torch.empty(batch, hv, dv, dtype=torch.float32)
-    status = fn(x.data_ptr(), g.data_ptr(), beta.data_ptr(), weight.data_ptr(),
+    if out is None:
+        out = torch.empty(batch, hv * dv, dtype=torch.float32)
+    assert out.dtype == torch.float32 and out.is_contiguous() and out.shape == (batch, hv * dv)
+    status = fn(x.data_ptr(), a.data_ptr(), b.data_ptr(), a_log.data_ptr(), dt_bias.data_ptr(), z.data_ptr(),
+                norm_weight.data_ptr(), eps, weight.data_ptr(),
                 conv_pool.data_ptr(), conv_pool.stride(0), layer * conv_pool.stride(1),
                 state_pool.data_ptr(), state_pool.stride(0), layer * state_pool.stride(1),
-                slot_ids.data_ptr(), batch, hk, hv, dk, dv, kernel, y.data_ptr(), out.data_ptr())
+                ctypes.addressof(slot_ids), batch, hk, hv, dk, dv, kernel, y.data_ptr(), out.data_ptr())
     if status != 0:
-        raise RuntimeError(f"gdn_decode_step refused Hk {hk}, Hv {hv}, Dk {dk}, Dv {dv}: this is a bug")
+        raise RuntimeError(f"gdn_decode_layer refused Hk {hk}, Hv {hv}, Dk {dk}, Dv {dv}: this is a bug")
     return out

@@ -8,9 +8,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+
 log = logging.getLogger("ignis.engine")
 
 LIBRARY = Path(__file__).resolve().parent / "build" / "libignis_cpu.so"
+
+# How the C kernels name a KV cache's dtype (their KV_FP32, KV_BF16, KV_FP16).
+KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def bind(path: Path, symbol: str, argtypes: list[Any], what: str) -> Any | None:

@@ -14,12 +14,10 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.cpu.library import LIBRARY, bind
+from kernels.cpu.library import KV_DTYPE_CODES, LIBRARY, bind
 from kernels.paged_attention import paged_decode_attention as reference
 
 MAX_GROUP, MAX_DIM = 64, 256  # the C kernel's fixed per-thread buffers (query heads per KV head, head dim)
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _ARGTYPES: list[Any] = [_int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64,
              _ptr, _ptr, _i64, _int, _int, _int, ctypes.c_float, _i64]
@@ -37,7 +35,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the C kernel takes these shapes and dtypes (else the reference runs)."""
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[2]
-    return (q.device.type == "cpu" and k_cache.dtype in _DTYPE_CODES and dim <= MAX_DIM and kv_heads > 0
+    return (q.device.type == "cpu" and k_cache.dtype in KV_DTYPE_CODES and dim <= MAX_DIM and kv_heads > 0
             and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP and k_cache.stride(-1) == 1)
 
 
@@ -56,7 +54,7 @@ def _run(fn: Callable[..., int], q: torch.Tensor, k_cache: torch.Tensor, v_cache
     lengths = valid.sum(dim=1, dtype=torch.int64).contiguous()  # [B]: valid is a prefix
     out = torch.empty(batch, heads, dim, dtype=torch.float32)
     ks, vs = k_cache.stride(), v_cache.stride()
-    status = fn(_DTYPE_CODES[k_cache.dtype], qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+    status = fn(KV_DTYPE_CODES[k_cache.dtype], qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                 ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
                 pages.data_ptr(), pages.stride(0), pages.stride(1), offsets.data_ptr(), offsets.stride(0),
                 offsets.stride(1), lengths.data_ptr(), out.data_ptr(), batch, heads, k_cache.shape[2], dim,
