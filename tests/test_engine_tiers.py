@@ -432,6 +432,7 @@ def test_small_arena_spills_on_to_disk_and_hits_from_disk(tmp_path: Path, model,
         got = engine.run(TOPICS[0])  # spilled first: long pushed out of the arena onto disk
         same(got, oracle(TOPICS[0]))
         assert got.tier == "disk"
+        assert engine.core.reuse.tiers.restores_streamed == 1  # type: ignore[attr-defined] # copied as it was read
         assert engine.core.reuse.counters.reused_tokens[ReuseTier.DISK] > 0
         engine.check()
     finally:
@@ -529,18 +530,21 @@ def test_a_restore_checks_the_bytes_it_copied(tmp_path: Path, model, oracle, mon
         for topic in TOPICS:  # the first ones spill to RAM as later ones take the device slots
             same(engine.run(topic), oracle(topic))
         link = engine.core.reuse.tiers  # type: ignore[attr-defined]
-        real_unpack = link.codec.unpack
+        real_steps = link.codec.unpack_steps
         scribbled: list[int] = []
 
-        def racing_unpack(arena, offset, tokens, nbytes, slot, pages):  # type: ignore[no-untyped-def]
-            if when == "after the copy":
-                logits = real_unpack(arena, offset, tokens, nbytes, slot, pages)
-            arena[offset:offset + nbytes].zero_()
-            scribbled.append(nbytes)
+        def racing_steps(arena, offset, tokens, nbytes, slot, pages):  # type: ignore[no-untyped-def]
+            steps = real_steps(arena, offset, tokens, nbytes, slot, pages)
+
+            def scribble() -> None:
+                arena[offset:offset + nbytes].zero_()
+                scribbled.append(nbytes)
+
             if when == "before the copy":
-                logits = real_unpack(arena, offset, tokens, nbytes, slot, pages)
-            return logits
-        monkeypatch.setattr(link.codec, "unpack", racing_unpack)
+                return [(0, scribble), *steps]
+            end, last = steps[-1]  # the last copy returns the logits: scribble once it is through
+            return [*steps[:-1], (end, lambda: (logits := last(), scribble(), logits)[-1])]
+        monkeypatch.setattr(link.codec, "unpack_steps", racing_steps)
         rejected = link.rejected
         got = engine.run(TOPICS[0])
         assert scribbled, "the request did not restore from KV-RAM"
@@ -652,3 +656,30 @@ def test_codec_round_trip_is_bit_exact(model: tuple[LoadedModel, Tokenizer]) -> 
         assert codec.unpack(arena, 3 * 4096, tokens, codec.nbytes(tokens, False), 3, dst_pages) is None
     finally:
         engine.close()
+
+
+def test_a_streamed_restore_copies_what_has_landed_and_keeps_nothing_unverified() -> None:
+    """Each copy runs once its bytes are in (before the rest is read); a stream that ends without
+    `verified` (the store found the blob bad) makes the whole restore count for nothing."""
+    from engine.tiers.link import _copy_as_landed
+    from ignis.v1 import tierstore_pb2
+
+    events: list[str] = []
+
+    def steps() -> list:  # type: ignore[type-arg]
+        def copy(name: str, out: object = None):  # type: ignore[no-untyped-def]
+            return lambda: (events.append(name), out)[1]
+        return [(10, copy("a")), (20, copy("b")), (30, copy("logits", "L"))]
+
+    def landing(*ready: int, verified: bool = True):  # type: ignore[no-untyped-def]
+        for i, n in enumerate(ready):
+            events.append(f"landed {n}")
+            yield tierstore_pb2.AcquireProgress(ready_bytes=n, verified=verified and i == len(ready) - 1)
+
+    assert _copy_as_landed(steps(), 0, landing(15, 30, 30)) == (True, "L")
+    assert events == ["landed 15", "a", "landed 30", "b", "logits", "landed 30"]
+    events.clear()
+    assert _copy_as_landed(steps(), 0, landing(15, 30, verified=False)) == (False, None)
+    assert events == ["landed 15", "a", "landed 30", "b", "logits"]
+    events.clear()
+    assert _copy_as_landed(steps(), 30, None) == (True, "L") and events == ["a", "b", "logits"]

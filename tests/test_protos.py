@@ -172,8 +172,10 @@ def test_services_have_the_expected_methods() -> None:
     tierstore = tierstore_pb2.DESCRIPTOR.services_by_name["TierStore"]
     assert tierstore.full_name == "ignis.v1.TierStore"
     assert [m.name for m in tierstore.methods] == [
-        "Register", "Match", "Reserve", "Commit", "Acquire", "Release", "Drop", "Stats", "ListStates", "Put", "Get",
+        "Register", "Match", "Reserve", "Commit", "Acquire", "AcquireStream", "Release", "Drop", "Stats", "ListStates",
+        "Put", "Get",
     ]
+    assert tierstore.methods_by_name["AcquireStream"].server_streaming
     assert tierstore.methods_by_name["Put"].client_streaming
     assert tierstore.methods_by_name["Get"].server_streaming
     assert hasattr(engine_pb2_grpc, "EngineStub") and hasattr(engine_pb2_grpc, "add_EngineServicer_to_server")

@@ -290,3 +290,44 @@ def test_a_match_that_leases_replaces_the_acquire_round_trip(start: Start) -> No
         assert code_of(lambda: c.release(0, [again.lease_id])) == grpc.StatusCode.NOT_FOUND
         assert code_of(lambda: c.match(NS, [h(3)], lease_seconds=-1)) == grpc.StatusCode.INVALID_ARGUMENT
         assert c.stats().leases_active == 0  # the store kept serving
+
+
+def test_acquire_stream_hands_out_the_bytes_as_they_land(start: Start, tmp_path: Path) -> None:
+    """AcquireStream: the lease first, then how far the restore has read, then `verified`; a state in RAM
+    comes whole in one message; a blob that fails its checksum ends the stream with DATA_LOSS and no lease."""
+    ts = start(ram="8MiB")
+    with TierStoreClient(ts.address) as c:
+        c.register(NS, page_size=16)
+        n = 5 * 1024 * KiB + 321  # several of the reader's 2 MiB chunks
+        for i in (1, 2):
+            c.store(h(i), make_data(i, n), make_meta(i, n))  # the second pushes the first down to disk
+        assert c.match(NS, [h(1)])[0].tier == DISK
+        messages = list(c.acquire_stream(h(1), lease_seconds=5))
+        first, *middle, last = messages  # progress a slow reader has not taken yet is merged into one step
+        assert first.HasField("lease") and first.ready_bytes < n and not first.verified
+        assert first.lease.from_tier == DISK and first.lease.metadata.nbytes == n
+        assert not any(m.HasField("lease") or m.verified for m in middle)
+        ready = [m.ready_bytes for m in (first, *middle)]
+        assert ready == sorted(ready) and last.verified and last.ready_bytes == n
+        assert bytes(c.read(first.lease.extent)) == make_data(1, n)
+        c.release(first.lease.lease_id)
+        [whole] = c.acquire_stream(h(1))  # now in RAM
+        assert whole.verified and whole.ready_bytes == n and whole.lease.from_tier == RAM
+        c.release(whole.lease.lease_id)
+        c.store(h(3), make_data(3, n), make_meta(3, n))  # state 1 goes down again
+        blob = tmp_path / "kv-disk" / "blobs" / h(2).hex()
+        raw = bytearray(blob.read_bytes())
+        raw[-1000] ^= 0x10  # in the last chunk: the stream has handed out progress before it fails
+        blob.write_bytes(raw)
+        assert c.match(NS, [h(2)])[0].tier == DISK
+        got: list[tierstore_pb2.AcquireProgress] = []
+        with pytest.raises(grpc.RpcError) as info:
+            for message in c.acquire_stream(h(2)):
+                got.append(message)
+        assert info.value.code() == grpc.StatusCode.DATA_LOSS
+        assert got and got[0].HasField("lease") and not any(m.verified for m in got)
+        stats = c.stats()
+        assert stats.leases_active == 0 and stats.checksum_failures == 1 and c.match(NS, [h(2)]) == []
+        assert code_of(lambda: list(c.acquire_stream(h(9)))) == grpc.StatusCode.NOT_FOUND
+        assert code_of(lambda: list(c.acquire_stream(b"short"))) == grpc.StatusCode.INVALID_ARGUMENT
+        assert bytes(c.read(c.acquire(h(3)).extent)) == make_data(3, n)  # still serving

@@ -15,6 +15,7 @@ still in the page cache (spilled a moment ago) would be read from the disk again
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import xxhash
@@ -29,9 +30,11 @@ class BlobReader:
         self.chunk = chunk
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ignis-kv-disk-hash")  # started at first use
 
-    def read(self, fd: int, offset: int, out: memoryview) -> bytes | None:
+    def read(self, fd: int, offset: int, out: memoryview, progress: Callable[[int], None] | None = None
+             ) -> bytes | None:
         """Reads len(out) bytes of the open file `fd` from `offset` into `out`; returns their xxh3_128,
-        or None if the file ended first. OSError if a read fails."""
+        or None if the file ended first. OSError if a read fails. `progress(n)` after each chunk: the
+        first n bytes of `out` are read (not yet checked)."""
         n = len(out)
         hasher = xxhash.xxh3_128()
         pending: Future[None] | None = None
@@ -45,6 +48,8 @@ class BlobReader:
                     pending.result()
                 pending = self._hasher.submit(hasher.update, out[pos:pos + got])  # beside the next read
                 pos += got
+                if progress is not None:
+                    progress(pos)
             if pending is not None:
                 pending.result()
             return hasher.digest()

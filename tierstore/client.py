@@ -112,6 +112,12 @@ class TierStoreClient:
         return self.stub.Acquire(tierstore_pb2.AcquireRequest(
             hash=hash, lease_seconds=lease_seconds), timeout=self.timeout)
 
+    def acquire_stream(self, hash: bytes, lease_seconds: float = 0.0) -> Iterator[tierstore_pb2.AcquireProgress]:
+        """Acquire as the bytes land: the first message has the lease, then ``ready_bytes`` grows; the bytes
+        are good only once a message says ``verified`` (an error ends the stream instead)."""
+        return iter(self.stub.AcquireStream(tierstore_pb2.AcquireRequest(
+            hash=hash, lease_seconds=lease_seconds), timeout=self.timeout))
+
     def release(self, lease_id: int, unused: Sequence[int] = (), *, instance_id: str = "") -> None:
         """Ends a lease (0: none) and the ``unused`` leases of a Match (no hit counted on those), of
         ``instance_id`` (empty: the store's own; another's were void already)."""

@@ -314,13 +314,14 @@ class DiskTier:
 
     # ------------------------------------------------------------ reads
 
-    def read_into(self, hash: bytes, out: memoryview) -> bool:
+    def read_into(self, hash: bytes, out: memoryview, progress: Callable[[int], None] | None = None) -> bool:
         """Reads a blob into ``out`` (exactly its size) and verifies it.
 
         False if the state is not on disk, or if the blob is missing, short or
         fails its checksum: then it is dropped (a checksum failure and a missing blob
         counted), and ``out`` holds garbage that must not be served. DiskFault if the
-        file cannot be read (an I/O error): the state stays.
+        file cannot be read (an I/O error): the state stays. ``progress(n)`` as the bytes land
+        (BlobReader.read).
         """
         record = self._records.get(hash)
         if record is None:
@@ -340,7 +341,7 @@ class DiskTier:
         try:
             if os.fstat(fd).st_size != record.file_size:
                 return self._fail(hash, "has the wrong size")
-            digest = self._reader.read(fd, record.data_offset, out)
+            digest = self._reader.read(fd, record.data_offset, out, progress)
         except OSError as exc:
             raise self._failed("reading a blob", exc) from None
         finally:

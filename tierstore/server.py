@@ -27,7 +27,7 @@ from tierstore.errors import (AlreadyExists, DataLoss, FailedPrecondition, Inval
                               Unavailable)
 from tierstore.registry import Registration
 from tierstore.state import check_hash, short
-from tierstore.store import Hit, StoreStats, TierStore
+from tierstore.store import Hit, Lease, StoreStats, TierStore
 
 log = logging.getLogger("ignis.tierstore")
 SERVICE_NAME = "ignis.v1.TierStore"
@@ -125,6 +125,49 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
         if lease is None:
             await _fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 "no room in the arena to restore the state: every extent is pinned; retry later")
+        return tierstore_pb2.AcquireResponse(lease_id=lease.lease_id, extent=_extent(lease.extent),
+                                             metadata=lease.info.to_proto(), from_tier=lease.from_tier,  # type: ignore[arg-type]
+                                             instance_id=self.store.instance_id)
+
+    async def AcquireStream(self, request: tierstore_pb2.AcquireRequest, context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[tierstore_pb2.AcquireProgress]:
+        """Acquire, answered as a restore's bytes land (the caller copies while the rest is read)."""
+        loop = asyncio.get_running_loop()
+        landed: asyncio.Queue[tierstore_pb2.AcquireProgress] = asyncio.Queue()
+
+        def progress(lease: Lease, n: int) -> None:  # on the store's thread, under its lock: hand it on only
+            message = tierstore_pb2.AcquireProgress(ready_bytes=n)
+            if n == 0:
+                message.lease.CopyFrom(self._lease_message(lease))
+            loop.call_soon_threadsafe(landed.put_nowait, message)
+
+        acquiring = asyncio.ensure_future(asyncio.to_thread(self.store.acquire, bytes(request.hash),
+                                                            request.lease_seconds, progress))
+        started = False
+        while not acquiring.done() or not landed.empty():
+            waiting = asyncio.ensure_future(landed.get())
+            await asyncio.wait({waiting, acquiring}, return_when=asyncio.FIRST_COMPLETED)
+            if not waiting.done():
+                waiting.cancel()
+                continue
+            message = waiting.result()
+            while not landed.empty():  # a slow reader gets fewer, larger steps (the lease is never dropped)
+                later = landed.get_nowait()
+                if message.HasField("lease"):
+                    later.lease.CopyFrom(message.lease)
+                message = later
+            started = started or message.HasField("lease")
+            yield message
+        lease = await self._call(context, lambda: acquiring.result(), inline=True)  # its refusal, as Acquire's
+        if lease is None:
+            await _fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        "no room in the arena to restore the state: every extent is pinned; retry later")
+        done = tierstore_pb2.AcquireProgress(ready_bytes=lease.extent.length, verified=True)
+        if not started:  # in RAM already: the lease and all of it in one message
+            done.lease.CopyFrom(self._lease_message(lease))
+        yield done
+
+    def _lease_message(self, lease: Lease) -> tierstore_pb2.AcquireResponse:
         return tierstore_pb2.AcquireResponse(lease_id=lease.lease_id, extent=_extent(lease.extent),
                                              metadata=lease.info.to_proto(), from_tier=lease.from_tier,  # type: ignore[arg-type]
                                              instance_id=self.store.instance_id)

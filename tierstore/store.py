@@ -380,8 +380,15 @@ class TierStore:
             self._index_ram(state)
             return state.info
 
-    def acquire(self, hash: bytes, lease_seconds: float = 0.0) -> Lease | None:
-        """Pins a state in the arena, restoring it from disk if needed; None if RAM has no room for it."""
+    def acquire(self, hash: bytes, lease_seconds: float = 0.0,
+                progress: Callable[[Lease, int], None] | None = None) -> Lease | None:
+        """Pins a state in the arena, restoring it from disk if needed; None if RAM has no room for it.
+
+        With `progress`, a restore calls `progress(lease, n)` as the bytes land: first with n = 0
+        (the lease it will return, its extent where they land), then each time the extent's first n
+        bytes are read (not yet checked: only a returned lease vouches for them). Under the lock,
+        like the whole restore: the callback must only hand the figures on.
+        """
         check_hash(hash)
         _check_seconds(lease_seconds, "lease_seconds")
         with self._lock:
@@ -390,14 +397,17 @@ class TierStore:
             self._expire(now)
             state = self._live(hash)
             from_tier = RAM
+            lease_id = next(self._lease_ids)
             if state.extent is None:
-                if not self._restore(state, now):
+                landing = None if progress is None else \
+                    lambda extent, n: progress(Lease(lease_id, Extent(extent.offset, state.info.nbytes), state.info,
+                                                     DISK), n)
+                if not self._restore(state, now, landing):
                     return None
                 from_tier = DISK
             state.leases += 1
             state.hits += 1
             state.last_used = now
-            lease_id = next(self._lease_ids)
             self._leases[lease_id] = _LeaseEntry(state, now + (lease_seconds or self.config.lease_seconds))
             assert state.extent is not None
             return Lease(lease_id, Extent(state.extent.offset, state.info.nbytes), state.info, from_tier)
@@ -719,8 +729,9 @@ class TierStore:
             raise AssertionError("disk room was counted but not found: this is a bug")
         return True
 
-    def _restore(self, state: _State, now: float) -> bool:
-        """Brings a disk state into the arena, checked; False if RAM has no room. DataLoss if the blob is bad."""
+    def _restore(self, state: _State, now: float, progress: Callable[[Extent, int], None] | None = None) -> bool:
+        """Brings a disk state into the arena, checked; False if RAM has no room. DataLoss if the blob is bad.
+        `progress(extent, n)`: where the bytes land (n = 0), then how many have."""
         assert self._disk is not None
         h = state.info.hash
         self._busy.add(h)
@@ -732,7 +743,9 @@ class TierStore:
             return False
         view = self.arena.slice(extent.offset, state.info.nbytes)
         try:
-            ok = self._disk.read_into(h, view)
+            if progress is not None:
+                progress(extent, 0)
+            ok = self._disk.read_into(h, view, None if progress is None else lambda n: progress(extent, n))
         except DiskFault as exc:
             self.arena.free(extent)
             raise Unavailable("disk", f"kv-disk cannot read {short(h)} now ({exc}); it stays stored") from None

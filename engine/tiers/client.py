@@ -23,16 +23,17 @@ import os
 import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import grpc
 from opentelemetry import context as otel_context
+from opentelemetry import trace
 import torch
 
 from common.bearer import BearerInterceptor, read_secret
 from common.mapped_file import file_fault
-from common.tracing import ClientTracingInterceptor
+from common.tracing import ClientTracingInterceptor, client_span, grpc_metadata, set_rpc_status
 from ignis.v1 import tierstore_pb2, tierstore_pb2_grpc
 
 log = logging.getLogger("ignis.engine.tiers")
@@ -161,25 +162,29 @@ class TierClient:
         try:
             result = fn(stub)
         except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            self.last_code = code
-            tier = _tier_fault(exc) if code == grpc.StatusCode.UNAVAILABLE else None
-            if tier == "disk":  # the store is up; its disk is failing: this call finds nothing
-                self.errors += 1
-            elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                          grpc.StatusCode.CANCELLED):
-                self._mark_down(code.name if tier is None else f"its {tier} is unusable")
-            elif code == grpc.StatusCode.UNAUTHENTICATED:
-                self._mark_down("UNAUTHENTICATED: the shared secret is missing or not the store's "
-                                "(tierstore.secret_file)")
-            elif code not in quiet:
-                self.errors += 1
-                log.warning("tierstore call failed: %s %s", code, exc.details() if hasattr(exc, "details") else exc)
+            self._failed(exc, quiet)
             return None
         if self._down:
             self._down = False
             log.info("tierstore at %s is back", self.address)
         return result
+
+    def _failed(self, exc: grpc.RpcError, quiet: Sequence[grpc.StatusCode]) -> None:
+        """What a failed call means: the store down, its disk failing, or a refusal (counted unless quiet)."""
+        code = exc.code() if hasattr(exc, "code") else None
+        self.last_code = code
+        tier = _tier_fault(exc) if code == grpc.StatusCode.UNAVAILABLE else None
+        if tier == "disk":  # the store is up; its disk is failing: this call finds nothing
+            self.errors += 1
+        elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                      grpc.StatusCode.CANCELLED):
+            self._mark_down(code.name if tier is None else f"its {tier} is unusable")
+        elif code == grpc.StatusCode.UNAUTHENTICATED:
+            self._mark_down("UNAUTHENTICATED: the shared secret is missing or not the store's "
+                            "(tierstore.secret_file)")
+        elif code not in quiet:
+            self.errors += 1
+            log.warning("tierstore call failed: %s %s", code, exc.details() if hasattr(exc, "details") else exc)
 
     # --- arena -------------------------------------------------------------------------
     def ensure(self, namespace: bytes) -> bool:
@@ -337,6 +342,34 @@ class TierClient:
         return self._call(lambda s: s.Acquire(tierstore_pb2.AcquireRequest(
             hash=hash, lease_seconds=lease_seconds), timeout=self.timeout),
             quiet=(grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED))
+
+    def acquire_stream(self, hash: bytes, lease_seconds: float = 30.0) -> Iterator[tierstore_pb2.AcquireProgress]:
+        """Acquire as a restore's bytes land (AcquireStream): the lease first, then `ready_bytes`, then
+        `verified`. Ends early, without `verified`, when the store fails or refuses (as `acquire`
+        answers None): whatever was copied must not be used."""
+        stub = self._connect()
+        if stub is None:
+            return
+        self.last_code = None
+        span = client_span("/ignis.v1.TierStore/AcquireStream", self.address)  # the interceptor traces unary calls
+        code: grpc.StatusCode | None = grpc.StatusCode.OK
+        call = None
+        try:
+            call = stub.AcquireStream(tierstore_pb2.AcquireRequest(hash=hash, lease_seconds=lease_seconds),
+                                      timeout=self.timeout, metadata=grpc_metadata(trace.set_span_in_context(span)))
+            yield from call
+            if self._down:
+                self._down = False
+                log.info("tierstore at %s is back", self.address)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+            self._failed(exc, (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS,
+                               grpc.StatusCode.RESOURCE_EXHAUSTED))
+        finally:
+            if call is not None:
+                call.cancel()  # the caller stopped reading: a lease the restore still makes expires
+            set_rpc_status(span, code)
+            span.end()
 
     def release(self, lease_id: int, unused: Sequence[int] = (), instance_id: str = "") -> None:
         """Unpin a lease (0: none) and the `unused` leases of a Match, granted by `instance_id` (a

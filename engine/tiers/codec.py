@@ -8,6 +8,7 @@ section's dtype. Each section is one tensor copy; nothing is done per element in
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,21 +187,44 @@ class StateCodec:
         Fewer pages than the state holds copy a page-aligned prefix (attention-only models:
         every prefix of the KV is itself a state); a prefix has no logits.
         """
+        logits = None
+        for _, step in self.unpack_steps(arena, offset, tokens, nbytes, slot, pages):
+            logits = step()
+        return logits
+
+    def unpack_steps(self, arena: torch.Tensor, offset: int, tokens: int, nbytes: int, slot: int | None,
+                     pages: list[int], step_bytes: int = 4 << 20) -> list[tuple[int, Callable[[], torch.Tensor | None]]]:
+        """`unpack` as copies in arena order, each with the end of the bytes it reads (relative to
+        `offset`): a restore runs each once those bytes have landed. The KV pages go in runs of
+        about `step_bytes`; the last step returns the logits (None if not stored), the others None."""
         c, s = self.cache, self.sections(tokens)
         whole = len(pages) == -(-tokens // self.page_size)
         if slot is None and self.fixed_state_bytes:
             raise ValueError("a model with recurrent state needs its slot")
         if not whole and self.fixed_state_bytes:
             raise ValueError("a state with recurrent layers cannot be cut to a prefix")
+        steps: list[tuple[int, Callable[[], torch.Tensor | None]]] = []
+
+        def step(end: int, fn: Callable[[], object]) -> None:
+            steps.append((end, lambda: (fn(), None)[1]))
+
         if self.recurrent_bytes:
-            c.recurrent[slot].copy_(self._view(arena, offset + s.recurrent, c.recurrent[slot]))
+            step(s.recurrent + self.recurrent_bytes, lambda: c.recurrent[slot].copy_(
+                self._view(arena, offset + s.recurrent, c.recurrent[slot])))
         if self.conv_bytes:
-            c.conv[slot].copy_(self._view(arena, offset + s.conv, c.conv[slot]))
-        if pages:
-            src = self._view(arena, offset + s.kv, c.kv[0], len(pages))
-            idx = torch.tensor(pages, dtype=torch.long, device=c.kv.device)
-            c.kv.index_copy_(0, idx, src.to(c.kv.device))
-        if not whole or not self.has_logits(tokens, nbytes):
-            return None
-        like = torch.empty(self.vocab_size, dtype=torch.float32)
-        return self._view(arena, offset + s.logits, like).to(c.kv.device, copy=True)
+            step(s.conv + self.conv_bytes, lambda: c.conv[slot].copy_(self._view(arena, offset + s.conv, c.conv[slot])))
+        run = max(1, step_bytes // self.page_bytes) if self.page_bytes else len(pages) or 1
+        for first in range(0, len(pages), run):
+            part = pages[first:first + run]
+
+            def copy_pages(first: int = first, part: list[int] = part) -> None:
+                src = self._view(arena, offset + s.kv + first * self.page_bytes, c.kv[0], len(part))
+                idx = torch.tensor(part, dtype=torch.long, device=c.kv.device)
+                c.kv.index_copy_(0, idx, src.to(c.kv.device))
+            step(s.kv + (first + len(part)) * self.page_bytes, copy_pages)
+        if whole and self.has_logits(tokens, nbytes):
+            like = torch.empty(self.vocab_size, dtype=torch.float32)
+            steps.append((s.end, lambda: self._view(arena, offset + s.logits, like).to(c.kv.device, copy=True)))
+        else:
+            steps.append((0, lambda: None))
+        return steps

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -105,6 +105,7 @@ class TierLink:
         self.restore_failures = 0
         self.rejected = 0  # restores refused: the bytes or metadata are not what this engine wrote
         self.match_leases_used = 0  # restores that copied under a Match's lease (no Acquire round trip)
+        self.restores_streamed = 0  # restores from disk copied while the store read them (AcquireStream)
         self._held: tuple[bytes, _Held] | None = None  # the last lookup's lease: (state hash, lease)
         self._lock = threading.RLock()  # the store calls and the mapping: the engine thread and the copy worker
 
@@ -325,20 +326,35 @@ class TierLink:
             self.restore_failures += 1
             return None
         started = time.perf_counter()
-        lease = self._take_held(hit.state_hash) or self.client.acquire(hit.state_hash)
+        on_host = self.codec.cache.kv.device.type == "cpu"
+        # From disk into a CPU cache the copy runs while the blob is read (AcquireStream): the tag is
+        # checked on what was copied anyway. A device cache checks the arena bytes before its copy.
+        stream: Iterator[tierstore_pb2.AcquireProgress] | None = None
+        ready = 0
+        lease = self._take_held(hit.state_hash)
+        if lease is None and on_host and hit.tier is ReuseTier.DISK:
+            stream = self.client.acquire_stream(hit.state_hash)
+            first = next(stream, None)
+            if first is not None and first.HasField("lease"):
+                lease, ready = first.lease, first.ready_bytes
+                stream = None if first.verified else stream  # in RAM after all: whole in this message
+        elif lease is None:
+            lease = self.client.acquire(hit.state_hash)
         if lease is None:
             self.restore_failures += 1
             return None
+        if stream is None:
+            ready = lease.extent.length
         if not self.client.same_instance(lease.instance_id) and not self.client.ensure(namespace):
             self.restore_failures += 1  # the store restarted under us and cannot be mapped
             return None
+        landed = stream is None  # every byte read and checked by the store
         try:
             meta, ext = lease.metadata, lease.extent
             arena = self.client.arena
             sliced = hit.kind is ReuseKind.PAGES and hit.tokens <= meta.tokens and hit.tokens % self.page_size == 0
             tag = bytes(meta.engine_tag)
             ok = (meta.tokens == hit.tokens or sliced) and ext.length >= meta.nbytes
-            on_host = self.codec.cache.kv.device.type == "cpu"
             if arena is None:
                 ok = False
             elif ok and not on_host:  # device copies: the tag is checked on the arena bytes first
@@ -346,7 +362,12 @@ class TierLink:
                                      self.client.arena_bytes(ext.offset, meta.nbytes))
             logits = None
             if ok and arena is not None:
-                logits = self.codec.unpack(arena, ext.offset, meta.tokens, meta.nbytes, slot, pages)
+                steps = self.codec.unpack_steps(arena, ext.offset, meta.tokens, meta.nbytes, slot, pages)
+                landed, logits = _copy_as_landed(steps, ready, stream)
+                if not landed:  # the store failed the restore (a bad blob, a failing disk): nothing copied counts
+                    self.restore_failures += 1
+                    return None
+                self.restores_streamed += stream is not None
             if ok and on_host and arena is not None:
                 # Checked on what was copied (codec.hash_unpacked says why); a failed check leaves
                 # the slot and the fresh pages to a cold prefill, which overwrites them.
@@ -360,10 +381,34 @@ class TierLink:
                           tokens=hit.tokens, kind=hit.kind.value, reason="metadata or integrity tag mismatch")
                 return None
         finally:
-            self.client.release(lease.lease_id, (), lease.instance_id)
+            if stream is not None and not landed:  # refused before copying: wait for the lease, to give it back
+                landed = any(message.verified for message in stream)
+            if landed:
+                self.client.release(lease.lease_id, (), lease.instance_id)
         tier = reuse_tier(lease.from_tier, ReuseTier.RAM)
         self.restores += 1
         ids = {"request_id": request_id} if request_id else {}
         log_event(log, "ignis.request.restored", **ids, hash=hit.state_hash.hex(), tokens=hit.tokens,
                   kind=hit.kind.value, tier=tier.value, bytes=meta.nbytes, ms=round((time.perf_counter() - started) * 1000, 3))
         return tier, logits
+
+
+def _copy_as_landed(steps: list[tuple[int, Callable[[], torch.Tensor | None]]], ready: int,
+                    more: Iterator[tierstore_pb2.AcquireProgress] | None) -> tuple[bool, torch.Tensor | None]:
+    """Runs each copy of `steps` once the bytes it reads have landed (`ready`, then each message of
+    `more` until one says verified; all at once without `more`): (whether every byte was read and
+    checked by the store, the logits the last step returned). False: the stream ended in an error."""
+    logits = None
+    i = 0
+    verified = more is None
+    while True:
+        while i < len(steps) and (verified or steps[i][0] <= ready):
+            logits = steps[i][1]()
+            i += 1
+        if i == len(steps) and verified:
+            return True, logits
+        assert more is not None
+        message = next(more, None)
+        if message is None:
+            return False, None
+        ready, verified = message.ready_bytes, message.verified
