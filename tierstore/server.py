@@ -143,6 +143,9 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
 
         acquiring = asyncio.ensure_future(asyncio.to_thread(self.store.acquire, bytes(request.hash),
                                                             request.lease_seconds, progress))
+        # A caller that goes away mid-stream leaves the restore to finish (its lease expires); its
+        # outcome is then nobody's, and must not be logged as a task exception never retrieved.
+        acquiring.add_done_callback(lambda task: task.cancelled() or task.exception())
         started = False
         while not acquiring.done() or not landed.empty():
             waiting = asyncio.ensure_future(landed.get())
