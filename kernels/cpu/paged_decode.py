@@ -49,9 +49,11 @@ def _run(fn: Callable[..., int], q: torch.Tensor, k_cache: torch.Tensor, v_cache
     batch, heads, dim = q.shape
     assert k_cache.shape[-1] == dim and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape, v_cache.shape)
     assert pages.shape == offsets.shape == valid.shape and pages.shape[0] == batch, (pages.shape, valid.shape)
-    qf = q.to(torch.float32).contiguous()  # [B, H, D]
-    pages, offsets = pages.to(torch.int64), offsets.to(torch.int64)
-    lengths = valid.sum(dim=1, dtype=torch.int64).contiguous()  # [B]: valid is a prefix
+    # Checked in Python: no-op torch calls cost a dispatch each, in every attention layer of every step.
+    qf = q if q.dtype == torch.float32 and q.is_contiguous() else q.to(torch.float32).contiguous()  # [B, H, D]
+    if pages.dtype != torch.int64 or offsets.dtype != torch.int64:
+        pages, offsets = pages.to(torch.int64), offsets.to(torch.int64)
+    lengths = valid.sum(dim=1, dtype=torch.int64)  # [B]: valid is a prefix
     out = torch.empty(batch, heads, dim, dtype=torch.float32)
     ks, vs = k_cache.stride(), v_cache.stride()
     status = fn(KV_DTYPE_CODES[k_cache.dtype], qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
