@@ -92,7 +92,8 @@ class ForwardBatch:
         offsets: list[int] = []
         rows: list[int] = []
         counts: list[int] = []
-        seqs: list[SeqView] = []
+        views: list[tuple[int, int, int, int | None]] = []  # (offset, length, start, slot) of each sequence
+        tables: list[Sequence[int]] = []  # the pages each sequence's positions need
         for chunk in chunks:
             n = len(chunk.token_ids)
             end = chunk.start + n
@@ -115,21 +116,26 @@ class ForwardBatch:
                 counts.append(n)
             else:
                 counts.append(0)
-            seqs.append(
-                SeqView(
-                    offset=base,
-                    length=n,
-                    start=chunk.start,
-                    page_table=torch.tensor(list(chunk.page_table[:needed]), dtype=torch.int64, device=device),
-                    state_slot=chunk.state_slot,
-                )
-            )
+            views.append((base, n, chunk.start, chunk.state_slot))
+            tables.append(chunk.page_table[:needed])
 
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
-        decodes = [s for s in seqs if s.is_decode]
-        decode = _decode_gather(decodes, page_size, device, len(ids)) if _pad_decodes(decodes, device) else None
+        # Every page table is a view of one tensor: one host-to-device copy, not one per sequence.
+        flat = tensor([page for table in tables for page in table])
+        seqs: list[SeqView] = []
+        at = 0
+        for (offset, length, start, slot), table in zip(views, tables):
+            seqs.append(SeqView(offset=offset, length=length, start=start, page_table=flat[at:at + len(table)],
+                                state_slot=slot))
+            at += len(table)
+
+        decodes = [i for i, s in enumerate(seqs) if s.is_decode]
+        decode = None
+        if _pad_decodes([seqs[i] for i in decodes], device):
+            decode = _decode_gather([seqs[i] for i in decodes], [tables[i] for i in decodes], page_size, device,
+                                    len(ids))
 
         return cls(
             input_ids=tensor(ids),
@@ -159,13 +165,13 @@ def _pad_decodes(decodes: list[SeqView], device: torch.device) -> bool:
     return device.type != "cpu" or max(s.end for s in decodes) < CPU_PADDED_DECODE_MAX_CONTEXT
 
 
-def _decode_gather(seqs: list[SeqView], page_size: int, device: torch.device, total_rows: int) -> DecodeGather:
+def _decode_gather(seqs: list[SeqView], tables: list[Sequence[int]], page_size: int, device: torch.device,
+                   total_rows: int) -> DecodeGather:
     offsets = [s.offset for s in seqs]
     longest = max(s.end for s in seqs)
     max_pages = -(-longest // page_size)
-    table = torch.zeros(len(seqs), max_pages, dtype=torch.int64, device=device)
-    for i, s in enumerate(seqs):
-        table[i, : s.page_table.numel()] = s.page_table
+    # Built from the page lists in one call (a row assignment per sequence was ~3 µs each).
+    table = torch.tensor([list(t) + [0] * (max_pages - len(t)) for t in tables], dtype=torch.int64, device=device)
     positions = torch.arange(longest, device=device)
     pages = table[:, positions // page_size]  # [B, L]
     lengths = torch.tensor([s.end for s in seqs], device=device)
