@@ -196,7 +196,8 @@ def sample(
 
     greedy = [i for i, s in enumerate(samplers) if s.params.is_greedy]
     if greedy:
-        picked = torch.argmax(x[greedy], dim=-1).tolist()  # ties -> lowest id
+        rows = x if len(greedy) == batch else x[greedy]  # an all-greedy batch: no copy of [B, V]
+        picked = torch.argmax(rows, dim=-1).tolist()  # ties -> lowest id
         for i, t in zip(greedy, picked):
             token_ids[i] = t
 
