@@ -10,6 +10,9 @@ the prompt length) under in-process EngineCores and a real tierstore process:
 2. engine 2 (fresh device, same store): A is restored from disk (page cache dropped);
 3. engine 3 (fresh device, same store): A is restored from RAM (the disk restore put it back there).
 
+The three engines share one integrity key file (as one engine across restarts does), so
+each can read the states the first one tagged.
+
 Each figure is the request's time to first token with max_tokens=1, as the engine reports it.
 """
 
@@ -56,9 +59,10 @@ def measure(mib: int, folder: Path, hidden: int = 1024, layers: int = 16) -> dic
             req = EngineRequest(f"{key}-{prompt}", prompts[prompt],
                                 SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
             (_, usage), = run(core, req)
-            ms[key], cached[key], tiers[key] = usage.time_to_first_token_ms, usage.cached_tokens, usage.reuse.tier
+            ms[key], cached[key], tiers[key] = usage.time_to_first_token_ms, usage.cached_tokens, usage.reuse.tier.value
 
-        first = engine(loaded, tokenizer, store, pages + 8)
+        key_file = workdir / "integrity.key"  # one engine key for the three: each reads what the first wrote
+        first = engine(loaded, tokenizer, store, pages + 8, key_file)
         try:
             run(first, EngineRequest("warm", random_prompt(64, 0), SamplingParams(temperature=0, max_tokens=1)))
             once(first, "cold_prefill", "A")
@@ -73,7 +77,7 @@ def measure(mib: int, folder: Path, hidden: int = 1024, layers: int = 16) -> dic
             if blob.is_file():
                 drop_cache(blob)
         for key in ("claim_disk", "claim_ram"):  # the disk restore leaves A in RAM for the next
-            core = engine(loaded, tokenizer, store, pages + 8)
+            core = engine(loaded, tokenizer, store, pages + 8, key_file)
             try:
                 once(core, key, "A")
             finally:
@@ -89,11 +93,11 @@ def measure(mib: int, folder: Path, hidden: int = 1024, layers: int = 16) -> dic
             "ms": ms, "cached": cached, "tiers": tiers}
 
 
-def engine(loaded: LoadedModel, tokenizer: Tokenizer, store: Service, pages: int) -> EngineCore:
+def engine(loaded: LoadedModel, tokenizer: Tokenizer, store: Service, pages: int, key_file: Path) -> EngineCore:
     page_bytes = loaded.config.state_shape().kv_bytes_per_page(P, loaded.model.dtype)
     core = EngineCore(loaded, tokenizer, EngineConfig(
         page_size=P, kv_cache_bytes=pages * page_bytes, max_num_seqs=2, prefill_chunk_tokens=2048,
-        tierstore_address=store.address, tier_timeout=30.0))
+        tierstore_address=store.address, tier_timeout=30.0, integrity_key_file=str(key_file)))
     core.start()
     return core
 
@@ -102,8 +106,8 @@ def rows(res: dict[str, Any]) -> list[list[Any]]:
     ms, cold = res["ms"], res["ms"]["cold_prefill"]
     out = [["re-prefill", f"cold prefill of the same {res['tokens']} tokens", round(cold, 1), "-", "-"]]
     for key, what in (("claim_device", "device: pages shared by reference"),
-                      ("claim_ram", "KV-RAM: Match + Acquire + copy into pages"),
-                      ("claim_disk", "KV-disk: Match + Acquire(restore, cold) + copy")):
+                      ("claim_ram", "KV-RAM: Match (leases it) + copy into pages"),
+                      ("claim_disk", "KV-disk: Match + AcquireStream(restore, cold), copied as it lands")):
         out.append([f"claim from {res['tiers'][key]}", what, round(ms[key], 1), res["cached"][key],
                     f"{cold / ms[key]:.0f}x faster" if ms[key] else "-"])
     return out
