@@ -127,13 +127,16 @@ class DeviceCache:
         conv_bytes = math.prod(conv_shape) * _element_size(geometry.dtype)
         self.conv = self.state_rows[:, conv_at:conv_at + conv_bytes].view(geometry.dtype).view(slots, *conv_shape)
         self._attn_index = {layer: i for i, layer in enumerate(shape.attention_layers)}
+        # Made once: a view costs three torch calls, and every attention layer asks for two each step.
+        self._k_views = {layer: self.kv[:, i, 0] for layer, i in self._attn_index.items()}
+        self._v_views = {layer: self.kv[:, i, 1] for layer, i in self._attn_index.items()}
         self._linear_index = {layer: i for i, layer in enumerate(shape.linear_layers)}
 
     def k_cache(self, layer: int) -> torch.Tensor:
-        return self.kv[:, self._attn_index[layer], 0]  # [num_pages, P, Hkv, D] (strided view)
+        return self._k_views[layer]  # [num_pages, P, Hkv, D] (strided view)
 
     def v_cache(self, layer: int) -> torch.Tensor:
-        return self.kv[:, self._attn_index[layer], 1]
+        return self._v_views[layer]
 
     def linear_index(self, layer: int) -> int:
         return self._linear_index[layer]
