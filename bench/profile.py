@@ -342,7 +342,7 @@ def all_decoding_window(series: list[list[tuple[float, int]]]) -> tuple[float, i
 class Peer:
     """A llama-server on the same GGUF, threads and batch, kept up for every round."""
 
-    def __init__(self, checkpoint: Path, setup: Setup, gguf: Path) -> None:
+    def __init__(self, setup: Setup, gguf: Path) -> None:
         from bench.peers import llama_cpp
 
         self.setup = setup
@@ -364,7 +364,7 @@ class Peer:
             return "peer not built (python -m bench.peers.llama_cpp build)"
         try:
             llama_cpp.ensure_built()
-            return cls(checkpoint, setup, llama_cpp.convert_to_gguf(checkpoint, setup.gguf_type))
+            return cls(setup, llama_cpp.convert_to_gguf(checkpoint, setup.gguf_type))
         except llama_cpp.PeerUnavailable as e:
             return f"peer unavailable: {e}"
 

@@ -289,6 +289,33 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
             "stats": {"spills": stats.spills, "restores": stats.restores, "checksum_failures": stats.checksum_failures}}
 
 
+# The table's rows: (path, what, the sample's key, the baseline's key or None).
+TABLE_ROWS: list[tuple[str, str, str, str | None]] = [
+    ("raw", "numpy memcpy", "raw_memcpy", None),
+    ("KV-RAM write", "copy into the arena by offset", "ram_write_copy", "raw_memcpy"),
+    ("KV-RAM write", "Reserve + copy + Commit (checksum)", "ram_write_e2e", "raw_memcpy"),
+    ("KV-RAM read", "copy out of the arena", "ram_read_copy", "raw_memcpy"),
+    ("KV-RAM claim", "engine: Match (leases the hit) + copy, Release in the background",
+     "ram_claim_engine", "raw_memcpy"),
+    ("KV-RAM claim", "engine before the leasing Match: Match + Acquire + copy, Release in the background",
+     "ram_claim_acquire", "raw_memcpy"),
+    ("KV-RAM claim", "example client: Match + Acquire + copy + Release, each waited for",
+     "ram_claim_sync", "raw_memcpy"),
+    ("raw", "file write + fsync", "raw_write_fsync", None),
+    ("raw", "file read, cold", "raw_read_cold", None),
+    ("raw", "file read, cold, O_DIRECT", "raw_read_cold_direct", "raw_read_cold"),
+    ("KV-disk spill", "checksum + write + fsync + rename + LMDB", "disk_spill", "raw_write_fsync"),
+    ("KV-disk restore", "AcquireStream: read + checksum into the arena, cold (till verified)",
+     "disk_restore_cold", "raw_read_cold"),
+    ("KV-disk claim", "engine: Match + AcquireStream(restore, copied as it lands), Release in the background",
+     "disk_claim_cold", "raw_read_cold"),
+    ("KV-disk claim", "engine before AcquireStream: Match + Acquire(restore), then the copy",
+     "disk_claim_cold_acquire", "raw_read_cold"),
+    ("gRPC Put", "stream in 1 MiB chunks (loopback)", "grpc_put", "raw_memcpy"),
+    ("gRPC Get", "stream in 1 MiB chunks (loopback)", "grpc_get", "raw_memcpy"),
+]
+
+
 def table(res: dict[str, Any]) -> tuple[str, list[list[Any]]]:
     n, s = res["bytes"], res["seconds"]
 
@@ -301,28 +328,8 @@ def table(res: dict[str, Any]) -> tuple[str, list[list[Any]]]:
         vs = f"{s[key] / s[base]:.2f}x the time" if base else "-"
         rows.append([path, what, round(s[key] * 1e3, 1), round(gibs(key), 2), base or "-", vs])
 
-    row("raw", "numpy memcpy", "raw_memcpy", None)
-    row("KV-RAM write", "copy into the arena by offset", "ram_write_copy", "raw_memcpy")
-    row("KV-RAM write", "Reserve + copy + Commit (checksum)", "ram_write_e2e", "raw_memcpy")
-    row("KV-RAM read", "copy out of the arena", "ram_read_copy", "raw_memcpy")
-    row("KV-RAM claim", "engine: Match (leases the hit) + copy, Release in the background", "ram_claim_engine",
-        "raw_memcpy")
-    row("KV-RAM claim", "engine before the leasing Match: Match + Acquire + copy, Release in the background",
-        "ram_claim_acquire", "raw_memcpy")
-    row("KV-RAM claim", "example client: Match + Acquire + copy + Release, each waited for", "ram_claim_sync",
-        "raw_memcpy")
-    row("raw", "file write + fsync", "raw_write_fsync", None)
-    row("raw", "file read, cold", "raw_read_cold", None)
-    row("raw", "file read, cold, O_DIRECT", "raw_read_cold_direct", "raw_read_cold")
-    row("KV-disk spill", "checksum + write + fsync + rename + LMDB", "disk_spill", "raw_write_fsync")
-    row("KV-disk restore", "AcquireStream: read + checksum into the arena, cold (till verified)", "disk_restore_cold",
-        "raw_read_cold")
-    row("KV-disk claim", "engine: Match + AcquireStream(restore, copied as it lands), Release in the background",
-        "disk_claim_cold", "raw_read_cold")
-    row("KV-disk claim", "engine before AcquireStream: Match + Acquire(restore), then the copy", "disk_claim_cold_acquire",
-        "raw_read_cold")
-    row("gRPC Put", "stream in 1 MiB chunks (loopback)", "grpc_put", "raw_memcpy")
-    row("gRPC Get", "stream in 1 MiB chunks (loopback)", "grpc_get", "raw_memcpy")
+    for entry in TABLE_ROWS:
+        row(*entry)
     headers = ["path", "what", "ms", "GiB/s", "baseline", "vs baseline"]
     return markdown(headers, rows), rows
 

@@ -91,6 +91,18 @@ def test_what_it_does_not_take_writes_nothing(kernel: rope_cache.RopeCache) -> N
     assert torch.equal(cache, torch.zeros(3, 4, 1, 8))
 
 
+def test_a_slot_outside_the_cache_raises_and_writes_nothing(kernel: rope_cache.RopeCache) -> None:
+    """As the torch reference's index_put: an IndexError, and no token's K/V written (memory outside
+    the pool is never touched)."""
+    q, k = torch.randn(2, 2, 8), torch.randn(2, 1, 8)
+    cos = sin = torch.ones(2, 8)
+    cache = torch.zeros(3, 4, 1, 8)
+    for pages, offsets in (([0, 3], [0, 0]), ([0, 1], [0, 4]), ([-1, 0], [0, 0])):
+        with pytest.raises(IndexError):
+            kernel(q, k, k, cos, sin, cache, cache, torch.tensor(pages), torch.tensor(offsets))
+        assert torch.equal(cache, torch.zeros(3, 4, 1, 8))
+
+
 def test_a_missing_library_loads_as_none(tmp_path: Path) -> None:
     assert rope_cache.load(tmp_path / "absent.so") is None
 

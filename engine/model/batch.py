@@ -131,11 +131,11 @@ class ForwardBatch:
                                 state_slot=slot))
             at += len(table)
 
-        decodes = [i for i, s in enumerate(seqs) if s.is_decode]
+        decoding = [i for i, s in enumerate(seqs) if s.is_decode]
+        decodes = [seqs[i] for i in decoding]
         decode = None
-        if _pad_decodes([seqs[i] for i in decodes], device):
-            decode = _decode_gather([seqs[i] for i in decodes], [tables[i] for i in decodes], page_size, device,
-                                    len(ids))
+        if _pad_decodes(decodes, device):
+            decode = _decode_gather(decodes, [tables[i] for i in decoding], page_size, device, len(ids))
 
         return cls(
             input_ids=tensor(ids),

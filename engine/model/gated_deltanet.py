@@ -40,7 +40,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.hv))
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
-        inputs = ("in_proj_qkvz", "in_proj_ba") if self.fused else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        inputs = ("in_proj_qkvz", "in_proj_ba") if self.fused else \
+            ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
         self.fusible_linears = {"fused_inputs": inputs}
         self.fused_inputs: Projections | None = None
 
@@ -76,7 +77,7 @@ class GatedDeltaNet(nn.Module):
 
         decodes = [s for s in batch.seqs if s.is_decode]
         if decodes:
-            self._decode(ops, decodes, mixed, z, b, a, weight, cache, li, normed)
+            self._decode(ops, batch, decodes, mixed, z, b, a, weight, cache, li, normed)
         for seq in batch.seqs:
             if not seq.is_decode:
                 self._prefill(ops, seq, mixed, z, b, a, weight, cache, li, normed)
@@ -115,14 +116,15 @@ class GatedDeltaNet(nn.Module):
         cache.recurrent[slot, li] = new_state[0]
 
     def _decode(
-        self, ops: Kernels, seqs: list[SeqView], mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor,
-        a: torch.Tensor, weight: torch.Tensor, cache: DeviceCache, li: int, normed: torch.Tensor,
+        self, ops: Kernels, batch: ForwardBatch, seqs: list[SeqView], mixed: torch.Tensor, z: torch.Tensor,
+        b: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, cache: DeviceCache, li: int, normed: torch.Tensor,
     ) -> None:
         """All single-token decodes of the step: projections and conv batched, each recurrent
         state updated in its own slot (gathering them would copy 1 MiB a layer at hidden 1024)."""
-        offsets = [s.offset for s in seqs]
-        every_row = offsets == list(range(normed.shape[0]))  # a decode-only step: no rows to pick
-        rows = slice(None) if every_row else torch.tensor(offsets, dtype=torch.int64, device=mixed.device)
+        gather = batch.decode  # a decode-only step (its rows are all the step's rows): no rows to pick
+        every_row = gather is not None and gather.every_row
+        rows = slice(None) if every_row else torch.tensor([s.offset for s in seqs], dtype=torch.int64,
+                                                          device=mixed.device)
         slot_ids = [_slot(s) for s in seqs]
         fused = ops.gdn_decode_fused
         if fused is not None and gdn_decode.supports(cache.conv, cache.recurrent, self.dk, self.dv):

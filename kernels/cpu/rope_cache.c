@@ -12,9 +12,10 @@
  *   cos, sin [T, R]                   fp32, contiguous
  *   k_cache, v_cache                  page p, offset o, head h at p * page_stride + o * offset_stride
  *                                     + h * head_stride elements (the same strides for both)
- *   pages, offsets [T]                where each token's K/V goes
+ *   pages, offsets [T]                where each token's K/V goes: page < num_pages, offset < page_size
  *   q_out [T, H, D]                   contiguous
- * Returns 0, or -1 for an unknown dtype or an odd or too wide rotary part.
+ * Returns 0; -1 for an unknown dtype or an odd or too wide rotary part; -2 for a page or offset
+ * outside the cache (checked before anything is written: the torch reference raises there).
  */
 #include <stdint.h>
 #include <string.h>
@@ -54,8 +55,11 @@ int rope_write_kv(const float *q, int64_t q_token_stride, int64_t q_head_stride,
                   const float *v, int64_t v_token_stride, int64_t v_head_stride, int64_t kv_heads,
                   int64_t tokens, int64_t dim, const float *cos, const float *sin, int64_t rotary_dim,
                   int dtype, void *k_cache, void *v_cache, int64_t page_stride, int64_t offset_stride,
-                  int64_t head_stride, const int64_t *pages, const int64_t *offsets, float *q_out) {
+                  int64_t head_stride, const int64_t *pages, const int64_t *offsets, int64_t num_pages,
+                  int64_t page_size, float *q_out) {
     if (dtype < KV_FP32 || dtype > KV_FP16 || rotary_dim % 2 != 0 || rotary_dim > dim || dim > 1024) return -1;
+    for (int64_t t = 0; t < tokens; t++)
+        if (pages[t] < 0 || pages[t] >= num_pages || offsets[t] < 0 || offsets[t] >= page_size) return -2;
     #pragma omp parallel for schedule(static) if (tokens * (heads + 2 * kv_heads) * dim >= (1 << 16))
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos + t * rotary_dim, *s = sin + t * rotary_dim;

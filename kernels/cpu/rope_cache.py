@@ -22,7 +22,7 @@ MAX_HEAD_DIM = 1024  # the C kernel's per-thread row buffer
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _ARGTYPES: list[Any] = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr,
-                        _i64, _int, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr]
+                        _i64, _int, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr]
 
 RopeCache = Callable[..., "torch.Tensor | None"]
 
@@ -62,7 +62,9 @@ def _run(fn: Callable[..., int], q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                 v.data_ptr(), v.stride(0), v.stride(1), k.shape[1], t, dim, cos.data_ptr(), sin.data_ptr(),
                 cos.shape[1], KV_DTYPE_CODES[k_cache.dtype], k_cache.data_ptr(), v_cache.data_ptr(),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), pages.data_ptr(), offsets.data_ptr(),
-                q_out.data_ptr())
+                k_cache.shape[0], k_cache.shape[1], q_out.data_ptr())
+    if status == -2:  # as index_put would: nothing was written
+        raise IndexError(f"a K/V slot outside the cache's {k_cache.shape[0]} pages of {k_cache.shape[1]}")
     if status != 0:
         raise RuntimeError(f"rope_write_kv refused D {dim}, R {cos.shape[1]}: this is a bug")
     return q_out
