@@ -163,6 +163,17 @@ def _server_span(method: str, parent: otel_context.Context, context: grpc.aio.Se
         set_rpc_status(span, context.code(), server=True)
 
 
+@contextlib.contextmanager
+def server_call_span(method: str, parent: otel_context.Context) -> Iterator[Span]:
+    """A current SERVER span for one call that is not its own RPC (a call on a session stream); the
+    caller sets its status (`set_rpc_status(..., server=True)`)."""
+    name, attributes = _rpc_attributes(method)
+    tracer = trace.get_tracer(TRACER_NAME)
+    with tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes,
+                                      record_exception=False, set_status_on_exception=False) as span:
+        yield span
+
+
 def _traced_unary(behavior: Callable[..., Awaitable[Any]], method: str, parent: otel_context.Context
                   ) -> Callable[..., Awaitable[Any]]:
     async def traced(request: Any, context: grpc.aio.ServicerContext) -> Any:

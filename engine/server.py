@@ -18,12 +18,14 @@ from common.grpc_server import build_server
 from common.grpc_server import set_serving as set_health
 from common.tracing import QUIET_METHODS, ServerTracingInterceptor
 from engine.proto_convert import commit_policy, guided_spec, request_class, sampling_params, update_messages
-from engine.core import EngineCore, EngineStopped, QueueFull
+from engine.call_status import Abort, submit
+from engine.core import EngineCore
 from engine.guided import CompiledGuide, GuidedCompiler, GuidedSpec, ModelFormats, ReasoningTokens, infer_formats
 from engine.outputs import RequestUpdate
 from engine.prompt import RenderedPrompt, check_input_size, render_input
 from engine.request import EngineRequest
 from engine.responses_store import ResponseStore, StoreError
+from engine.session import GenerateSession
 from engine.state_listing import StateLister, parse_page, stats_message
 from engine.tracing import capture_context
 from ignis.v1 import engine_pb2, engine_pb2_grpc
@@ -60,24 +62,18 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     @property
     def core(self) -> EngineCore:
         if self._core is None:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+            raise Abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         if not self.accepting:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
+            raise Abort(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
         return self._core
 
-    def _check_model(self, model: str, context: grpc.aio.ServicerContext) -> None:
+    def _check_model(self, model: str) -> None:
         if model and model != self.model_id:
-            raise _Abort(grpc.StatusCode.NOT_FOUND,
+            raise Abort(grpc.StatusCode.NOT_FOUND,
                          f"model {model!r} is not served here; this engine serves {self.model_id!r}")
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        try:
-            core = self.core
-            engine_request = await self._engine_request(request, context)
-        except _Abort as exc:
-            await context.abort(exc.code, exc.message)
-            return
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[RequestUpdate] = asyncio.Queue()
 
@@ -85,15 +81,11 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             loop.call_soon_threadsafe(updates.put_nowait, update)
 
         try:
-            core.submit(engine_request, sink)
-        except QueueFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            return
-        except EngineStopped as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            return
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            core = self.core
+            engine_request = await self.engine_request(request)
+            submit(core, engine_request, sink)
+        except Abort as exc:
+            await context.abort(exc.code, exc.message)
             return
         done = False
         first = True
@@ -113,6 +105,12 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             if not done:  # the client went away or passed its deadline: free the work now
                 core.abort(engine_request.request_id)
 
+    async def GenerateSession(self, request_iterator: AsyncIterator[engine_pb2.SessionRequest],
+                              context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.SessionResponse]:
+        """Many Generate calls on one stream (engine/session.py)."""
+        async for response in GenerateSession(self).serve(request_iterator):
+            yield response
+
     async def _render(self, core: EngineCore, request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest
                       ) -> RenderedPrompt:
         """Template rendering and tokenizing run on a worker thread: a huge prompt must not
@@ -121,10 +119,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         return await asyncio.get_running_loop().run_in_executor(self._prompts, render_input, core.tokenizer, request,
                                                                 core.max_model_len)
 
-    async def _engine_request(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-                              ) -> EngineRequest:
+    async def engine_request(self, request: engine_pb2.GenerateRequest) -> EngineRequest:
+        """The request as the core takes it: prompt rendered, sampling checked, guide compiled (else `Abort`)."""
         core = self.core
-        self._check_model(request.model, context)
+        self._check_model(request.model)
         try:
             prompt = await self._render(core, request)
             params = sampling_params(request.sampling, len(prompt.token_ids), core.max_model_len)
@@ -145,7 +143,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 guided=guided,
             )
         except ValueError as exc:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         return engine_request
 
     def formats(self, core: EngineCore) -> ModelFormats:
@@ -168,9 +166,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                        ) -> engine_pb2.TokenizeResponse:
         try:
             core = self.core
-            self._check_model(request.model, context)
+            self._check_model(request.model)
             prompt = await self._render(core, request)
-        except _Abort as exc:
+        except Abort as exc:
             await context.abort(exc.code, exc.message)
             raise  # unreachable: abort raises
         except ValueError as exc:
@@ -187,7 +185,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                          ) -> engine_pb2.ListModelsResponse:
         try:
             core = self.core
-        except _Abort as exc:
+        except Abort as exc:
             await context.abort(exc.code, exc.message)
             raise
         cfg = core.loaded.config
@@ -204,7 +202,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                        ) -> engine_pb2.GetStatsResponse:
         try:
             s = self.core.stats()
-        except _Abort as exc:
+        except Abort as exc:
             await context.abort(exc.code, exc.message)
             raise
         return stats_message(s)
@@ -214,7 +212,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         try:
             core = self.core
             offset, rows = parse_page(request.page_size, request.page_token)
-        except _Abort as exc:
+        except Abort as exc:
             await context.abort(exc.code, exc.message)
             raise
         except ValueError as exc:
@@ -264,13 +262,6 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         return engine_pb2.DeleteResponseResponse(deleted=True)
 
 
-class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 def create_server(service: EngineService, address: str, tracing: bool = False
                   ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Build (not start) the server on `address` (port 0 picks a free one); returns (server, port, health).
@@ -279,7 +270,8 @@ def create_server(service: EngineService, address: str, tracing: bool = False
     ListModels and monitors GetStats, so those are traced only inside a caller's trace.
     """
     quiet = (*QUIET_METHODS, f"/{SERVICE_NAME}/ListModels", f"/{SERVICE_NAME}/GetStats",
-             f"/{SERVICE_NAME}/ListState")
+             f"/{SERVICE_NAME}/ListState",
+             f"/{SERVICE_NAME}/GenerateSession")  # a long-lived stream: each call on it has its own span
     return build_server(lambda server: engine_pb2_grpc.add_EngineServicer_to_server(service, server),
                         engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name, address, "engine",
                         [ServerTracingInterceptor(quiet)] if tracing else [])

@@ -21,7 +21,7 @@ from common.logs import configure_logging
 from common.sizes import parse_size
 from common.tracing import run_traced
 from gateway.app import create_app
-from gateway.config import DEFAULT_MAX_REQUEST_BYTES, GatewayConfig
+from gateway.config import DEFAULT_MAX_REQUEST_BYTES, UPSTREAMS, GatewayConfig
 from gateway.connection_faults import UvicornWarnings
 from gateway.event_loop import LOOPS, install, running_loop
 from gateway.http_protocol import HTTP_PARSERS, protocol_class
@@ -64,6 +64,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving (for tests)")
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="deadline of one generation in seconds (default: none)")
+    parser.add_argument("--upstream", choices=UPSTREAMS, default="session",
+                        help="how generations reach an engine: session (one GenerateSession stream per engine, "
+                             "a step's tokens for all its requests in one message) or calls (a Generate call "
+                             "per request)")
     parser.add_argument("--engine-dns", action="append", default=[], metavar="NAME:PORT",
                         help="a DNS name (e.g. a Kubernetes headless Service) whose every A/AAAA address is an "
                              "engine at PORT; repeatable, may be combined with --engine")
@@ -106,7 +110,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
     args = parser.parse_args(argv)
     try:
         config = GatewayConfig(engines=args.engine, api_key=args.api_key or None, metrics_auth=args.metrics_auth,
-                               request_timeout=args.request_timeout, probe_interval=args.probe_interval,
+                               request_timeout=args.request_timeout, upstream=args.upstream,
+                               probe_interval=args.probe_interval,
                                header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                                max_connections=args.max_connections, max_request_bytes=args.max_request_bytes,
                                fault_log_interval=args.fault_log_interval, routing=args.routing,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from gateway.discovery import DnsName
 from gateway.routing import RoutingRule
 
+UPSTREAMS = ("session", "calls")
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a 32k-token prompt is well under 1 MiB, as text or as token ids
 
 
@@ -17,6 +18,9 @@ class GatewayConfig:
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     metrics_auth: bool = False  # /metrics needs the key too (only with api_key)
     request_timeout: float | None = None  # gRPC deadline of one generation, seconds; None = none
+    # How generations reach an engine: "session" (all on one GenerateSession stream per engine, a step's
+    # tokens in one message: gateway/session.py) or "calls" (one Generate call each).
+    upstream: str = "session"
     probe_interval: float = 2.0  # seconds between engine health probes
     probe_timeout: float = 2.0
     tracing: bool = False  # a server span per request (on when an OTLP endpoint is configured)
@@ -60,6 +64,8 @@ class GatewayConfig:
             raise ValueError("the API key must not be empty")
         if self.metrics_auth and self.api_key is None:
             raise ValueError("--metrics-auth puts /metrics behind the API key: give one (--api-key or $IGNIS_API_KEY)")
+        if self.upstream not in UPSTREAMS:
+            raise ValueError(f"upstream must be one of {', '.join(UPSTREAMS)}, got {self.upstream!r}")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
         if self.probe_interval <= 0 or self.probe_timeout <= 0:

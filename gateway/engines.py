@@ -33,6 +33,7 @@ from gateway.config import GatewayConfig
 from gateway.discovery import Discovery, DnsName, Resolver, getaddrinfo_resolver
 from gateway.errors import OpenAIError, unavailable
 from gateway.routing import RouteKeys, RoutingRule, rendezvous_order
+from gateway.session import EngineSession
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("ignis.gateway")
@@ -60,12 +61,15 @@ class EngineClient:
     in_flight: int = 0  # this gateway's Generate calls on it now: the routing rule's load
     retired: bool = False  # left the engine set (DNS): no new call; the channel closes after the last one
     watch: asyncio.Task[None] | None = None
+    # Its Generate calls, multiplexed on one stream (gateway/session.py); None: a Generate call each
+    # (--upstream calls, or an engine that does not serve GenerateSession).
+    session: EngineSession | None = None
 
 
 class EnginePool:
     def __init__(self, addresses: list[str], interval: float = 2.0, probe_timeout: float = 2.0,
                  rule: RoutingRule | None = None, discovery: Discovery | None = None,
-                 dns_refresh: float = 10.0, rewatch_delay: float = 0.5) -> None:
+                 dns_refresh: float = 10.0, rewatch_delay: float = 0.5, sessions: bool = True) -> None:
         if not addresses and discovery is None:
             raise ValueError("at least one engine address or DNS name is needed")
         self.interval = interval
@@ -74,6 +78,7 @@ class EnginePool:
         self.discovery = discovery
         self.dns_refresh = dns_refresh
         self.rewatch_delay = rewatch_delay
+        self.sessions = sessions
         self.static = list(dict.fromkeys(addresses))
         self.engines: list[EngineClient] = [self._client(a) for a in self.static]
         self._tasks: list[asyncio.Task[None]] = []
@@ -84,13 +89,20 @@ class EnginePool:
     def from_config(cls, config: GatewayConfig, resolver: Resolver = getaddrinfo_resolver) -> EnginePool:
         discovery = Discovery([DnsName.parse(n) for n in config.engine_dns], resolver) if config.engine_dns else None
         return cls(config.engines, config.probe_interval, config.probe_timeout, config.routing_rule(), discovery,
-                   config.dns_refresh)
+                   config.dns_refresh, sessions=config.upstream == "session")
+
+    def _client(self, address: str) -> EngineClient:
+        channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        stub = engine_pb2_grpc.EngineStub(channel)
+        return EngineClient(address, channel, stub, health_pb2_grpc.HealthStub(channel),
+                            session=EngineSession(stub) if self.sessions else None)
 
     @staticmethod
-    def _client(address: str) -> EngineClient:
-        channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        return EngineClient(address, channel, engine_pb2_grpc.EngineStub(channel),
-                            health_pb2_grpc.HealthStub(channel))
+    def without_session(engine: EngineClient) -> None:
+        """The engine does not serve GenerateSession (an older engine): a Generate call per request there."""
+        if engine.session is not None:
+            log.warning("engine %s does not serve GenerateSession: one Generate call per request", engine.address)
+            engine.session = None
 
     async def start(self) -> None:
         """Resolve, probe once (without failing: engines may start after the gateway), then keep watching."""
@@ -109,6 +121,8 @@ class EnginePool:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(e.session.close() for e in self.engines if e.session is not None),
+                             return_exceptions=True)
         await asyncio.gather(*(e.channel.close() for e in self.engines), return_exceptions=True)
 
     # ------------------------------------------------------------ the engine set

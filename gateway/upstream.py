@@ -1,7 +1,8 @@
 """Calling an engine's Generate: engine choice with failover, error mapping, cancellation.
 
 `generate` is an async generator over one request's GenerateResponse
-messages. Before the first message arrives, an engine that answers
+messages, from a call on the engine's session stream (gateway/session.py) or
+a Generate call of its own (`--upstream calls`). Before the first message arrives, an engine that answers
 UNAVAILABLE (down, unreachable, shutting down, the connection lost) is marked
 down and the next candidate is tried, and one that answers RESOURCE_EXHAUSTED
 (its queue is full) is passed over for the next (nothing was produced, so the
@@ -15,6 +16,7 @@ the engine then frees the sequence. Use it under `contextlib.aclosing`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
@@ -26,6 +28,7 @@ from common.tracing import client_span, grpc_metadata, set_rpc_status
 from gateway.engines import EngineClient, EnginePool
 from gateway.errors import from_grpc, unavailable
 from gateway.routing import route_keys
+from gateway.session import SessionBroken, SessionCall
 from ignis.v1 import engine_pb2
 
 GENERATE = "/ignis.v1.Engine/Generate"
@@ -46,15 +49,21 @@ async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest, key: b
     conversation's engine first); else the routing rule's order."""
     reasons: list[str] = []
     full: grpc.aio.AioRpcError | None = None  # the last engine that was at capacity
-    engines = candidates if candidates is not None else pool.candidates(request.model, route_keys(request, key))
-    for engine in engines:
+    direct: set[EngineClient] = set()  # engines to call with Generate: their session stream failed
+    engines = collections.deque(candidates if candidates is not None
+                                else pool.candidates(request.model, route_keys(request, key)))
+    while engines:
+        engine = engines.popleft()
         if full is not None and not engine.healthy:
             break  # every healthy engine is full: say so (429), rather than try the down ones
         # One CLIENT span per attempt (a child of the request's SERVER span); the engine continues it.
         span = client_span(GENERATE, engine.address)
         pool.acquire(engine)
-        call = engine.stub.Generate(request, timeout=spec.timeout,
-                                    metadata=grpc_metadata(trace.set_span_in_context(span)))
+        metadata = grpc_metadata(trace.set_span_in_context(span))
+        session = engine.session if engine not in direct else None
+        call: grpc.aio.UnaryStreamCall | SessionCall = (
+            session.generate(request, spec.timeout, metadata) if session is not None
+            else engine.stub.Generate(request, timeout=spec.timeout, metadata=metadata))
         started = False
         code = grpc.StatusCode.CANCELLED  # unless the call ends by itself: the client went away
         try:
@@ -65,6 +74,14 @@ async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest, key: b
             return
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
+            if isinstance(exc, SessionBroken) and code != grpc.StatusCode.UNAVAILABLE and not started:
+                # The engine does not serve sessions (an older one), or the stream was reset: the same
+                # engine again, with a Generate call of its own.
+                if code == grpc.StatusCode.UNIMPLEMENTED:
+                    pool.without_session(engine)
+                direct.add(engine)
+                engines.appendleft(engine)
+                continue
             if code == grpc.StatusCode.UNAVAILABLE and not started:
                 pool.mark_down(engine, exc.details() or "unavailable")
                 reasons.append(f"{engine.address}: {exc.details()}")

@@ -1,0 +1,232 @@
+"""GenerateSession: many Generate calls on one gRPC stream, one message per step for all of them.
+
+A gateway streams hundreds of requests from one engine. As separate Generate
+calls, every token is its own gRPC message (a stream frame, a wake-up of the
+caller's gRPC threads, a read): ~100-200 us of CPU per token on each side on a
+small host (bench/gateway.py). On a session the engine's step hands all its
+updates for the stream's calls over at once (`Outbox`), and they leave as one
+SessionResponse, so at width the per-message cost is shared by every token of
+the step.
+
+Each call keeps a Generate call's contract: the same messages in the same
+order, then an end with the status Generate would end with (INVALID_ARGUMENT,
+RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED past its timeout, INTERNAL ...), and the
+same SERVER span continuing the caller's trace. A cancel frees the request's
+work at once; so does the stream ending, for every call still open on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Generic, Iterator, TypeVar
+
+import grpc
+from opentelemetry import propagate
+
+from common.tracing import server_call_span, set_rpc_status
+from engine.call_status import Abort, submit
+from engine.core import EngineCore
+from engine.outputs import RequestUpdate
+from engine.proto_convert import update_messages
+from ignis.v1 import engine_pb2
+
+if TYPE_CHECKING:
+    from engine.server import EngineService
+
+_Item = TypeVar("_Item")
+GENERATE_METHOD = "/ignis.v1.Engine/Generate"  # each call's span is named as a Generate call's
+# A SessionResponse is split past this size (echoed prompt logprobs can be large; the gateway's
+# receive limit is 64 MiB).
+MAX_RESPONSE_BYTES = 8 << 20
+
+
+class Outbox(Generic[_Item]):
+    """Updates from the engine thread and ends from the event loop, in order, waking the loop once per burst.
+
+    A step calls every request's sink in a row: only the first call of a burst pays a
+    thread-safe wake-up; the others append under the lock.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[_Item] = []
+        self._ready = asyncio.Event()
+        self._signalled = False
+
+    def put_threadsafe(self, item: _Item) -> None:
+        with self._lock:
+            self._items.append(item)
+            wake = not self._signalled
+            self._signalled = True
+        if wake:
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    def put(self, item: _Item) -> None:
+        """From the event loop."""
+        with self._lock:
+            self._items.append(item)
+        self._ready.set()
+
+    async def take(self) -> list[_Item]:
+        await self._ready.wait()
+        self._ready.clear()
+        with self._lock:
+            items, self._items = self._items, []
+            self._signalled = False
+        return items
+
+
+@dataclass(eq=False)
+class _Call:
+    tag: int
+    core: EngineCore | None = None  # set once submitted
+    request_id: str = ""
+    echo_ids: tuple[int, ...] | None = None  # the prompt's ids, sent on the first message with echo
+    ended: asyncio.Future[grpc.StatusCode] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    task: asyncio.Task[None] | None = None
+
+
+class GenerateSession:
+    """One GenerateSession stream: its open calls and the messages on their way out."""
+
+    def __init__(self, service: EngineService) -> None:
+        self._service = service
+        # (call, update) from the engine thread; (tag, end) from the loop; None wakes the writer.
+        self._outbox: Outbox[tuple[_Call, RequestUpdate] | tuple[int, engine_pb2.SessionEnd] | None] = \
+            Outbox(asyncio.get_running_loop())
+        self._calls: dict[int, _Call] = {}
+        self._reading = True
+
+    async def serve(self, requests: AsyncIterator[engine_pb2.SessionRequest]
+                    ) -> AsyncIterator[engine_pb2.SessionResponse]:
+        reader = asyncio.create_task(self._read(requests), name="session-reader")
+        try:
+            while self._reading or self._calls:
+                for response in self._responses(await self._outbox.take()):
+                    yield response
+        finally:
+            reader.cancel()
+            for call in list(self._calls.values()):
+                self._close(call, grpc.StatusCode.CANCELLED)
+            await asyncio.gather(reader, return_exceptions=True)
+
+    async def _read(self, requests: AsyncIterator[engine_pb2.SessionRequest]) -> None:
+        try:
+            async for request in requests:
+                if request.HasField("call"):
+                    self._start(request.tag, request.call)
+                elif request.cancel:
+                    call = self._calls.get(request.tag)
+                    if call is not None:
+                        self._close(call, grpc.StatusCode.CANCELLED)
+        finally:
+            self._reading = False  # the caller closed its side: end the stream once the open calls end
+            self._outbox.put(None)  # wake the writer to notice
+
+    # --- one call ------------------------------------------------------------------------------
+    def _start(self, tag: int, spec: engine_pb2.SessionCall) -> None:
+        running = self._calls.get(tag)
+        if running is not None:  # the two calls cannot be told apart: both end
+            self._end(running, grpc.StatusCode.INVALID_ARGUMENT, f"tag {tag} is already in use")
+            return
+        call = _Call(tag)
+        self._calls[tag] = call
+        call.task = asyncio.create_task(self._run(call, spec), name=f"session-call-{tag}")
+
+    async def _run(self, call: _Call, spec: engine_pb2.SessionCall) -> None:
+        with server_call_span(GENERATE_METHOD, propagate.extract(dict(spec.trace_context))) as span:
+            code = grpc.StatusCode.CANCELLED
+            try:
+                async with _deadline(spec.timeout_seconds):
+                    code = await self._generate(call, spec.request)
+            except TimeoutError:
+                code = grpc.StatusCode.DEADLINE_EXCEEDED
+                self._end(call, code, "Deadline Exceeded")
+            finally:
+                set_rpc_status(span, code, server=True)
+
+    async def _generate(self, call: _Call, request: engine_pb2.GenerateRequest) -> grpc.StatusCode:
+        service = self._service
+        try:
+            core = service.core
+            engine_request = await service.engine_request(request)  # the servicer's own checks
+            if self._calls.get(call.tag) is not call:
+                return grpc.StatusCode.CANCELLED  # ended while its prompt was rendered
+            call.request_id = engine_request.request_id
+            call.echo_ids = engine_request.prompt_ids if engine_request.echo else None
+            submit(core, engine_request, lambda update: self._outbox.put_threadsafe((call, update)))
+        except Abort as exc:
+            self._end(call, exc.code, exc.message)
+            return exc.code
+        call.core = core
+        return await asyncio.shield(call.ended)  # set when the last update goes out (or the call closes)
+
+    def _end(self, call: _Call, code: grpc.StatusCode, details: str) -> None:
+        """The call is over on the loop's side: tell the caller, and free the engine's work."""
+        if self._close(call, code):
+            self._outbox.put((call.tag, _end(code, details)))
+
+    def _close(self, call: _Call, code: grpc.StatusCode) -> bool:
+        """End the call, freeing its work; nothing more is sent for it. False: it had ended already."""
+        if self._calls.get(call.tag) is not call:
+            return False
+        del self._calls[call.tag]
+        if call.core is not None:
+            call.core.abort(call.request_id)  # a no-op once the request has finished
+        if not call.ended.done():
+            call.ended.set_result(code)
+        return True
+
+    # --- the writer ------------------------------------------------------------------------------
+    def _responses(self, items: list[tuple[_Call, RequestUpdate] | tuple[int, engine_pb2.SessionEnd] | None]
+                   ) -> Iterator[engine_pb2.SessionResponse]:
+        out = engine_pb2.SessionResponse()
+        size = 0
+        for item in items:
+            if item is None:
+                continue
+            if not isinstance(item[0], _Call):
+                tag, end = item
+                out.events.add(tag=tag, end=end)
+                continue
+            call, update = item
+            if self._calls.get(call.tag) is not call or call.core is None:
+                continue  # ended while its update was on the way (its tag may name a newer call now)
+            echo, call.echo_ids = call.echo_ids, None
+            for msg in update_messages(call.core.tokenizer, update, echo):
+                event = out.events.add(tag=call.tag, response=msg)
+                if msg.prompt_logprobs or len(msg.logprobs) > 64:
+                    size += event.ByteSize()
+            if update.error is not None:
+                self._finish(call, grpc.StatusCode.INTERNAL, update.error, out)
+            elif update.done:
+                self._finish(call, grpc.StatusCode.OK, "", out)
+            if size > MAX_RESPONSE_BYTES:
+                yield out
+                out, size = engine_pb2.SessionResponse(), 0
+        if out.events:
+            yield out
+
+    def _finish(self, call: _Call, code: grpc.StatusCode, details: str, out: engine_pb2.SessionResponse) -> None:
+        del self._calls[call.tag]
+        out.events.add(tag=call.tag, end=_end(code, details))
+        if not call.ended.done():
+            call.ended.set_result(code)
+
+
+def _end(code: grpc.StatusCode, details: str) -> engine_pb2.SessionEnd:
+    return engine_pb2.SessionEnd(code=code.value[0], details=details)
+
+
+@contextlib.asynccontextmanager
+async def _deadline(seconds: float) -> AsyncIterator[None]:
+    if seconds > 0:
+        async with asyncio.timeout(seconds):
+            yield
+    else:
+        yield

@@ -1,0 +1,190 @@
+"""The gateway's Generate calls to one engine, multiplexed on one GenerateSession stream.
+
+Each request's call is a tag on the stream (protos/ignis/v1/engine.proto); the
+engine sends every call's messages of one step in one SessionResponse, and a
+reader task here hands them to each call's queue. A call behaves as the
+`grpc.aio` Generate call it replaces: iterate it for GenerateResponse messages;
+it raises `grpc.aio.AioRpcError` with the status the engine ended it with, or
+with the stream's own error for every open call when the stream breaks (an
+engine gone is UNAVAILABLE, as a Generate call would see); `cancel()` tells
+the engine to stop the request. Its deadline is kept on both sides: the engine
+ends the call at its timeout, and the gateway stops waiting then too (an engine
+that hangs with its connection open).
+
+Why: per-call streams cost a gRPC message, and its wake-ups, per token on both
+sides (bench/gateway.py measures both ways: `--upstream calls` is the old path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+from typing import AsyncIterator
+
+import grpc
+
+from ignis.v1 import engine_pb2, engine_pb2_grpc
+
+log = logging.getLogger("ignis.gateway")
+_CLOSED = "the gateway closed its session with the engine"
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class SessionBroken(grpc.aio.AioRpcError):
+    """The session stream itself failed (not the call): the engine is gone (UNAVAILABLE), does not serve
+    GenerateSession (UNIMPLEMENTED, or a reset stream), or the gateway is closing it."""
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    return _CODES.get(number, grpc.StatusCode.UNKNOWN)
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class SessionCall:
+    """One Generate call on a session: an async iterator of its messages."""
+
+    def __init__(self, session: EngineSession, tag: int, timeout: float | None) -> None:
+        self._session = session
+        self.tag = tag
+        self._messages: collections.deque[engine_pb2.GenerateResponse] = collections.deque()
+        self._error: grpc.aio.AioRpcError | None = None
+        self._ended = False
+        self._waiter: asyncio.Future[None] | None = None
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.time() + timeout if timeout is not None else None
+
+    # --- the reader's side --------------------------------------------------------------------
+    def push(self, message: engine_pb2.GenerateResponse) -> None:
+        self._messages.append(message)
+        self._wake()
+
+    def end(self, error: grpc.aio.AioRpcError | None) -> None:
+        self._ended = True
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # --- the caller's side --------------------------------------------------------------------
+    def __aiter__(self) -> SessionCall:
+        return self
+
+    async def __anext__(self) -> engine_pb2.GenerateResponse:
+        while not self._messages:
+            if self._ended:
+                if self._error is not None:
+                    raise self._error
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                if self._deadline is None:
+                    await self._waiter
+                else:
+                    remaining = self._deadline - asyncio.get_running_loop().time()
+                    await asyncio.wait_for(self._waiter, max(remaining, 0.0))
+            except TimeoutError:
+                self.cancel()
+                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            finally:
+                self._waiter = None
+        return self._messages.popleft()
+
+    def cancel(self) -> bool:
+        """Stop the call (a no-op once it has ended), as `grpc.aio.Call.cancel`."""
+        if self._ended:
+            return False
+        self.end(rpc_error(grpc.StatusCode.CANCELLED, "Locally cancelled by application!"))
+        self._session.cancel(self.tag)
+        return True
+
+
+class EngineSession:
+    """The GenerateSession stream to one engine, opened on the first call and again after it breaks."""
+
+    def __init__(self, stub: engine_pb2_grpc.EngineStub) -> None:
+        self._stub = stub
+        self._tags = itertools.count(1)
+        self._calls: dict[int, SessionCall] = {}
+        self._outbox: asyncio.Queue[engine_pb2.SessionRequest | None] | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    def generate(self, request: engine_pb2.GenerateRequest, timeout: float | None = None,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> SessionCall:
+        if self._outbox is None:
+            self._open()
+        assert self._outbox is not None
+        call = SessionCall(self, next(self._tags), timeout)
+        self._calls[call.tag] = call
+        spec = engine_pb2.SessionCall(request=request, timeout_seconds=timeout or 0.0, trace_context=dict(metadata))
+        self._outbox.put_nowait(engine_pb2.SessionRequest(tag=call.tag, call=spec))
+        return call
+
+    def cancel(self, tag: int) -> None:
+        if self._calls.pop(tag, None) is not None and self._outbox is not None:
+            self._outbox.put_nowait(engine_pb2.SessionRequest(tag=tag, cancel=True))
+
+    @property
+    def open_calls(self) -> int:
+        return len(self._calls)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+    def _open(self) -> None:
+        outbox: asyncio.Queue[engine_pb2.SessionRequest | None] = asyncio.Queue()
+        self._outbox = outbox
+
+        async def requests() -> AsyncIterator[engine_pb2.SessionRequest]:
+            while (request := await outbox.get()) is not None:
+                yield request
+
+        stream = self._stub.GenerateSession(requests())
+        self._reader = asyncio.create_task(self._read(stream, outbox), name="engine-session")
+
+    async def _read(self, stream: grpc.aio.StreamStreamCall,
+                    outbox: asyncio.Queue[engine_pb2.SessionRequest | None]) -> None:
+        error: grpc.aio.AioRpcError = SessionBroken(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                                    grpc.aio.Metadata(), "the engine ended the session")
+        try:
+            async for response in stream:
+                for event in response.events:
+                    call = self._calls.get(event.tag)
+                    if call is None:
+                        continue  # cancelled here while the engine was sending
+                    if event.HasField("end"):
+                        del self._calls[event.tag]
+                        code = status_code(event.end.code)
+                        call.end(None if code is grpc.StatusCode.OK else rpc_error(code, event.end.details))
+                    else:
+                        call.push(event.response)
+        except grpc.aio.AioRpcError as exc:
+            error = SessionBroken(exc.code(), exc.initial_metadata(), exc.trailing_metadata(), exc.details(),
+                                  exc.debug_error_string())
+        except asyncio.CancelledError:
+            error = SessionBroken(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), _CLOSED)
+            stream.cancel()
+            raise
+        finally:
+            # This stream is done: the next call opens another; every call still open here has failed.
+            if self._outbox is outbox:
+                self._outbox = None
+                self._reader = None
+            outbox.put_nowait(None)
+            calls = list(self._calls.values())
+            self._calls.clear()
+            if calls:
+                log.info("session with the engine ended (%s: %s); %d calls failed", error.code().name,
+                         error.details(), len(calls))
+            for call in calls:
+                call.end(error)

@@ -1,0 +1,224 @@
+"""GenerateSession: many tagged Generate calls on one stream of a real engine process.
+
+Each call on the stream must be what a Generate call is (the same messages, then the status a
+Generate call ends with), a step's messages for several calls travel together, and a cancel, a
+timeout or the stream's end frees the engine's work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+from collections import defaultdict
+from typing import Iterator
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from ignis.v1 import engine_pb2, engine_pb2_grpc
+from services import RunningService, start_gateway
+from test_engine_service import MODEL, collect, make_prompt, make_request, stats, text_of, tokens_of, wait_idle
+
+_CLOSE = None
+
+
+class Session:
+    """One GenerateSession stream, driven from the test: `call`/`cancel` write, `events` reads."""
+
+    def __init__(self, stub: engine_pb2_grpc.EngineStub) -> None:
+        self._outbox: queue.Queue[engine_pb2.SessionRequest | None] = queue.Queue()
+        self.responses = stub.GenerateSession(self._requests(), timeout=120)
+
+    def _requests(self) -> Iterator[engine_pb2.SessionRequest]:
+        while (request := self._outbox.get()) is not _CLOSE:
+            yield request
+
+    def call(self, tag: int, request: engine_pb2.GenerateRequest, timeout: float = 0.0) -> None:
+        spec = engine_pb2.SessionCall(request=request, timeout_seconds=timeout)
+        self._outbox.put(engine_pb2.SessionRequest(tag=tag, call=spec))
+
+    def cancel(self, tag: int) -> None:
+        self._outbox.put(engine_pb2.SessionRequest(tag=tag, cancel=True))
+
+    def close(self) -> None:
+        self._outbox.put(_CLOSE)
+
+    def until_ended(self, tags: set[int]) -> tuple[dict[int, list[engine_pb2.GenerateResponse]],
+                                                   dict[int, engine_pb2.SessionEnd], list[engine_pb2.SessionResponse]]:
+        messages: dict[int, list[engine_pb2.GenerateResponse]] = defaultdict(list)
+        ends: dict[int, engine_pb2.SessionEnd] = {}
+        seen = []
+        for response in self.responses:
+            seen.append(response)
+            for event in response.events:
+                assert event.tag not in ends, f"an event for tag {event.tag} after its end"
+                if event.HasField("end"):
+                    ends[event.tag] = event.end
+                else:
+                    messages[event.tag].append(event.response)
+            if tags <= set(ends):
+                break
+        return messages, ends, seen
+
+
+@pytest.fixture(scope="module")
+def stub(engine: RunningService) -> Iterator[engine_pb2_grpc.EngineStub]:
+    with grpc.insecure_channel(engine.address) as channel:
+        yield engine_pb2_grpc.EngineStub(channel)
+
+
+@pytest.fixture
+def session(stub: engine_pb2_grpc.EngineStub) -> Iterator[Session]:
+    s = Session(stub)
+    yield s
+    s.close()
+
+
+def test_calls_on_a_session_stream_what_generate_calls_stream(stub: engine_pb2_grpc.EngineStub,
+                                                              session: Session) -> None:
+    requests = {tag: make_request(make_prompt(20 + 7 * tag, seed=tag), temperature=0, max_tokens=12, ignore_eos=True)
+                for tag in range(1, 7)}
+    requests[7] = make_request(text="Hello there", temperature=0, max_tokens=5, n=2, logprobs=True, top_logprobs=2,
+                               ignore_eos=True)
+    requests[7].echo = True
+    for tag, request in requests.items():
+        session.call(tag, request)
+    messages, ends, seen = session.until_ended(set(requests))
+    assert {tag: end.code for tag, end in ends.items()} == {tag: 0 for tag in requests}
+    for tag, request in requests.items():
+        alone = collect(stub, request)  # the same request as its own Generate call
+        by_choice: dict[int, list[engine_pb2.GenerateResponse]] = defaultdict(list)
+        for msg in messages[tag]:
+            by_choice[msg.index].append(msg)
+        assert set(by_choice) == set(alone)
+        for choice, msgs in alone.items():
+            assert tokens_of(by_choice[choice]) == tokens_of(msgs)
+            assert text_of(by_choice[choice]) == text_of(msgs)
+            assert [lp.token_id for m in by_choice[choice] for lp in m.logprobs] == \
+                   [lp.token_id for m in msgs for lp in m.logprobs]
+        last = messages[tag][-1]
+        assert last.HasField("usage") and last.usage.completion_tokens == request.sampling.max_tokens * \
+            (request.sampling.n or 1)
+    assert list(messages[7][0].prompt_token_ids) and len(messages[7][0].prompt_logprobs) == \
+        len(messages[7][0].prompt_token_ids)
+    # A step's messages for the stream's calls travel together: fewer responses than messages, and
+    # some response carries several calls' messages.
+    assert len(seen) < sum(len(m) for m in messages.values())
+    assert any(len({e.tag for e in r.events}) > 1 for r in seen)
+
+
+def test_a_bad_call_ends_with_its_status_and_the_others_on_the_stream_finish(
+        stub: engine_pb2_grpc.EngineStub, session: Session) -> None:
+    good = make_request(make_prompt(30, seed=5), temperature=0, max_tokens=10, ignore_eos=True)
+    long = make_request(make_prompt(20, seed=7), temperature=0, max_tokens=200, ignore_eos=True)
+    session.call(1, good)
+    session.call(2, engine_pb2.GenerateRequest(model="no-such-model", text="hi"))
+    session.call(3, make_request(make_prompt(10, seed=6), temperature=0, max_tokens=10 ** 6))
+    session.call(4, make_request(text="x", temperature=-1.0))
+    session.call(5, long)
+    session.call(5, good)  # a tag already running
+    messages, ends, _ = session.until_ended({1, 2, 3, 4, 5})
+    assert ends[2].code == grpc.StatusCode.NOT_FOUND.value[0] and "no-such-model" in ends[2].details
+    assert ends[3].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert ends[4].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert not messages[2] and not messages[3] and not messages[4]
+    # A tag reused while its call runs: the engine cannot tell the two apart, so both end (INVALID_ARGUMENT)
+    # and nothing more comes for the tag (until_ended checks).
+    assert ends[5].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "already in use" in ends[5].details
+    assert ends[1].code == 0 and tokens_of(messages[1]) == tokens_of(collect(stub, good)[0])
+    session.call(6, good)  # the stream serves on
+    messages, ends, _ = session.until_ended({6})
+    assert ends[6].code == 0 and tokens_of(messages[6]) == tokens_of(collect(stub, good)[0])
+    assert wait_idle(stub).page_pool.used_pages == 0  # the refused call's work was freed
+
+
+def test_cancel_and_timeout_free_the_engines_work(stub: engine_pb2_grpc.EngineStub, session: Session) -> None:
+    cancelled_before = stats(stub).counters.requests_cancelled
+    endless = make_request(make_prompt(16, seed=8), temperature=0, max_tokens=2000, ignore_eos=True)
+    session.call(1, endless)
+    session.call(2, endless, timeout=0.3)
+    got = 0
+    for response in session.responses:
+        assert not any(e.HasField("end") and e.tag == 1 for e in response.events)
+        got += sum(1 for e in response.events if e.tag == 1 and e.HasField("response"))
+        if got >= 3:
+            break
+    assert stats(stub).page_pool.used_pages > 0
+    session.cancel(1)
+    short = make_request(make_prompt(12, seed=9), temperature=0, max_tokens=4, ignore_eos=True)
+    session.call(3, short)  # the stream serves on after a cancel
+    messages, ends, _ = session.until_ended({2, 3})
+    assert ends[2].code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert 1 not in ends  # a cancelled call gets nothing more, not even an end
+    assert ends[3].code == 0 and tokens_of(messages[3]) == tokens_of(collect(stub, short)[0])
+    idle = wait_idle(stub)
+    assert idle.page_pool.used_pages == 0 and idle.state_slots.used == 0
+    assert idle.counters.requests_cancelled == cancelled_before + 2
+
+
+def test_closing_the_stream_aborts_its_open_calls(stub: engine_pb2_grpc.EngineStub) -> None:
+    s = Session(stub)
+    endless = make_request(make_prompt(16, seed=10), temperature=0, max_tokens=2000, ignore_eos=True)
+    s.call(1, endless)
+    s.call(2, endless)
+    for response in s.responses:
+        if any(e.HasField("response") for e in response.events):
+            break
+    s.responses.cancel()  # the caller goes away with both calls running
+    s.close()
+    idle = wait_idle(stub)
+    assert idle.page_pool.used_pages == 0 and idle.state_slots.used == 0
+    # The engine serves on, on a new stream as on a Generate call.
+    assert len(tokens_of(collect(stub, make_request(text="still here", temperature=0, max_tokens=3,
+                                                    ignore_eos=True))[0])) == 3
+
+
+# --- through the gateway: its session upstream (the default) against a Generate call per request ---------------
+@pytest.fixture(scope="module")
+def gateways(engine: RunningService, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    started = {name: start_gateway(tmp_path_factory.mktemp(f"gateway-{name}"), [engine.address], flags)
+               for name, flags in (("session", []), ("calls", ["--upstream", "calls"]))}
+    try:
+        yield {name: f"http://127.0.0.1:{g.port}/v1" for name, g in started.items()}
+    finally:
+        for g in started.values():
+            g.stop()
+
+
+async def _stream_text(http: httpx.AsyncClient, url: str, i: int) -> tuple[str, int]:
+    body = {"model": MODEL, "prompt": f"Stream {i} says", "max_tokens": 6 + i % 5, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    text, tokens = "", 0
+    async with http.stream("POST", url + "/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                text += "".join(c["text"] for c in chunk["choices"])
+                tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+    return text, tokens
+
+
+def test_the_gateway_answers_the_same_over_its_session_and_over_calls(gateways: dict[str, str]) -> None:
+    answers = {}
+    for name, url in gateways.items():
+        client = openai.OpenAI(base_url=url, api_key="none")
+        whole = client.completions.create(model=MODEL, prompt="Reused state", max_tokens=8, temperature=0, n=2,
+                                          logprobs=2, extra_body={"ignore_eos": True})
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=8, temperature=0, stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=10 ** 6)
+
+        async def many() -> list[tuple[str, int]]:
+            async with httpx.AsyncClient(timeout=120) as http:
+                return list(await asyncio.gather(*(_stream_text(http, url, i) for i in range(24))))
+
+        answers[name] = ([(c.text, c.logprobs.tokens if c.logprobs else None) for c in whole.choices], streamed,
+                         bad.value.status_code, asyncio.run(many()))
+    assert answers["session"] == answers["calls"]
+    assert [tokens for _, tokens in answers["session"][3]] == [6 + i % 5 for i in range(24)]
