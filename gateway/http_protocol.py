@@ -34,6 +34,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from gateway.config import GatewayConfig
 from gateway.connection_faults import ConnectionFaults, Phase
 from gateway.errors import OpenAIError, unavailable
+from gateway.head_coalescing import HeadCoalescingTransport
 from gateway.metrics import GatewayMetrics
 
 
@@ -67,7 +68,8 @@ class _Guard(asyncio.Protocol):
     connections: set[Any]
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        # The head of each answer leaves with the start of its body (gateway/head_coalescing.py).
+        super().connection_made(HeadCoalescingTransport(transport, asyncio.get_running_loop()))  # type: ignore[arg-type]
         self.metrics.connections_open.inc()
         if len(self.connections) > self.limits.max_connections:
             self.faults.refused()

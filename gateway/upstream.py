@@ -149,6 +149,8 @@ async def merge(streams: Sequence[AsyncIterator[engine_pb2.GenerateResponse]]
 async def collect_all(streams: Sequence[AsyncIterator[engine_pb2.GenerateResponse]]
                       ) -> list[list[engine_pb2.GenerateResponse]]:
     """Every call's messages; the first failure cancels the other calls and is raised."""
+    if len(streams) == 1:  # the common case, without the tasks
+        return [await collect(streams[0])]
     try:
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(collect(s)) for s in streams]

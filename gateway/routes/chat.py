@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import AsyncIterator, Callable
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from gateway import logprobs as lp
 from gateway.aliases import JSONObject, SSEBytes
@@ -18,6 +18,7 @@ from gateway.cancel import until_disconnect
 from gateway.choices import accumulate, finish_reason
 from gateway.errors import OpenAIError
 from gateway.guided import asks_reasoning, chat_guided
+from gateway.json_body import JSONBody
 from gateway.messages import chat_input, parses_tool_calls
 from gateway.options import engine_options
 from gateway.routing import chat_head, route_key
@@ -70,7 +71,7 @@ async def chat_completions(request: Request) -> Response:
     if stream:
         return EventStream(reply.events(upstream, include_usage), headers={"X-Request-Id": rid})
     messages = await until_disconnect(request, collect(upstream))
-    return JSONResponse(reply.whole(messages), headers={"X-Request-Id": rid})
+    return JSONBody(reply.whole(messages), headers={"X-Request-Id": rid})
 
 
 class _Reply:

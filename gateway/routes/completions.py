@@ -8,7 +8,7 @@ import uuid
 from typing import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from gateway import logprobs as lp
 from gateway.aliases import JSONObject, SSEBytes
@@ -16,6 +16,7 @@ from gateway.body import Fields, read_json
 from gateway.cancel import until_disconnect
 from gateway.choices import accumulate, finish_reason
 from gateway.errors import OpenAIError, invalid
+from gateway.json_body import JSONBody
 from gateway.options import engine_options
 from gateway.prompts import Prompt, parse_prompts
 from gateway.routing import route_key
@@ -67,7 +68,7 @@ async def completions(request: Request) -> Response:
     if stream:
         return EventStream(reply.events(calls, include_usage), headers={"X-Request-Id": rid})
     results = await until_disconnect(request, collect_all(calls))
-    return JSONResponse(reply.whole(results), headers={"X-Request-Id": rid})
+    return JSONBody(reply.whole(results), headers={"X-Request-Id": rid})
 
 
 class _Reply:

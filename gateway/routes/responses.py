@@ -20,7 +20,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from starlette.datastructures import Headers
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from gateway import logprobs as lp
 from gateway import response_records as records
@@ -32,6 +32,7 @@ from gateway.engines import EngineClient
 from gateway.errors import OpenAIError, invalid
 from gateway.guided import asks_reasoning, responses_guided
 from gateway.items import input_items, responses_chat
+from gateway.json_body import JSONBody
 from gateway.messages import parses_tool_calls
 from gateway.options import engine_options
 from gateway.response_output import OutputBuilder
@@ -182,7 +183,7 @@ async def responses(request: Request) -> Response:
     messages = await until_disconnect(request, collect(turn.upstream()))
     final = turn.reply.whole(messages)
     await turn.keep(final)
-    return JSONResponse(final, headers=headers)
+    return JSONBody(final, headers=headers)
 
 
 async def _sse(events: AsyncIterator[JSONObject]) -> AsyncIterator[SSEBytes]:
@@ -198,14 +199,14 @@ async def get_response(request: Request) -> Response:
     state = state_of(request)
     rid = request.path_params["response_id"]
     record, _ = await records.fetch(state.pool, rid, _read_scope(request))
-    return JSONResponse(record.response)
+    return JSONBody(record.response)
 
 
 async def delete_response(request: Request) -> Response:
     state = state_of(request)
     rid = request.path_params["response_id"]
     await records.delete(state.pool, rid, _read_scope(request))
-    return JSONResponse({"id": rid, "object": "response", "deleted": True})
+    return JSONBody({"id": rid, "object": "response", "deleted": True})
 
 
 async def list_input_items(request: Request) -> Response:
@@ -226,7 +227,7 @@ async def list_input_items(request: Request) -> Response:
             raise invalid(f"no input item with id {after!r} in this response", param="after")
         items = items[ids.index(after) + 1:]
     page = items[:limit]
-    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+    return JSONBody({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                          "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
 
