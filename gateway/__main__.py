@@ -17,6 +17,7 @@ from typing import Iterator
 import uvicorn
 
 from common.cli_help import DefaultsHelpFormatter
+from common.heap import freeze_startup_heap
 from common.logs import configure_logging
 from common.sizes import parse_size
 from common.tracing import run_traced
@@ -171,6 +172,7 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
         log.info("gateway serving on %s:%d, engines: %s, routing: %s, http: %s, loop: %s", args.host, port,
                  ", ".join([*config.engines, *(f"dns:{n}" for n in config.engine_dns)]), config.routing,
                  args.http, running_loop())
+        freeze_startup_heap()  # the app is up: what start-up made stays (common/heap.py)
         if args.port_file:
             tmp = Path(args.port_file + ".tmp")
             tmp.write_text(str(port))

@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route, WebSocketRoute
+from starlette.types import Receive, Scope, Send
 
 from gateway.auth import APIKeyMiddleware
 from gateway.body_deadline import BodyDeadline
@@ -28,8 +29,19 @@ from gateway.routes.monitor import MONITOR_PATHS, ignis_state, ignis_state_strea
 from gateway.routes.responses import delete_response, get_response, list_input_items, responses
 from gateway.routes.responses_ws import responses_socket
 from gateway.routes.tokenize import not_served, tokenize
+from gateway.sse import SERVER_SEND
 from gateway.state import GatewayState
 from gateway.tracing import TracingMiddleware
+
+
+class GatewayApp(Starlette):
+    """Starlette, keeping the server's `send` in the scope: a stream's chunks after its first skip the
+    middlewares' send wrappers (five coroutine calls a token; they only watch the head and first byte)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 def create_app(config: GatewayConfig) -> Starlette:
@@ -81,7 +93,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key,
                                      public_paths=(*config.public_paths, *MONITOR_PATHS)))
     middleware.append(Middleware(BodyDeadline, timeout=config.body_timeout, faults=state.faults))
-    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                    exception_handlers={HTTPException: handle_http_exception})
+    app = GatewayApp(routes=routes, middleware=middleware, lifespan=lifespan,
+                     exception_handlers={HTTPException: handle_http_exception})
     app.state.gateway = state
     return app

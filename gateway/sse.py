@@ -22,6 +22,9 @@ from gateway.json_body import dumps
 from gateway.errors import OpenAIError, error_response
 
 DONE: SSEBytes = b"data: [DONE]\n\n"
+# Scope key (set by gateway.app.GatewayApp): the server's own `send`, under every middleware's wrapper.
+# The middlewares watch a response's head and first body bytes only, so a stream's later chunks skip them.
+SERVER_SEND = "ignis.server_send"
 _HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -69,6 +72,7 @@ class EventStream(Response):
             await send({"type": "http.response.start", "status": 200, "headers": _HEADERS + self.extra_headers})
             if first is not None:
                 await send({"type": "http.response.body", "body": first, "more_body": True})
+                send = scope.get(SERVER_SEND, send)
                 async for event in self.events:
                     await send({"type": "http.response.body", "body": event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
