@@ -16,7 +16,7 @@ from gateway.body import Fields, read_json
 from gateway.cancel import until_disconnect
 from gateway.choices import accumulate, finish_reason
 from gateway.errors import OpenAIError, invalid
-from gateway.json_body import JSONBody
+from gateway.json_body import JSONBody, dumps
 from gateway.options import engine_options
 from gateway.prompts import Prompt, parse_prompts
 from gateway.routing import route_key
@@ -122,10 +122,16 @@ class _Reply:
         prompt_lps: dict[int, list[engine_pb2.TokenLogprob]] = {}
         builders: dict[int, lp.CompletionLogprobs] = {}  # per global choice index: text offsets so far
         usages: dict[int, Usage] = {}
+        head, tail = _frame(self._chunk([], include_usage))
+        plain = not self.echo and not self.logprobs  # a token's chunk is its choice in a fixed frame
         async with contextlib.aclosing(merge(calls)) as merged:  # type: ignore[type-var]
             try:
                 async for p, msg in merged:
                     started = True
+                    if plain and msg.text and not msg.finish_reason and not msg.HasField("usage"):
+                        yield head + dumps({"index": p * self.n + msg.index, "text": msg.text, "logprobs": None,
+                                            "finish_reason": None}) + tail  # the bytes data_event would give
+                        continue
                     if msg.prompt_token_ids:
                         prompt_lps[p] = list(msg.prompt_logprobs)
                     chunks = self._message_chunks(p, msg, prompt_lps, builders, include_usage)
@@ -150,7 +156,7 @@ class _Reply:
         text = msg.text
         logprobs = None
         first = g not in builders
-        builder = builders.setdefault(g, lp.CompletionLogprobs())
+        builder = builders.get(g) or builders.setdefault(g, lp.CompletionLogprobs())
         parts = []
         if first and self.echo:  # each choice starts with the prompt
             text = self._prompt_text(p, prompt_lps.get(p, [])) + text
@@ -164,3 +170,11 @@ class _Reply:
             return []  # e.g. the usage-only last message
         return [self._chunk([{"index": g, "text": text, "logprobs": logprobs, "finish_reason": finish}],
                             include_usage)]
+
+
+def _frame(chunk: JSONObject) -> tuple[bytes, bytes]:
+    """The SSE bytes of `chunk` (its "choices" empty) before and after where one choice goes."""
+    encoded = data_event({**chunk, "choices": [0]})
+    head, sep, tail = encoded.partition(b'"choices":[0]')  # a key: quotes in strings are escaped
+    assert sep, encoded
+    return head + b'"choices":[', b"]" + tail

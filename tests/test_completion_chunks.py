@@ -1,0 +1,54 @@
+"""The completions stream's token chunks, framed once per stream (routes/completions.py), are the bytes
+the general path gives: the same JSON as `data_event` of the whole chunk, for every model name."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import AsyncIterator
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.config import GatewayConfig
+from gateway.connection_faults import ConnectionFaults
+from gateway.metrics import GatewayMetrics
+from gateway.prompts import parse_prompts
+from gateway.routes.completions import _Reply
+from gateway.sse import data_event
+from gateway.state import GatewayState
+from ignis.v1 import engine_pb2
+
+
+async def _messages(items: list[engine_pb2.GenerateResponse]) -> AsyncIterator[engine_pb2.GenerateResponse]:
+    for item in items:
+        yield item
+
+
+def _events(model: str, texts: list[str], include_usage: bool) -> list[bytes]:
+    metrics = GatewayMetrics()
+    state = GatewayState(GatewayConfig(engines=["127.0.0.1:1"]), metrics, ConnectionFaults(metrics, 10.0))
+    reply = _Reply("cmpl-x", 1700000000, model, parse_prompts("p"), 1, False, False, state)
+    msgs = [engine_pb2.GenerateResponse(index=0, token_ids=[i + 1], text=t) for i, t in enumerate(texts)]
+    msgs.append(engine_pb2.GenerateResponse(index=0, finish_reason=engine_pb2.FINISH_REASON_LENGTH, usage=engine_pb2.Usage(
+        prompt_tokens=1, completion_tokens=len(texts))))
+
+    async def run() -> list[bytes]:
+        return [e async for e in reply.events([_messages(msgs)], include_usage)]
+    return asyncio.run(run())
+
+
+@settings(max_examples=60, deadline=None)
+@given(model=st.text(min_size=1, max_size=30), texts=st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=5),
+       include_usage=st.booleans())
+def test_token_chunks_are_the_bytes_of_the_whole_chunk(model: str, texts: list[str], include_usage: bool) -> None:
+    events = _events(model, texts, include_usage)
+    for text, event in zip(texts, events):
+        chunk = {"id": "cmpl-x", "object": "text_completion", "created": 1700000000, "model": model,
+                 "system_fingerprint": None,
+                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}
+        if include_usage:
+            chunk["usage"] = None
+        assert event == data_event(chunk)
+        assert json.loads(event[len(b"data: "):]) == chunk
+    assert events[-1] == b"data: [DONE]\n\n"
