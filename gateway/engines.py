@@ -69,7 +69,8 @@ class EngineClient:
 class EnginePool:
     def __init__(self, addresses: list[str], interval: float = 2.0, probe_timeout: float = 2.0,
                  rule: RoutingRule | None = None, discovery: Discovery | None = None,
-                 dns_refresh: float = 10.0, rewatch_delay: float = 0.5, sessions: bool = True) -> None:
+                 dns_refresh: float = 10.0, rewatch_delay: float = 0.5, sessions: bool = True,
+                 traced: bool = True) -> None:
         if not addresses and discovery is None:
             raise ValueError("at least one engine address or DNS name is needed")
         self.interval = interval
@@ -79,6 +80,7 @@ class EnginePool:
         self.dns_refresh = dns_refresh
         self.rewatch_delay = rewatch_delay
         self.sessions = sessions
+        self.traced = traced  # a CLIENT span per Generate call (off when no spans are exported)
         self.static = list(dict.fromkeys(addresses))
         self.engines: list[EngineClient] = [self._client(a) for a in self.static]
         self._tasks: list[asyncio.Task[None]] = []
@@ -89,7 +91,7 @@ class EnginePool:
     def from_config(cls, config: GatewayConfig, resolver: Resolver = getaddrinfo_resolver) -> EnginePool:
         discovery = Discovery([DnsName.parse(n) for n in config.engine_dns], resolver) if config.engine_dns else None
         return cls(config.engines, config.probe_interval, config.probe_timeout, config.routing_rule(), discovery,
-                   config.dns_refresh, sessions=config.upstream == "session")
+                   config.dns_refresh, sessions=config.upstream == "session", traced=config.tracing)
 
     def _client(self, address: str) -> EngineClient:
         channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
