@@ -3,9 +3,10 @@
 `EventStream` pulls the first event before it sends the response head, so an
 error the engine reports before any output (queue full, bad input, no
 engine) becomes a real HTTP status with an OpenAI body instead of a 200 with
-an error event. While streaming it listens for ``http.disconnect``; when the
-client goes away it cancels the producer, whose ``finally`` cancels the gRPC
-call (upstream.generate), so the engine stops the sequence and frees it.
+an error event. The stream runs in the request's own task under a
+`DisconnectWatch`: when the client goes away the watch cancels that task, whose
+``finally`` cancels the engine call (upstream.generate), so the engine stops the
+sequence and frees it.
 """
 
 from __future__ import annotations
