@@ -37,6 +37,16 @@ def data_event(data: JSONObject) -> SSEBytes:
     return b"data: " + dumps(data) + b"\n\n"
 
 
+def chunk_frame(chunk: JSONObject) -> tuple[SSEBytes, SSEBytes]:
+    """The event bytes of `chunk` before and after where its one choice goes (its "choices" replaced):
+    ``head + dumps(choice) + tail == data_event({**chunk, "choices": [choice]})``, so a stream encodes
+    its fixed fields once and each token's choice alone."""
+    encoded = data_event({**chunk, "choices": [0]})
+    head, sep, tail = encoded.partition(b'"choices":[0]')  # a key: quotes inside strings are escaped
+    assert sep, encoded
+    return head + b'"choices":[', b"]" + tail
+
+
 def named_event(event: str, data: JSONObject) -> SSEBytes:
     return b"event: " + event.encode() + b"\ndata: " + dumps(data) + b"\n\n"
 

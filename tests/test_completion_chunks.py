@@ -1,5 +1,5 @@
-"""The completions stream's token chunks, framed once per stream (routes/completions.py), are the bytes
-the general path gives: the same JSON as `data_event` of the whole chunk, for every model name."""
+"""Stream chunks framed once per stream (`sse.chunk_frame`, used by the completions and chat routes) are
+the bytes the general path gives: the same JSON as `data_event` of the whole chunk, for every model name."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from gateway.connection_faults import ConnectionFaults
 from gateway.metrics import GatewayMetrics
 from gateway.prompts import parse_prompts
 from gateway.routes.completions import _Reply
-from gateway.sse import data_event
+from gateway.json_body import dumps
+from gateway.sse import chunk_frame, data_event
 from gateway.state import GatewayState
 from ignis.v1 import engine_pb2
 
@@ -52,3 +53,18 @@ def test_token_chunks_are_the_bytes_of_the_whole_chunk(model: str, texts: list[s
         assert event == data_event(chunk)
         assert json.loads(event[len(b"data: "):]) == chunk
     assert events[-1] == b"data: [DONE]\n\n"
+
+
+@settings(max_examples=60, deadline=None)
+@given(model=st.text(max_size=30), rid=st.text(max_size=12), include_usage=st.booleans(),
+       choice=st.fixed_dictionaries({"index": st.integers(0, 8), "delta": st.dictionaries(
+           st.sampled_from(["content", "reasoning_content"]), st.text(max_size=10)),
+           "logprobs": st.none(), "finish_reason": st.sampled_from([None, "stop", "length", "tool_calls"])}))
+def test_a_chunk_frame_around_a_choice_is_the_whole_chunk(model: str, rid: str, include_usage: bool,
+                                                         choice: dict[str, object]) -> None:
+    chunk: dict[str, object] = {"id": rid, "object": "chat.completion.chunk", "created": 1, "model": model,
+                                "system_fingerprint": None, "choices": []}
+    if include_usage:
+        chunk["usage"] = None
+    head, tail = chunk_frame(chunk)
+    assert head + dumps(choice) + tail == data_event({**chunk, "choices": [choice]})

@@ -18,12 +18,12 @@ from gateway.cancel import until_disconnect
 from gateway.choices import accumulate, finish_reason
 from gateway.errors import OpenAIError
 from gateway.guided import asks_reasoning, chat_guided
-from gateway.json_body import JSONBody
+from gateway.json_body import JSONBody, dumps
 from gateway.messages import chat_input, parses_tool_calls
 from gateway.options import engine_options
 from gateway.routing import chat_head, route_key
 from gateway.sampling import TokenLimit, sampling_params
-from gateway.sse import DONE, EventStream, data_event
+from gateway.sse import DONE, EventStream, chunk_frame, data_event
 from gateway.state import GatewayState, state_of
 from gateway.output_formats import ChoiceParser, Piece, output_formats
 from gateway.reasoning import ReasoningDelta
@@ -125,6 +125,7 @@ class _Reply:
     async def events(self, upstream: AsyncIterator[engine_pb2.GenerateResponse], include_usage: bool
                      ) -> AsyncIterator[SSEBytes]:
         parsers = [self.parser() for _ in range(self.n)]
+        head, tail = chunk_frame(self._chunk([], include_usage))
         started = False
         async with contextlib.aclosing(upstream):  # type: ignore[type-var]
             try:
@@ -134,12 +135,15 @@ class _Reply:
                         for i in range(self.n):
                             yield data_event(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                                            "logprobs": None, "finish_reason": None}], include_usage))
-                    chunks = self._message_chunks(msg, parsers, include_usage)
-                    if msg.HasField("usage"):
-                        usage = replace(Usage.from_proto(msg.usage),
-                                        reasoning_tokens=sum(p.reasoning_tokens for p in parsers))
-                        self.state.metrics.observe_usage(usage)
-                        close_stream(chunks, usage, include_usage, lambda: self._chunk([], False))
+                    if not msg.HasField("usage"):  # each chunk is its choice in the stream's frame
+                        for choice in self._message_choices(msg, parsers):
+                            yield head + dumps(choice) + tail
+                        continue
+                    # The last message: its chunks, then usage and the `ignis` report (close_stream).
+                    chunks = [self._chunk([c], include_usage) for c in self._message_choices(msg, parsers)]
+                    usage = replace(Usage.from_proto(msg.usage), reasoning_tokens=sum(p.reasoning_tokens for p in parsers))
+                    self.state.metrics.observe_usage(usage)
+                    close_stream(chunks, usage, include_usage, lambda: self._chunk([], False))
                     for chunk in chunks:
                         yield data_event(chunk)
             except OpenAIError as err:
@@ -148,8 +152,8 @@ class _Reply:
                 yield data_event(err.body())
         yield DONE
 
-    def _message_chunks(self, msg: engine_pb2.GenerateResponse, parsers: list[ChoiceParser],
-                        include_usage: bool) -> list[JSONObject]:
+    def _message_choices(self, msg: engine_pb2.GenerateResponse, parsers: list[ChoiceParser]) -> list[JSONObject]:
+        """The chunk choices one message makes (each goes in a chunk of its own)."""
         i = msg.index
         finished = msg.finish_reason != engine_pb2.FINISH_REASON_NONE
         pieces: list[Piece] = []
@@ -174,4 +178,4 @@ class _Reply:
             calls = bool(parsers[i].calls) if i < len(parsers) else False
             choices.append({"index": i, "delta": {}, "logprobs": None,
                             "finish_reason": finish_reason(msg.finish_reason, calls)})
-        return [self._chunk([c], include_usage) for c in choices]
+        return choices

@@ -21,7 +21,7 @@ from gateway.options import engine_options
 from gateway.prompts import Prompt, parse_prompts
 from gateway.routing import route_key
 from gateway.sampling import COMPLETIONS_DEFAULT_MAX_TOKENS, TokenLimit, sampling_params
-from gateway.sse import DONE, EventStream, data_event
+from gateway.sse import DONE, EventStream, chunk_frame, data_event
 from gateway.state import GatewayState, state_of
 from gateway.upstream import CallSpec, collect_all, generate, merge
 from gateway.usage import Usage, close_stream
@@ -122,7 +122,7 @@ class _Reply:
         prompt_lps: dict[int, list[engine_pb2.TokenLogprob]] = {}
         builders: dict[int, lp.CompletionLogprobs] = {}  # per global choice index: text offsets so far
         usages: dict[int, Usage] = {}
-        head, tail = _frame(self._chunk([], include_usage))
+        head, tail = chunk_frame(self._chunk([], include_usage))
         plain = not self.echo and not self.logprobs  # a token's chunk is its choice in a fixed frame
         async with contextlib.aclosing(merge(calls)) as merged:  # type: ignore[type-var]
             try:
@@ -171,10 +171,3 @@ class _Reply:
         return [self._chunk([{"index": g, "text": text, "logprobs": logprobs, "finish_reason": finish}],
                             include_usage)]
 
-
-def _frame(chunk: JSONObject) -> tuple[bytes, bytes]:
-    """The SSE bytes of `chunk` (its "choices" empty) before and after where one choice goes."""
-    encoded = data_event({**chunk, "choices": [0]})
-    head, sep, tail = encoded.partition(b'"choices":[0]')  # a key: quotes in strings are escaped
-    assert sep, encoded
-    return head + b'"choices":[', b"]" + tail
