@@ -52,6 +52,9 @@ class ModelRunner:
         batch = ForwardBatch.build(specs, self.page_size, self.model.device)
         logits = self.model(batch, self.cache)  # [R, V]
         out: list[ChunkLogits] = ready
+        if batch.decodes_only:  # one logits row per sequence, in order
+            out.extend(ChunkLogits(item.seq, item.num_tokens, row, None) for item, row in zip(chunks, logits.unbind(0)))
+            return out
         row = 0
         for item, spec, count in zip(chunks, specs, batch.logits_counts):
             rows = logits[row : row + count]

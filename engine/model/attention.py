@@ -86,9 +86,7 @@ class Attention(nn.Module):
             out[gather.rows] = ops.paged_decode_attention(
                 q[gather.rows], k_cache, v_cache, gather.pages, gather.offsets, gather.valid, self.scale, self.window
             ).to(out.dtype)
-        for seq in batch.seqs:
-            if gather is not None and seq.is_decode:
-                continue
+        for seq in (batch.others if gather is not None else batch.seqs):  # the decodes ran above
             rows = slice(seq.offset, seq.offset + seq.length)
             out[rows] = ops.paged_attention(
                 q[rows], k_cache, v_cache, seq.page_table, seq.end, self.scale, self.window

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,12 +77,10 @@ class GatedDeltaNet(nn.Module):
         normed = torch.empty(t, self.value_dim, dtype=x.dtype, device=x.device)  # the output projection's input
         ops = kernels_for(x.device)  # Triton on CUDA, the torch references elsewhere
 
-        decodes = [s for s in batch.seqs if s.is_decode]
-        if decodes:
-            self._decode(ops, batch, decodes, mixed, z, b, a, weight, cache, li, normed)
-        for seq in batch.seqs:
-            if not seq.is_decode:
-                self._prefill(ops, seq, mixed, z, b, a, weight, cache, li, normed)
+        if batch.decodes:
+            self._decode(ops, batch, batch.decodes, mixed, z, b, a, weight, cache, li, normed)
+        for seq in batch.others:
+            self._prefill(ops, seq, mixed, z, b, a, weight, cache, li, normed)
         return self.out_proj(normed)
 
     def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +116,7 @@ class GatedDeltaNet(nn.Module):
         cache.recurrent[slot, li] = new_state[0]
 
     def _decode(
-        self, ops: Kernels, batch: ForwardBatch, seqs: list[SeqView], mixed: torch.Tensor, z: torch.Tensor,
+        self, ops: Kernels, batch: ForwardBatch, seqs: Sequence[SeqView], mixed: torch.Tensor, z: torch.Tensor,
         b: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, cache: DeviceCache, li: int, normed: torch.Tensor,
     ) -> None:
         """All single-token decodes of the step: projections and conv batched, each recurrent

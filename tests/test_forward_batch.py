@@ -1,0 +1,66 @@
+"""ForwardBatch.build's decode-only path gives the batch its general path gives, field by field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.model.batch import DecodeGather, ForwardBatch, LogitsWanted, SeqView, SequenceChunk
+
+PAGE = 16
+
+
+@st.composite
+def decode_steps(draw: st.DrawFn) -> list[SequenceChunk]:
+    chunks = []
+    for _ in range(draw(st.integers(1, 12))):
+        start = draw(st.integers(1, 200))
+        spare = draw(st.integers(0, 2))  # a table may hold more pages than the positions need
+        table = draw(st.lists(st.integers(0, 999), min_size=start // PAGE + 1 + spare,
+                              max_size=start // PAGE + 1 + spare))
+        slot = draw(st.none() | st.integers(0, 31))
+        chunks.append(SequenceChunk([draw(st.integers(0, 5000))], start, table, slot, LogitsWanted.LAST))
+    return chunks
+
+
+def _same(a: object, b: object) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, SeqView):
+        assert isinstance(b, SeqView)
+        assert (a.offset, a.length, a.start, a.state_slot) == (b.offset, b.length, b.start, b.state_slot)
+        _same(a.page_table, b.page_table)
+    elif isinstance(a, DecodeGather):
+        assert isinstance(b, DecodeGather)
+        for f in dataclasses.fields(DecodeGather):
+            _same(getattr(a, f.name), getattr(b, f.name))
+    elif isinstance(a, tuple):
+        assert isinstance(b, tuple) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+@settings(max_examples=80, deadline=None)
+@given(chunks=decode_steps())
+def test_the_decode_only_batch_is_the_general_one(chunks: list[SequenceChunk]) -> None:
+    cpu = torch.device("cpu")
+    fast = ForwardBatch.build(chunks, PAGE, cpu)
+    general = ForwardBatch._any(chunks, PAGE, cpu)
+    for f in dataclasses.fields(ForwardBatch):
+        if f.name != "decodes_only":
+            _same(getattr(fast, f.name), getattr(general, f.name))
+    assert fast.decodes_only and not general.decodes_only
+    assert len(fast.decodes) == len(chunks) and fast.others == ()
+
+
+def test_a_short_page_table_is_refused_on_both_paths() -> None:
+    short = [SequenceChunk([7], 40, [1, 2], 0, LogitsWanted.LAST)]  # position 40 needs 3 pages
+    for build in (ForwardBatch.build, ForwardBatch._any):
+        with pytest.raises(ValueError, match="page table has 2 pages"):
+            build(short, PAGE, torch.device("cpu"))
