@@ -25,7 +25,7 @@ from engine.tracing import admission_stage
 ForkCopy = Callable[[EngineSequence, EngineSequence, int | None], None]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per sequence every step, and a frozen init costs 4x
 class ScheduledChunk:
     seq: EngineSequence
     num_tokens: int  # tokens of seq.token_ids[seq.num_computed:] that run this step

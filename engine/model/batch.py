@@ -22,7 +22,7 @@ class LogitsWanted(Enum):
     ALL = "all"  # every position (prompt logprobs, tests)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per sequence every step, and a frozen init costs 4x
 class SequenceChunk:
     """One sequence's part of a step, as the scheduler describes it."""
 
