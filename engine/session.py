@@ -18,11 +18,10 @@ work at once; so does the stream ending, for every call still open on it.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Generic, Iterator, TypeVar
+from typing import AsyncIterator, Generic, Iterator, Protocol, TypeVar
 
 import grpc
 from opentelemetry import propagate
@@ -32,10 +31,17 @@ from engine.call_status import Abort, submit
 from engine.core import EngineCore
 from engine.outputs import RequestUpdate
 from engine.proto_convert import update_messages
+from engine.request import EngineRequest
 from ignis.v1 import engine_pb2
 
-if TYPE_CHECKING:
-    from engine.server import EngineService
+
+class Servicer(Protocol):
+    """What a session needs of the engine's servicer (engine/server.py): its checks, not its RPCs."""
+
+    @property
+    def core(self) -> EngineCore: ...  # raises Abort while loading or shutting down
+
+    async def engine_request(self, request: engine_pb2.GenerateRequest) -> EngineRequest: ...
 
 _Item = TypeVar("_Item")
 GENERATE_METHOD = "/ignis.v1.Engine/Generate"  # each call's span is named as a Generate call's
@@ -94,7 +100,7 @@ class _Call:
 class GenerateSession:
     """One GenerateSession stream: its open calls and the messages on their way out."""
 
-    def __init__(self, service: EngineService) -> None:
+    def __init__(self, service: Servicer) -> None:
         self._service = service
         # (call, update) from the engine thread; (tag, end) from the loop; None wakes the writer.
         self._outbox: Outbox[tuple[_Call, RequestUpdate] | tuple[int, engine_pb2.SessionEnd] | None] = \

@@ -166,9 +166,11 @@ def test_put_stream_messages_are_oneofs() -> None:
 def test_services_have_the_expected_methods() -> None:
     engine = engine_pb2.DESCRIPTOR.services_by_name["Engine"]
     assert engine.full_name == "ignis.v1.Engine"
-    assert [m.name for m in engine.methods] == ["Generate", "Tokenize", "ListModels", "GetStats", "ListState",
-                                                "PutResponse", "GetResponse", "DeleteResponse"]
+    assert [m.name for m in engine.methods] == ["Generate", "GenerateSession", "Tokenize", "ListModels", "GetStats",
+                                                "ListState", "PutResponse", "GetResponse", "DeleteResponse"]
     assert engine.methods_by_name["Generate"].server_streaming
+    session = engine.methods_by_name["GenerateSession"]
+    assert session.client_streaming and session.server_streaming
     tierstore = tierstore_pb2.DESCRIPTOR.services_by_name["TierStore"]
     assert tierstore.full_name == "ignis.v1.TierStore"
     assert [m.name for m in tierstore.methods] == [
