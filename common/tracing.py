@@ -53,12 +53,17 @@ def build_provider(service_name: str) -> TracerProvider | None:
     return provider
 
 
+_exporting = False  # setup_tracing installed an exporting provider in this process
+
+
 def setup_tracing(service_name: str) -> bool:
     """Install the exporting provider for this process; True if tracing is on."""
+    global _exporting
     provider = build_provider(service_name)
     if provider is None:
         return False
     trace.set_tracer_provider(provider)
+    _exporting = True
     return True
 
 
@@ -166,7 +171,11 @@ def _server_span(method: str, parent: otel_context.Context, context: grpc.aio.Se
 @contextlib.contextmanager
 def server_call_span(method: str, parent: otel_context.Context) -> Iterator[Span]:
     """A current SERVER span for one call that is not its own RPC (a call on a session stream); the
-    caller sets its status (`set_rpc_status(..., server=True)`)."""
+    caller sets its status (`set_rpc_status(..., server=True)`). Without an exporter: the invalid span,
+    current for nothing (a call on a session pays no span when nobody reads them)."""
+    if not _exporting:
+        yield trace.INVALID_SPAN
+        return
     name, attributes = _rpc_attributes(method)
     tracer = trace.get_tracer(TRACER_NAME)
     with tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes,
