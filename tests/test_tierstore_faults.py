@@ -12,6 +12,7 @@ No sleeps: a fake clock moves past back-offs, a poll waits for what a process do
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import subprocess
@@ -560,6 +561,37 @@ def test_the_engine_follows_a_recreated_arena_by_instance_without_a_restart(
         assert bytes(client.arena_bytes(lease.extent.offset, 64 * KiB)) == make_data("b", 64 * KiB)
         client.release(lease.lease_id)
         assert "recreated as" in store.log()
+    finally:
+        admin.close()
+        client.close()
+        assert store.stop() == 0, store.log()
+
+
+def test_losing_a_deleted_arena_keeps_a_copy_in_flight_mapped_until_it_ends(tmp_path: Path) -> None:
+    """A copy on another thread holds a view of the arena while `ensure` finds the file deleted: the mapping
+    must outlive the view (mmap.close() unmapped it under the copy: bench.chaos saw the SIGSEGV, and a new
+    arena mapped at the same addresses took the copy's bytes), and go with its last reference (no deleted
+    arena stays mapped)."""
+    store: RunningService = start_tierstore(tmp_path / "ts", ["--kv-host-pool-bytes", "1MiB", "--kv-disk-path",
+                                                              str(tmp_path / "kv"), "--kv-disk-bytes", "8MiB"])
+    client = TierClient(store.address, model="m", page_size=16, layout=LAYOUT, kv_bytes_per_token=1024,
+                        fixed_state_bytes=0, timeout=10.0, clock=Clock())
+    admin = TierStoreClient(store.address)
+    try:
+        assert client.ensure(NS) and client.arena is not None
+        path = admin.stats().arena_path
+        in_flight = client.arena[4096:4096 + 64 * KiB]  # what a copy worker reads or writes right now
+        os.unlink(path)
+        client.ensure(NS)  # sees the deleted file: loses (and replaces) the mapping
+        if client.arena is not None:  # the new arena must not lie where the old view points (the old
+            start = client.arena.data_ptr()  # mapping unmapped, its addresses were the new one's: the copy
+            assert not start <= in_flight.data_ptr() < start + client.arena.numel()  # wrote into it)
+        in_flight.fill_(7)  # the copy goes on: still mapped (a SIGSEGV here before)
+        assert int(in_flight.sum()) == 7 * 64 * KiB
+        assert any(path in line for line in Path("/proc/self/maps").read_text().splitlines())
+        del in_flight
+        gc.collect()
+        assert not any(path in line for line in Path("/proc/self/maps").read_text().splitlines())
     finally:
         admin.close()
         client.close()

@@ -21,6 +21,7 @@ import logging
 import mmap
 import os
 import stat
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Sequence
@@ -286,10 +287,15 @@ class TierClient:
             self._pinned_ptr = None
         self.arena = None
         if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:  # a view still exists somewhere: the collector unmaps it later
-                pass
+            # A torch.frombuffer tensor (the arena, and any view of it a copy on another thread holds
+            # now) keeps the mmap object alive but not its buffer export, so close() would succeed and
+            # unmap memory that copy still reads or writes (a SIGSEGV, bench.chaos's deleted arena).
+            # Close it only when nothing else refers to it; else the last reference unmaps it.
+            if sys.getrefcount(self._mmap) <= 2:  # this attribute and getrefcount's own argument
+                try:
+                    self._mmap.close()
+                except BufferError:  # a memoryview (arena_bytes) still exists: the collector unmaps it
+                    pass
             self._mmap = None
         if self._arena_fd >= 0:
             os.close(self._arena_fd)
