@@ -34,6 +34,7 @@ log = logging.getLogger("ignis.engine")
 SERVICE_NAME = "ignis.v1.Engine"
 T = TypeVar("T")
 PROMPT_WORKERS = 2  # threads rendering and tokenizing prompts (off the event loop)
+DEFAULT_MAX_OPEN_CALLS = 1024  # while the model loads (every call then ends UNAVAILABLE anyway)
 SNAPSHOT_TIMEOUT = 30.0  # seconds ListState waits for the step thread's copy (a step runs at most that long)
 
 
@@ -66,6 +67,12 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         if not self.accepting:
             raise Abort(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
         return self._core
+
+    @property
+    def max_open_calls(self) -> int:
+        """Calls one GenerateSession stream may hold open: the engine's queue size (a stream's calls past it
+        could never all be queued; before it, each holds a task and a prompt render)."""
+        return self._core.config.max_queue if self._core is not None else DEFAULT_MAX_OPEN_CALLS
 
     def _check_model(self, model: str) -> None:
         if model and model != self.model_id:

@@ -43,6 +43,9 @@ class Servicer(Protocol):
 
     async def engine_request(self, request: engine_pb2.GenerateRequest) -> EngineRequest: ...
 
+    @property
+    def max_open_calls(self) -> int: ...  # calls one session may hold open at once
+
 _Item = TypeVar("_Item")
 GENERATE_METHOD = "/ignis.v1.Engine/Generate"  # each call's span is named as a Generate call's
 # A SessionResponse is split past this size (echoed prompt logprobs can be large; the gateway's
@@ -94,7 +97,7 @@ class _Call:
     request_id: str = ""
     echo_ids: tuple[int, ...] | None = None  # the prompt's ids, sent on the first message with echo
     ended: asyncio.Future[grpc.StatusCode] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    task: asyncio.Task[None] | None = None
+    task: asyncio.Task[None] | None = None  # held: the loop keeps only a weak reference to a task
 
 
 class GenerateSession:
@@ -139,6 +142,11 @@ class GenerateSession:
         running = self._calls.get(tag)
         if running is not None:  # the two calls cannot be told apart: both end
             self._end(running, grpc.StatusCode.INVALID_ARGUMENT, f"tag {tag} is already in use")
+            return
+        limit = self._service.max_open_calls
+        if len(self._calls) >= limit:  # calls still rendering are not in the engine's queue yet: bound them here
+            self._outbox.put((tag, _end(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"this session has {limit} calls open (the engine's queue size)")))
             return
         call = _Call(tag)
         self._calls[tag] = call

@@ -31,8 +31,9 @@ log = logging.getLogger("ignis.gateway")
 _CLOSED = "the gateway closed its session with the engine"
 
 
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+def rpc_error(code: grpc.StatusCode, details: str, kind: type[grpc.aio.AioRpcError] = grpc.aio.AioRpcError
+              ) -> grpc.aio.AioRpcError:
+    return kind(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class SessionBroken(grpc.aio.AioRpcError):
@@ -132,10 +133,6 @@ class EngineSession:
         if self._calls.pop(tag, None) is not None and self._outbox is not None:
             self._outbox.put_nowait(engine_pb2.SessionRequest(tag=tag, cancel=True))
 
-    @property
-    def open_calls(self) -> int:
-        return len(self._calls)
-
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
@@ -154,8 +151,7 @@ class EngineSession:
 
     async def _read(self, stream: grpc.aio.StreamStreamCall,
                     outbox: asyncio.Queue[engine_pb2.SessionRequest | None]) -> None:
-        error: grpc.aio.AioRpcError = SessionBroken(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
-                                                    grpc.aio.Metadata(), "the engine ended the session")
+        error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the engine ended the session", SessionBroken)
         try:
             async for response in stream:
                 for event in response.events:
@@ -169,10 +165,9 @@ class EngineSession:
                     else:
                         call.push(event.response)
         except grpc.aio.AioRpcError as exc:
-            error = SessionBroken(exc.code(), exc.initial_metadata(), exc.trailing_metadata(), exc.details(),
-                                  exc.debug_error_string())
+            error = rpc_error(exc.code(), exc.details() or "", SessionBroken)
         except asyncio.CancelledError:
-            error = SessionBroken(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), _CLOSED)
+            error = rpc_error(grpc.StatusCode.CANCELLED, _CLOSED, SessionBroken)
             stream.cancel()
             raise
         finally:

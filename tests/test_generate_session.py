@@ -222,3 +222,28 @@ def test_the_gateway_answers_the_same_over_its_session_and_over_calls(gateways: 
                          bad.value.status_code, asyncio.run(many()))
     assert answers["session"] == answers["calls"]
     assert [tokens for _, tokens in answers["session"][3]] == [6 + i % 5 for i in range(24)]
+
+
+def test_a_session_holds_at_most_the_engines_queue_of_open_calls(stub: engine_pb2_grpc.EngineStub) -> None:
+    """A flood of calls on one stream (the module's engine queues 64) cannot pile up tasks and prompt renders
+    past the queue: the extra calls end RESOURCE_EXHAUSTED, the admitted ones run, and closing frees them."""
+    s = Session(stub)
+    endless = make_request(make_prompt(16, seed=12), temperature=0, max_tokens=2000, ignore_eos=True)
+    for tag in range(1, 71):
+        s.call(tag, endless)
+    ends: dict[int, engine_pb2.SessionEnd] = {}
+    running: set[int] = set()
+    for response in s.responses:
+        for event in response.events:
+            if event.HasField("end"):
+                ends[event.tag] = event.end
+            else:
+                running.add(event.tag)
+        if len(ends) >= 6 and running:
+            break
+    assert {e.code for e in ends.values()} == {grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}
+    assert len(ends) >= 6 and not running & set(ends)
+    s.responses.cancel()
+    s.close()
+    idle = wait_idle(stub)
+    assert idle.page_pool.used_pages == 0 and idle.state_slots.used == 0
