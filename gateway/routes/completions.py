@@ -123,24 +123,23 @@ class _Reply:
         builders: dict[int, lp.CompletionLogprobs] = {}  # per global choice index: text offsets so far
         usages: dict[int, Usage] = {}
         head, tail = chunk_frame(self._chunk([], include_usage))
-        plain = not self.echo and not self.logprobs  # a token's chunk is its choice in a fixed frame
         async with contextlib.aclosing(merge(calls)) as merged:  # type: ignore[type-var]
             try:
                 async for p, msg in merged:
                     started = True
-                    if plain and msg.text and not msg.finish_reason and not msg.HasField("usage"):
-                        yield head + dumps({"index": p * self.n + msg.index, "text": msg.text, "logprobs": None,
-                                            "finish_reason": None}) + tail  # the bytes data_event would give
-                        continue
                     if msg.prompt_token_ids:
                         prompt_lps[p] = list(msg.prompt_logprobs)
-                    chunks = self._message_chunks(p, msg, prompt_lps, builders, include_usage)
-                    if msg.HasField("usage"):
-                        usages[p] = Usage.from_proto(msg.usage)
-                        if len(usages) == len(calls):  # the last call ended: the final chunk
-                            usage = Usage.total(usages[i] for i in sorted(usages))
-                            self.state.metrics.observe_usage(usage)
-                            close_stream(chunks, usage, include_usage, lambda: self._chunk([], False))
+                    choice = self._message_choice(p, msg, prompt_lps, builders)
+                    if not msg.HasField("usage"):  # its chunk is the choice in the stream's frame
+                        if choice is not None:
+                            yield head + dumps(choice) + tail
+                        continue
+                    chunks = [self._chunk([choice], include_usage)] if choice is not None else []
+                    usages[p] = Usage.from_proto(msg.usage)
+                    if len(usages) == len(calls):  # the last call ended: the final chunk
+                        usage = Usage.total(usages[i] for i in sorted(usages))
+                        self.state.metrics.observe_usage(usage)
+                        close_stream(chunks, usage, include_usage, lambda: self._chunk([], False))
                     for chunk in chunks:
                         yield data_event(chunk)
             except OpenAIError as err:
@@ -149,25 +148,26 @@ class _Reply:
                 yield data_event(err.body())
         yield DONE
 
-    def _message_chunks(self, p: int, msg: engine_pb2.GenerateResponse,
+    def _message_choice(self, p: int, msg: engine_pb2.GenerateResponse,
                         prompt_lps: dict[int, list[engine_pb2.TokenLogprob]],
-                        builders: dict[int, lp.CompletionLogprobs], include_usage: bool) -> list[JSONObject]:
+                        builders: dict[int, lp.CompletionLogprobs]) -> JSONObject | None:
+        """The chunk choice one message makes, or None (e.g. the usage-only last message)."""
         g = p * self.n + msg.index
         text = msg.text
         logprobs = None
-        first = g not in builders
-        builder = builders.get(g) or builders.setdefault(g, lp.CompletionLogprobs())
-        parts = []
-        if first and self.echo:  # each choice starts with the prompt
-            text = self._prompt_text(p, prompt_lps.get(p, [])) + text
+        if self.echo or self.logprobs:  # text offsets so far, and whether this is the choice's first chunk
+            first = g not in builders
+            builder = builders.setdefault(g, lp.CompletionLogprobs()) if first else builders[g]
+            parts = []
+            if first and self.echo:  # each choice starts with the prompt
+                text = self._prompt_text(p, prompt_lps.get(p, [])) + text
+                if self.logprobs:
+                    parts.append(self._prompt_logprobs(builder, p, prompt_lps.get(p, [])))
             if self.logprobs:
-                parts.append(self._prompt_logprobs(builder, p, prompt_lps.get(p, [])))
-        if self.logprobs:
-            parts.append(builder.add(msg.logprobs))
-            logprobs = lp.merge_completion(parts)
+                parts.append(builder.add(msg.logprobs))
+                logprobs = lp.merge_completion(parts)
         finish = finish_reason(msg.finish_reason)
         if not text and finish is None and not (logprobs and logprobs["tokens"]):
-            return []  # e.g. the usage-only last message
-        return [self._chunk([{"index": g, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-                            include_usage)]
+            return None
+        return {"index": g, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
