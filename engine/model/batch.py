@@ -117,12 +117,7 @@ class ForwardBatch:
             flat.extend(table)
             pages.append(table[-1])
         positions = [c.start for c in chunks]
-        flat_pages = torch.tensor(flat, dtype=torch.int64, device=device)
-        seqs = []
-        at = 0
-        for i, (c, table) in enumerate(zip(chunks, tables)):
-            seqs.append(SeqView(i, 1, c.start, flat_pages, at, len(table), c.state_slot))
-            at += len(table)
+        seqs = _seq_views([(i, 1, c.start, c.state_slot) for i, c in enumerate(chunks)], tables, flat, device)
         decode = _decode_gather(seqs, tables, page_size, device, len(seqs)) if _pad_decodes(seqs, device) else None
         rows = list(range(len(chunks)))
         return cls(
@@ -177,13 +172,7 @@ class ForwardBatch:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
-        # Every page table is a view of one tensor: one host-to-device copy, not one per sequence.
-        flat = tensor([page for table in tables for page in table])
-        seqs: list[SeqView] = []
-        at = 0
-        for (offset, length, start, slot), table in zip(views, tables):
-            seqs.append(SeqView(offset, length, start, flat, at, len(table), slot))
-            at += len(table)
+        seqs = _seq_views(views, tables, [page for table in tables for page in table], device)
 
         decoding = [i for i, s in enumerate(seqs) if s.is_decode]
         decodes = [seqs[i] for i in decoding]
@@ -204,6 +193,19 @@ class ForwardBatch:
             others=others,
             decode=decode,
         )
+
+
+def _seq_views(views: Sequence[tuple[int, int, int, int | None]], tables: Sequence[Sequence[int]],
+               flat: list[int], device: torch.device) -> list[SeqView]:
+    """Each sequence's view, from its (offset, length, start, slot) and page table; every page table is a
+    slice of one tensor of `flat` (the tables one after another): one host-to-device copy, not one each."""
+    pages = torch.tensor(flat, dtype=torch.int64, device=device)
+    seqs = []
+    at = 0
+    for (offset, length, start, slot), table in zip(views, tables):
+        seqs.append(SeqView(offset, length, start, pages, at, len(table), slot))
+        at += len(table)
+    return seqs
 
 
 # On the CPU, padded decode attention pays for every padded position and a masked (slow-path)
