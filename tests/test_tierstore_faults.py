@@ -525,17 +525,28 @@ def _write_state(client: TierClient, name: str) -> None:
     assert client.commit(h(name), make_meta(name, len(data)))
 
 
-@pytest.mark.parametrize("fault", ["deleted", "truncated"])
-def test_the_engine_follows_a_recreated_arena_by_instance_without_a_restart(
-        tmp_path: Path, fault: str, caplog: pytest.LogCaptureFixture) -> None:
-    """It used to map the old path again after a stall and run device-only for good, reported healthy."""
-    caplog.set_level(logging.WARNING, logger="ignis.engine.tiers")
+@contextmanager
+def engine_and_store(tmp_path: Path) -> Iterator[tuple[RunningService, TierClient, TierStoreClient]]:
+    """A tierstore (1 MiB arena, 8 MiB disk), the engine's tier client of it and an admin client; all closed after."""
     store: RunningService = start_tierstore(tmp_path / "ts", ["--kv-host-pool-bytes", "1MiB", "--kv-disk-path",
                                                               str(tmp_path / "kv"), "--kv-disk-bytes", "8MiB"])
     client = TierClient(store.address, model="m", page_size=16, layout=LAYOUT, kv_bytes_per_token=1024,
                         fixed_state_bytes=0, timeout=10.0, clock=Clock())
     admin = TierStoreClient(store.address)
     try:
+        yield store, client, admin
+    finally:
+        admin.close()
+        client.close()
+        assert store.stop() == 0, store.log()
+
+
+@pytest.mark.parametrize("fault", ["deleted", "truncated"])
+def test_the_engine_follows_a_recreated_arena_by_instance_without_a_restart(
+        tmp_path: Path, fault: str, caplog: pytest.LogCaptureFixture) -> None:
+    """It used to map the old path again after a stall and run device-only for good, reported healthy."""
+    caplog.set_level(logging.WARNING, logger="ignis.engine.tiers")
+    with engine_and_store(tmp_path) as (store, client, admin):
         assert client.ensure(NS) and client.usable
         _write_state(client, "a")
         first = admin.stats()
@@ -561,10 +572,6 @@ def test_the_engine_follows_a_recreated_arena_by_instance_without_a_restart(
         assert bytes(client.arena_bytes(lease.extent.offset, 64 * KiB)) == make_data("b", 64 * KiB)
         client.release(lease.lease_id)
         assert "recreated as" in store.log()
-    finally:
-        admin.close()
-        client.close()
-        assert store.stop() == 0, store.log()
 
 
 def test_losing_a_deleted_arena_keeps_a_copy_in_flight_mapped_until_it_ends(tmp_path: Path) -> None:
@@ -572,12 +579,7 @@ def test_losing_a_deleted_arena_keeps_a_copy_in_flight_mapped_until_it_ends(tmp_
     must outlive the view (mmap.close() unmapped it under the copy: bench.chaos saw the SIGSEGV, and a new
     arena mapped at the same addresses took the copy's bytes), and go with its last reference (no deleted
     arena stays mapped)."""
-    store: RunningService = start_tierstore(tmp_path / "ts", ["--kv-host-pool-bytes", "1MiB", "--kv-disk-path",
-                                                              str(tmp_path / "kv"), "--kv-disk-bytes", "8MiB"])
-    client = TierClient(store.address, model="m", page_size=16, layout=LAYOUT, kv_bytes_per_token=1024,
-                        fixed_state_bytes=0, timeout=10.0, clock=Clock())
-    admin = TierStoreClient(store.address)
-    try:
+    with engine_and_store(tmp_path) as (store, client, admin):
         assert client.ensure(NS) and client.arena is not None
         path = admin.stats().arena_path
         in_flight = client.arena[4096:4096 + 64 * KiB]  # what a copy worker reads or writes right now
@@ -592,7 +594,3 @@ def test_losing_a_deleted_arena_keeps_a_copy_in_flight_mapped_until_it_ends(tmp_
         del in_flight
         gc.collect()
         assert not any(path in line for line in Path("/proc/self/maps").read_text().splitlines())
-    finally:
-        admin.close()
-        client.close()
-        assert store.stop() == 0, store.log()
