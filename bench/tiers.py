@@ -4,9 +4,10 @@ One ~150 MiB state, side by side in one run, through a real tierstore process:
 
 - KV-RAM: the engine's copy into / out of the shared-memory arena by offset
   (and the whole Reserve+copy+Commit) vs a raw numpy memcpy of the same bytes;
-  a claim the way the engine makes it (engine/tiers/client.py: one Match that
-  leases the hit, the copy, Release in the background) and the way the example
-  client does (tierstore/client.py: Match, Acquire, copy, Release, each waited for);
+  a claim the way the engine makes it (engine/tiers/client.py: one Match on the
+  store's Match socket that leases the hit, the copy, Release in the background),
+  the same with that Match over gRPC, and the way the example client does
+  (tierstore/client.py: Match, Acquire, copy, Release, each waited for);
 - KV-disk: a spill (checksum, write, fsync, rename, LMDB) and a cold restore
   (read, checksum, into the arena) vs a raw sequential write+fsync / cold read
   of a file of the same size in the same folder (page cache dropped with
@@ -16,9 +17,9 @@ One ~150 MiB state, side by side in one run, through a real tierstore process:
   that has landed is copied out, Release in the background), and the cross-host path
   (Put / Get streams over loopback gRPC).
 
-The engine's claims before its last two changes are measured in the same rounds too
-(Match then Acquire from RAM; Acquire then copy from disk), so each change shows against
-what it replaced. Every figure is the median of --repeats runs, each round measuring the
+The engine's claims before its last changes are measured in the same rounds too
+(Match over gRPC; Match then Acquire from RAM; Acquire then copy from disk), so each
+change shows against what it replaced. Every figure is the median of --repeats runs, each round measuring the
 baselines and the tiers one after the other (interleaved), with the 1-minute load average
 before and after. Prints a Markdown table, writes bench/results/tiers.json.
 """
@@ -134,17 +135,20 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
     store = launch_tierstore(folder, arena_bytes=n + n // 2 + MiB, disk_bytes=4 * n + 64 * MiB,
                              env={"IGNIS_LOG_LEVEL": "WARNING"})
     name = Names()
-    engine = TierClient(store.address, model=MODEL, page_size=PAGE, layout=LAYOUT, kv_bytes_per_token=0,
-                        fixed_state_bytes=0, timeout=120)
+    engine, engine_grpc = (TierClient(store.address, model=MODEL, page_size=PAGE, layout=LAYOUT,
+                                      kv_bytes_per_token=0, fixed_state_bytes=0, timeout=120, local_match=local)
+                           for local in (True, False))
     try:
         with TierStoreClient(store.address, timeout=120) as c:
             c.register(NS, model=MODEL, page_size=PAGE, layout=LAYOUT)
-            assert engine.ensure(NS), "the engine's client could not map the arena"
+            assert engine.ensure(NS) and engine_grpc.ensure(NS), "the engine's client could not map the arena"
+            assert engine.local is not None and engine_grpc.local is None, "the store serves no Match socket"
             blobs = folder / "kv-disk" / "blobs"
 
             def drain() -> None:
-                """Waits for the engine client's background Releases (outside the timed part)."""
-                engine._releaser.submit(lambda: None).result()
+                """Waits for the engine clients' background Releases (outside the timed part)."""
+                for client in (engine, engine_grpc):
+                    client._releaser.submit(lambda: None).result()
 
             def ram_write() -> None:
                 h = name()
@@ -160,26 +164,30 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
 
             held = name()
 
-            def ram_claim_engine() -> None:
+            def ram_claim(client: TierClient, key: str) -> None:
+                """The engine's claim from RAM with `client`: the Match leases the hit, the copy, Release behind."""
+                local_calls = client.local.calls if client.local is not None else 0
                 t0 = time.perf_counter()
-                [hit], _ = engine.match(NS, [], held, lease_seconds=3.0)
+                [hit], _ = client.match(NS, [], held, lease_seconds=3.0)
                 assert hit.lease_id, "a RAM hit comes leased"
                 tm = time.perf_counter()
-                np.copyto(dst, np.frombuffer(engine.arena_bytes(hit.extent.offset, n), dtype=np.uint8))
+                np.copyto(dst, np.frombuffer(client.arena_bytes(hit.extent.offset, n), dtype=np.uint8))
                 tc = time.perf_counter()
-                engine.release(hit.lease_id, (), engine.match_instance)
+                client.release(hit.lease_id, (), client.match_instance)
                 t1 = time.perf_counter()
                 drain()
-                samples.add(ram_claim_engine=t1 - t0, ram_claim_engine_match=tm - t0, ram_claim_engine_copy=tc - tm)
+                assert (client.local.calls if client.local is not None else 0) == local_calls + (client is engine)
+                samples.add(**{key: t1 - t0, f"{key}_match": tm - t0, f"{key}_copy": tc - tm})
 
             def ram_claim_acquire() -> None:
-                """The engine's way before the Match could lease: Match, then Acquire, copy, Release behind."""
+                """The engine's way before the Match could lease: Match, then Acquire, copy, Release behind
+                (all over gRPC, as it was then)."""
                 t0 = time.perf_counter()
-                [hit], _ = engine.match(NS, [], held)
-                lease = engine.acquire(hit.state_hash)
+                [hit], _ = engine_grpc.match(NS, [], held)
+                lease = engine_grpc.acquire(hit.state_hash)
                 assert lease is not None
-                np.copyto(dst, np.frombuffer(engine.arena_bytes(lease.extent.offset, n), dtype=np.uint8))
-                engine.release(lease.lease_id, (), lease.instance_id)
+                np.copyto(dst, np.frombuffer(engine_grpc.arena_bytes(lease.extent.offset, n), dtype=np.uint8))
+                engine_grpc.release(lease.lease_id, (), lease.instance_id)
                 t1 = time.perf_counter()
                 drain()
                 samples.add(ram_claim_acquire=t1 - t0)
@@ -265,7 +273,9 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
                 ram_write()
                 c.store(held, src_bytes, meta(n))
                 samples.add(raw_memcpy=raw_memcpy())
-                ram_claim_engine()
+                ram_claim(engine, "ram_claim_engine")
+                samples.add(raw_memcpy=raw_memcpy())
+                ram_claim(engine_grpc, "ram_claim_grpc")
                 samples.add(raw_memcpy=raw_memcpy())
                 ram_claim_acquire()
                 ram_claim_sync()
@@ -283,6 +293,7 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
             stats = c.stats()
     finally:
         engine.close()
+        engine_grpc.close()
         store.stop()
     return {"bytes": n, "repeats": repeats, "seconds": samples.medians(), "samples": samples.runs,
             "load_1min": [load_before, load_after],
@@ -295,8 +306,13 @@ TABLE_ROWS: list[tuple[str, str, str, str | None]] = [
     ("KV-RAM write", "copy into the arena by offset", "ram_write_copy", "raw_memcpy"),
     ("KV-RAM write", "Reserve + copy + Commit (checksum)", "ram_write_e2e", "raw_memcpy"),
     ("KV-RAM read", "copy out of the arena", "ram_read_copy", "raw_memcpy"),
-    ("KV-RAM claim", "engine: Match (leases the hit) + copy, Release in the background",
+    ("KV-RAM claim", "engine: Match on the Match socket (leases the hit) + copy, Release in the background",
      "ram_claim_engine", "raw_memcpy"),
+    ("KV-RAM claim", "engine before the Match socket: Match over gRPC (leases the hit) + copy, Release behind",
+     "ram_claim_grpc", "raw_memcpy"),
+    ("Match", "a claim's Match (RAM hit, leased) on the Match socket, right after a copy", "ram_claim_engine_match",
+     "ram_claim_grpc_match"),
+    ("Match", "a claim's Match (RAM hit, leased) over gRPC, right after a copy", "ram_claim_grpc_match", None),
     ("KV-RAM claim", "engine before the leasing Match: Match + Acquire + copy, Release in the background",
      "ram_claim_acquire", "raw_memcpy"),
     ("KV-RAM claim", "example client: Match + Acquire + copy + Release, each waited for",
@@ -326,7 +342,9 @@ def table(res: dict[str, Any]) -> tuple[str, list[list[Any]]]:
 
     def row(path: str, what: str, key: str, base: str | None) -> None:
         vs = f"{s[key] / s[base]:.2f}x the time" if base else "-"
-        rows.append([path, what, round(s[key] * 1e3, 1), round(gibs(key), 2), base or "-", vs])
+        rate = "-" if path == "Match" else round(gibs(key), 2)  # moves no bytes
+        ms = round(s[key] * 1e3, 3 if path == "Match" else 1)
+        rows.append([path, what, ms, rate, base or "-", vs])
 
     for entry in TABLE_ROWS:
         row(*entry)

@@ -19,6 +19,7 @@ from common.settings import Settings, default_tierstore_socket, parse_service_ar
 from common.tracing import run_traced
 from common.metrics import serve_metrics
 from tierstore.auth import SocketLock, load_secret, private_dir
+from tierstore.match_socket import MatchSocket
 from tierstore.metrics import store_registry
 from tierstore.server import TierStoreService, create_server, set_serving, set_tier_health
 from tierstore.store import StoreConfig, TierStore
@@ -76,6 +77,20 @@ def listeners(args: argparse.Namespace, settings: Settings) -> tuple[list[str], 
     return addresses, lock, secret
 
 
+def start_match_socket(store: TierStore, lock: SocketLock | None) -> MatchSocket | None:
+    """Match served beside the gRPC socket (match_socket.py), when there is one; a store that cannot
+    bind it still serves, Match over gRPC only."""
+    if lock is None:
+        return None
+    match_socket = MatchSocket(store, Path(f"{lock.path}.match"))
+    try:
+        match_socket.start()
+    except OSError as exc:
+        log.warning("Match over gRPC only: cannot serve the match socket %s: %s", match_socket.path, exc)
+        return None
+    return match_socket
+
+
 def write_atomically(path: str, text: str) -> None:
     """Written whole, then renamed: a poller never reads half of it."""
     tmp = Path(f"{path}.tmp")
@@ -115,10 +130,15 @@ async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = Fa
             lock.close()
         return 2
 
+    match_socket = start_match_socket(store, lock)
     try:
-        server, port, health = create_server(TierStoreService(store), addresses, tracing, secret)
+        server, port, health = create_server(
+            TierStoreService(store, str(match_socket.path) if match_socket is not None else ""),
+            addresses, tracing, secret)
     except OSError as exc:
         log.error("cannot start the tierstore: %s", exc)
+        if match_socket is not None:
+            match_socket.close()
         store.close()
         if lock is not None:
             lock.close()
@@ -130,6 +150,8 @@ async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = Fa
     await set_tier_health(health, store.stats())
     served = [a for a in addresses if a.startswith("unix:")] + ([f"{args.host}:{port} (TCP, secret required)"]
                                                                  if args.port is not None else [])
+    if match_socket is not None:
+        served.append(f"{match_socket.path} (Match, framed)")
     log.info("tierstore serving on %s", " and ".join(served))
     if args.port_file and args.port is not None:
         write_atomically(args.port_file, str(port))
@@ -158,6 +180,8 @@ async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = Fa
     sweeper.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await sweeper
+    if match_socket is not None:
+        match_socket.close()
     if metrics is not None:
         metrics.shutdown()
         metrics.server_close()

@@ -56,6 +56,24 @@ def _hit(h: Hit) -> tierstore_pb2.MatchHit:
                                   metadata=h.info.to_proto() if h.info is not None else None)
 
 
+def match_args(request: tierstore_pb2.MatchRequest) -> tuple[bytes, list[bytes], bytes | None, bool, float]:
+    """A MatchRequest as TierStore.match_anchored's arguments (checked there)."""
+    tail = bytes(request.tail_hash) if request.HasField("tail_hash") else None
+    return (bytes(request.namespace), [bytes(p) for p in request.page_hashes], tail, request.anchored,
+            request.lease_seconds)
+
+
+def match_response(store: TierStore, found: tuple[list[Hit], list[Hit]]) -> tierstore_pb2.MatchResponse:
+    hits, candidates = found
+    return tierstore_pb2.MatchResponse(hits=[_hit(h) for h in hits], candidates=[_hit(c) for c in candidates],
+                                       instance_id=store.instance_id)
+
+
+def status_code(exc: TierStoreError) -> grpc.StatusCode:
+    """The status a refusal of the store ends its call with."""
+    return next(c for cls, c in _CODES.items() if isinstance(exc, cls))
+
+
 def stats_message(s: StoreStats) -> tierstore_pb2.StatsResponse:
     return tierstore_pb2.StatsResponse(
         arena_bytes_used=s.arena_bytes_used, arena_bytes_total=s.arena_bytes_total,
@@ -68,8 +86,9 @@ def stats_message(s: StoreStats) -> tierstore_pb2.StatsResponse:
 
 
 class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
-    def __init__(self, store: TierStore) -> None:
+    def __init__(self, store: TierStore, match_socket: str = "") -> None:
         self.store = store
+        self.match_socket = match_socket  # the Match socket's path, told to each Register ("": none)
 
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: object,
                     inline: bool = False) -> T:
@@ -93,18 +112,15 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
         arena = await self._call(context, self.store.register, reg)
         log.info("registered namespace=%s model=%r page_size=%d", short(reg.namespace), reg.model, reg.page_size)
         return tierstore_pb2.RegisterResponse(arena_path=arena.path, arena_bytes=arena.nbytes,
-                                              instance_id=arena.instance_id)
+                                              instance_id=arena.instance_id, match_socket=self.match_socket)
 
     async def Match(self, request: tierstore_pb2.MatchRequest, context: grpc.aio.ServicerContext
                     ) -> tierstore_pb2.MatchResponse:
-        tail = bytes(request.tail_hash) if request.HasField("tail_hash") else None
-        args = (bytes(request.namespace), [bytes(p) for p in request.page_hashes], tail, request.anchored,
-                request.lease_seconds)
+        args = match_args(request)
         found = await self._call(context, self.store.match_now, *args, inline=True)
-        hits, candidates = found if found is not None else \
-            await self._call(context, self.store.match_anchored, *args)  # the lock is held: wait in the pool
-        return tierstore_pb2.MatchResponse(hits=[_hit(h) for h in hits], candidates=[_hit(c) for c in candidates],
-                                           instance_id=self.store.instance_id)
+        if found is None:  # the lock is held: wait in the pool
+            found = await self._call(context, self.store.match_anchored, *args)
+        return match_response(self.store, found)
 
     async def Reserve(self, request: tierstore_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> tierstore_pb2.ReserveResponse:
@@ -256,7 +272,7 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
 async def _abort(context: grpc.aio.ServicerContext, exc: TierStoreError) -> NoReturn:
     if isinstance(exc, Unavailable):
         context.set_trailing_metadata(((TIER_FAULT_KEY, exc.tier),))
-    await _fail(context, next(c for cls, c in _CODES.items() if isinstance(exc, cls)), str(exc))
+    await _fail(context, status_code(exc), str(exc))
 
 
 async def _fail(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:

@@ -35,20 +35,25 @@ import torch
 from common.bearer import BearerInterceptor, read_secret
 from common.mapped_file import file_fault
 from common.tracing import ClientTracingInterceptor, client_span, grpc_metadata, set_rpc_status
+from engine.tiers.local_match import LocalMatch
 from ignis.v1 import tierstore_pb2, tierstore_pb2_grpc
 
 log = logging.getLogger("ignis.engine.tiers")
 
 T = TypeVar("T")
 TIER_FAULT_KEY = "ignis-tier-fault"  # an UNAVAILABLE carrying it is one failing tier of a store that is up
+MATCH_METHOD = "/ignis.v1.TierStore/Match"
+_CODES_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class TierClient:
     def __init__(self, address: str, *, model: str, page_size: int, layout: str, kv_bytes_per_token: int,
                  fixed_state_bytes: int, timeout: float = 2.0, retry_seconds: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic, pin: bool = False, secret_file: str = "") -> None:
+                 clock: Callable[[], float] = time.monotonic, pin: bool = False, secret_file: str = "",
+                 local_match: bool = True) -> None:
         """``secret_file``: the shared secret of a TCP ``address`` (tierstore.secret_file); read now, so a
-        missing or short one fails the start (OSError, ValueError), and again with each fresh channel."""
+        missing or short one fails the start (OSError, ValueError), and again with each fresh channel.
+        ``local_match``: ask Match on the store's Match socket when it has one (False: always gRPC)."""
         self.address = address
         self.secret_file = secret_file
         self._tcp = not address.startswith(("unix:", "unix-abstract:"))
@@ -83,6 +88,8 @@ class TierClient:
         # Release runs off the engine thread: the copy is done, nothing waits for the answer.
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="ignis-tier-release")
         self.match_instance = ""  # the instance that answered the last Match (its leases are that instance's)
+        self._local_match = local_match
+        self.local: LocalMatch | None = None  # the Match socket of the instance mapped now (local_match.py)
         # The Monitor's read-only calls, on a channel of their own (side_stats, side_list).
         self._side_channel: grpc.Channel | None = None
         self._side_stub: tierstore_pb2_grpc.TierStoreStub | None = None
@@ -152,6 +159,7 @@ class TierClient:
         if self._channel is not None:
             self._channel.close()
         self._channel = self._stub = None
+        self._drop_local()
 
     def _call(self, fn: Callable[[tierstore_pb2_grpc.TierStoreStub], T], quiet: Sequence[grpc.StatusCode] = ()
               ) -> T | None:
@@ -171,10 +179,14 @@ class TierClient:
         return result
 
     def _failed(self, exc: grpc.RpcError, quiet: Sequence[grpc.StatusCode]) -> None:
-        """What a failed call means: the store down, its disk failing, or a refusal (counted unless quiet)."""
         code = exc.code() if hasattr(exc, "code") else None
-        self.last_code = code
         tier = _tier_fault(exc) if code == grpc.StatusCode.UNAVAILABLE else None
+        self._ended(code, exc.details() if hasattr(exc, "details") else str(exc), tier, quiet)
+
+    def _ended(self, code: grpc.StatusCode | None, details: str, tier: str | None,
+               quiet: Sequence[grpc.StatusCode]) -> None:
+        """What a failed call means: the store down, its disk failing, or a refusal (counted unless quiet)."""
+        self.last_code = code
         if tier == "disk":  # the store is up; its disk is failing: this call finds nothing
             self.errors += 1
         elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -185,7 +197,7 @@ class TierClient:
                             "(tierstore.secret_file)")
         elif code not in quiet:
             self.errors += 1
-            log.warning("tierstore call failed: %s %s", code, exc.details() if hasattr(exc, "details") else exc)
+            log.warning("tierstore call failed: %s %s", code, details)
 
     # --- arena -------------------------------------------------------------------------
     def ensure(self, namespace: bytes) -> bool:
@@ -229,6 +241,9 @@ class TierClient:
                 return False
             self._instance = reply.instance_id
             self._registered.clear()
+            self._drop_local()
+            if reply.match_socket and self._local_match:
+                self.local = LocalMatch(reply.match_socket, self.timeout)
         self._registered.add(namespace)
         return True
 
@@ -249,6 +264,12 @@ class TierClient:
         self._instance = ""
         self._registered.clear()
         self._unmap()
+        self._drop_local()
+
+    def _drop_local(self) -> None:
+        if self.local is not None:
+            self.local.close()
+            self.local = None
 
     def same_instance(self, instance_id: str) -> bool:
         """Whether a reply came from the instance whose arena is mapped; if not, the next
@@ -317,12 +338,45 @@ class TierClient:
                                              lease_seconds=lease_seconds)
         if tail_hash is not None:
             request.tail_hash = tail_hash
-        reply = self._call(lambda s: s.Match(request, timeout=self.timeout))
+        local = self._match_locally(request) if self.local is not None and not self._down else None
+        reply: tierstore_pb2.MatchResponse | None
+        if local is None:  # no Match socket, or it failed
+            reply = self._call(lambda s: s.Match(request, timeout=self.timeout))
+        elif local.code:
+            self._ended(_CODES_BY_NUMBER.get(local.code, grpc.StatusCode.UNKNOWN), local.details,
+                        local.tier_fault or None, ())
+            reply = None
+        else:
+            reply = local.response
         if reply is None:
             return [], []
         self.match_instance = reply.instance_id
         self.same_instance(reply.instance_id)
         return list(reply.hits), list(reply.candidates)
+
+    def _match_locally(self, request: tierstore_pb2.MatchRequest) -> tierstore_pb2.LocalMatchReply | None:
+        """Match over the Match socket, traced as the RPC is; None when the socket failed: it is dropped
+        until the next instance names one, and the caller asks over gRPC."""
+        assert self.local is not None
+        self.last_code = None
+        span = client_span(MATCH_METHOD, self.local.path)
+        code = grpc.StatusCode.UNAVAILABLE
+        try:
+            reply = self.local.call(request, dict(grpc_metadata(trace.set_span_in_context(span))))
+            code = _CODES_BY_NUMBER.get(reply.code, grpc.StatusCode.UNKNOWN)
+            return reply
+        except TimeoutError:  # the store is slow, not the socket broken: as a gRPC deadline would
+            self._drop_local()
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
+            return tierstore_pb2.LocalMatchReply(code=code.value[0], details="no answer on the match socket "
+                                                 f"within {self.timeout}s")
+        except OSError as exc:
+            log.warning("tierstore match socket failed (%s): Match over gRPC", exc)
+            self._drop_local()
+            return None
+        finally:
+            set_rpc_status(span, code)
+            span.end()
 
     @property
     def instance_id(self) -> str:
@@ -433,6 +487,7 @@ class TierClient:
             self._side_channel.close()
         self._releaser.shutdown(wait=True)
         self._unmap()
+        self._drop_local()
         if self._channel is not None:
             self._channel.close()
         self._channel = self._stub = None

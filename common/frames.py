@@ -1,0 +1,85 @@
+"""Length-prefixed messages on a stream socket, and who is at the other end of a Unix one.
+
+The framing of the tierstore's Match socket (protos/ignis/v1/tierstore.proto, "local
+match"): each message is its length as 4 bytes (unsigned, little-endian), then the
+message. Both ends use it: the store (tierstore/match_socket.py) and the engine
+(engine/tiers/local_match.py), which meet only here and in the protos.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections.abc import Callable
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
+M = TypeVar("M")
+MAX_FRAME = 64 << 20  # the same bound as a gRPC message to our servers (common/grpc_server.py)
+_LENGTH = struct.Struct("<I")
+
+
+class FrameError(Exception):
+    """The stream does not hold a well-formed frame: the connection cannot be used further."""
+
+
+def send_frame(sock: socket.socket, payload: bytes) -> None:
+    if len(payload) > MAX_FRAME:
+        raise FrameError(f"a {len(payload)}-byte frame is over the {MAX_FRAME}-byte bound")
+    sock.sendall(_LENGTH.pack(len(payload)) + payload)
+
+
+def recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> bytes | None:
+    """The next frame's payload; None when the peer closed the stream between frames.
+
+    FrameError when it closed inside one or announced one over `limit`; OSError (a
+    timeout among them) from the socket.
+    """
+    head = _recv_exactly(sock, _LENGTH.size, at_start=True)
+    if head is None:
+        return None
+    (n,) = _LENGTH.unpack(head)
+    if n > limit:
+        raise FrameError(f"a frame of {n} bytes announced: over the {limit}-byte bound")
+    body = _recv_exactly(sock, n, at_start=False)
+    assert body is not None
+    return body
+
+
+def recv_message(sock: socket.socket, parse: Callable[[bytes], M]) -> M | None:
+    """The next frame parsed as a protobuf message (`parse`: its FromString); None when the peer
+    closed the stream between frames; FrameError when it is not one."""
+    frame = recv_frame(sock)
+    if frame is None:
+        return None
+    try:
+        return parse(frame)
+    except DecodeError as exc:
+        raise FrameError(f"a frame that is not the message expected: {exc}") from None
+
+
+def _recv_exactly(sock: socket.socket, n: int, at_start: bool) -> bytes | None:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if at_start and got == 0:
+                return None
+            raise FrameError(f"the stream ended {got} bytes into a {n}-byte read")
+        got += k
+    return bytes(buf)
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
+
+
+def same_user(sock: socket.socket) -> bool:
+    """Whether the peer of a Unix socket runs as this process's user."""
+    return peer_uid(sock) == os.getuid()

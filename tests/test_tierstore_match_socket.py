@@ -1,0 +1,323 @@
+"""The tierstore's Match socket against a real `python -m tierstore`: it answers what the Match RPC
+answers, refuses what the RPC refuses with the same codes, and a bad frame ends only its own
+connection (tierstore/match_socket.py, protos/ignis/v1/tierstore.proto "local match"). And the
+engine's end (engine/tiers/local_match.py): its client asks there, and falls back to gRPC, or
+counts the store down, as the RPC would have made it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from common.frames import recv_frame, send_frame
+from engine.tiers.client import TierClient
+from ignis.v1 import common_pb2, tierstore_pb2, tierstore_pb2_grpc
+from services import RunningService, start_tierstore
+from tierstore.client import TierStoreClient
+
+NS = b"n" * 16
+KiB = 1024
+RAM, DISK = common_pb2.REUSE_TIER_RAM, common_pb2.REUSE_TIER_DISK
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 4
+
+
+def meta(pages: list[bytes], tokens: int, n: int) -> tierstore_pb2.StateMetadata:
+    return tierstore_pb2.StateMetadata(namespace=NS, tokens=tokens, kind=common_pb2.REUSE_KIND_CHECKPOINT,
+                                       request_class=common_pb2.REQUEST_CLASS_AGENT, page_hashes=pages, nbytes=n)
+
+
+class Conn:
+    """One connection to the Match socket, speaking its frames."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect(path)
+
+    def call(self, request: tierstore_pb2.MatchRequest) -> tierstore_pb2.LocalMatchReply:
+        send_frame(self.sock, tierstore_pb2.LocalMatchCall(request=request).SerializeToString())
+        frame = recv_frame(self.sock)
+        assert frame is not None, "the store closed the connection"
+        return tierstore_pb2.LocalMatchReply.FromString(frame)
+
+    def closed_by_store(self) -> bool:
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningService, str]]:
+    """A store with states in RAM and on disk, page-aligned and anchored: (service, Match socket path)."""
+    work = tmp_path_factory.mktemp("match-socket")
+    service = start_tierstore(work / "ts", ["--kv-host-pool-bytes", "1MiB", "--kv-disk-path", str(work / "kv-disk"),
+                                            "--kv-disk-bytes", "64MiB"])
+    with TierStoreClient(service.address) as c:
+        reg = c.register(NS, model="tiny", page_size=16, layout="bytes", fixed_state_bytes=4 * KiB)  # not sliceable
+        n = 300 * KiB
+        for i in range(1, 7):  # seven states of 300 KiB in a 1 MiB arena: the first four go to disk
+            pages = [h(k) for k in range(1, i + 1)]
+            c.store(h(i), np.random.default_rng(i).bytes(n), meta(pages, 16 * i, n))
+        c.store(b"x" * 16, np.random.default_rng(9).bytes(n), meta([h(1), h(2)], 40, n))  # anchored at h(2)
+    yield service, reg.match_socket
+    assert service.stop() == 0, service.log()
+
+
+def stub(service: RunningService) -> tierstore_pb2_grpc.TierStoreStub:
+    return tierstore_pb2_grpc.TierStoreStub(grpc.insecure_channel(service.address))
+
+
+def without_leases(reply: tierstore_pb2.MatchResponse) -> tierstore_pb2.MatchResponse:
+    reply = tierstore_pb2.MatchResponse.FromString(reply.SerializeToString())
+    for hit in (*reply.hits, *reply.candidates):
+        hit.lease_id = 0
+    return reply
+
+
+def test_the_socket_lies_beside_the_grpc_socket_and_is_the_stores_own(store: tuple[RunningService, str]) -> None:
+    service, path = store
+    assert Path(path) == Path(service.address.removeprefix("unix:") + ".match")
+    mode = os.stat(path).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+
+
+@pytest.mark.parametrize("pages,tail,lease,tiers,candidates", [
+    ([1, 2, 3, 4, 5, 6, 7], None, 0.0, [RAM], 1),  # RAM is longest; the anchored state is a candidate
+    ([1, 2], b"t" * 16, 0.0, [DISK], 1),  # a tail nobody stored; only disk has h(2)
+    ([1, 2, 3, 4, 5, 6], h(6), 5.0, [RAM], 1),  # leased: the RAM hit and the candidate carry leases
+    ([1, 2], None, 5.0, [DISK], 1),  # a disk hit (never leased by Match), a leased candidate
+    ([42], None, 0.0, [], 0),  # nothing
+])
+def test_it_answers_what_the_rpc_answers(store: tuple[RunningService, str], pages: list[int], tail: bytes | None,
+                                         lease: float, tiers: list[int], candidates: int) -> None:
+    service, path = store
+    request = tierstore_pb2.MatchRequest(namespace=NS, page_hashes=[h(p) for p in pages], anchored=True,
+                                         lease_seconds=lease)
+    if tail is not None:
+        request.tail_hash = tail
+    conn = Conn(path)
+    try:
+        local = conn.call(request)
+    finally:
+        conn.close()
+    assert local.code == 0 and not local.details
+    rpc = stub(service).Match(request, timeout=10)
+    assert without_leases(local.response) == without_leases(rpc)
+    assert [hit.tier for hit in local.response.hits] == tiers and len(local.response.candidates) == candidates
+    assert local.response.instance_id == rpc.instance_id
+    leases = [hit.lease_id for hit in (*local.response.hits, *local.response.candidates) if hit.lease_id]
+    if lease:
+        assert leases, "a leasing Match on the socket leases as the RPC does"
+    with TierStoreClient(service.address) as c:
+        for r in (rpc, local.response):
+            ids = sorted({hit.lease_id for hit in (*r.hits, *r.candidates) if hit.lease_id})
+            if ids:
+                c.release(0, ids)
+        assert c.stats().leases_active == 0
+
+
+def test_a_refused_call_ends_with_the_rpcs_code_and_the_connection_goes_on(store: tuple[RunningService, str]) -> None:
+    service, path = store
+    bad = tierstore_pb2.MatchRequest(namespace=b"abc", page_hashes=[h(1)])
+    with pytest.raises(grpc.RpcError) as rpc:
+        stub(service).Match(bad, timeout=10)
+    conn = Conn(path)
+    try:
+        refused = conn.call(bad)
+        assert refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] == rpc.value.code().value[0]
+        assert refused.details == rpc.value.details() and "namespace" in refused.details
+        assert not refused.HasField("response")
+        also = conn.call(tierstore_pb2.MatchRequest(namespace=NS, page_hashes=[h(1)], lease_seconds=-1))
+        assert also.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        good = conn.call(tierstore_pb2.MatchRequest(namespace=NS, page_hashes=[h(1), h(2), h(3)]))
+        assert good.code == 0 and good.response.hits
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("frame", [
+    struct.pack("<I", 5) + b"\xff\xff\xff\xff\xff",  # not a LocalMatchCall
+    struct.pack("<I", 1 << 30),  # announces 1 GiB: over the bound, refused before any read
+    struct.pack("<I", 100) + b"short",  # ends inside the frame
+])
+def test_a_bad_frame_ends_its_connection_only(store: tuple[RunningService, str], frame: bytes) -> None:
+    service, path = store
+    other = Conn(path)
+    bad = Conn(path)
+    try:
+        bad.sock.sendall(frame)
+        if frame.endswith(b"short"):
+            bad.sock.shutdown(socket.SHUT_WR)
+        assert bad.closed_by_store()
+        assert other.call(tierstore_pb2.MatchRequest(namespace=NS, page_hashes=[h(1), h(2), h(3)])).code == 0
+        fresh = Conn(path)
+        assert fresh.call(tierstore_pb2.MatchRequest(namespace=NS, page_hashes=[h(3)])).code == 0
+        fresh.close()
+        assert service.process.poll() is None
+    finally:
+        bad.close()
+        other.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(payload=st.binary(max_size=300))
+def test_any_frame_gets_a_reply_or_a_hang_up_and_the_store_serves_on(store: tuple[RunningService, str],
+                                                                   payload: bytes) -> None:
+    service, path = store
+    conn = Conn(path)
+    try:
+        send_frame(conn.sock, payload)
+        try:
+            frame = recv_frame(conn.sock)
+        except ConnectionResetError:
+            frame = None
+        if frame is not None:  # it parsed (protobuf takes much): a reply with a status, never a crash
+            reply = tierstore_pb2.LocalMatchReply.FromString(frame)
+            assert reply.code == 0 or reply.details
+            assert reply.code != grpc.StatusCode.INTERNAL.value[0], reply.details
+    finally:
+        conn.close()
+    assert service.process.poll() is None
+    assert stub(service).Match(tierstore_pb2.MatchRequest(namespace=NS, page_hashes=[h(3)]), timeout=10).hits
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as another user")
+def test_another_user_cannot_use_it(store: tuple[RunningService, str]) -> None:
+    _, path = store
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child, as nobody: connecting is refused (0600), or the store hangs up (SO_PEERCRED)
+        os.close(reader)
+        outcome = b"?"
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            conn = Conn(path)
+            send_frame(conn.sock, tierstore_pb2.LocalMatchCall(
+                request=tierstore_pb2.MatchRequest(namespace=NS, page_hashes=[h(3)])).SerializeToString())
+            outcome = b"answered" if recv_frame(conn.sock) is not None else b"hung up"
+        except PermissionError:
+            outcome = b"refused"
+        except OSError:
+            outcome = b"hung up"
+        finally:
+            os.write(writer, outcome)
+            os._exit(0)
+    os.close(writer)
+    outcome = os.read(reader, 64)
+    os.waitpid(pid, 0)
+    assert outcome in (b"refused", b"hung up"), outcome
+
+
+# --- the engine's end ---------------------------------------------------------------------
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@contextmanager
+def engine_client(tmp_path: Path, **kw: object) -> Iterator[tuple[RunningService, TierClient, TierStoreClient]]:
+    """A store with one state in RAM, the engine's tier client of it (registered) and an admin client."""
+    store = start_tierstore(tmp_path / "ts", ["--kv-host-pool-bytes", "1MiB", "--kv-disk-bytes", "0"])
+    client = TierClient(store.address, model="tiny", page_size=16, layout="bytes", kv_bytes_per_token=0,
+                        fixed_state_bytes=4 * KiB, **kw)  # type: ignore[arg-type]
+    admin = TierStoreClient(store.address)
+    try:
+        admin.register(NS, model="tiny", page_size=16, layout="bytes", fixed_state_bytes=4 * KiB)
+        admin.store(h(1), b"\1" * (64 * KiB), meta([h(1)], 16, 64 * KiB))
+        assert client.ensure(NS)
+        yield store, client, admin
+    finally:
+        admin.close()
+        client.close()
+        store.stop()
+
+
+def tiers_of(found: tuple[list[tierstore_pb2.MatchHit], list[tierstore_pb2.MatchHit]]) -> list[tuple[int, int]]:
+    return [(hit.tier, hit.tokens) for hit in found[0]]
+
+
+def test_the_engines_client_asks_on_the_socket_and_gets_what_grpc_gives(tmp_path: Path) -> None:
+    with engine_client(tmp_path) as (store, client, admin):
+        over_grpc = TierClient(store.address, model="tiny", page_size=16, layout="bytes", kv_bytes_per_token=0,
+                               fixed_state_bytes=4 * KiB, local_match=False)
+        try:
+            assert over_grpc.ensure(NS) and over_grpc.local is None
+            assert client.local is not None and client.local.path.endswith(".match")
+            local_hits = client.match(NS, [h(1), h(2)], None, lease_seconds=5.0)
+            grpc_hits = over_grpc.match(NS, [h(1), h(2)], None, lease_seconds=5.0)
+            assert client.local.calls == 1 and client.match_instance == over_grpc.match_instance
+            assert tiers_of(local_hits) == tiers_of(grpc_hits) == [(RAM, 16)]
+            assert local_hits[0][0].lease_id and local_hits[0][0].metadata.nbytes == 64 * KiB
+            for c, found in ((client, local_hits), (over_grpc, grpc_hits)):
+                c.release(found[0][0].lease_id, (), c.match_instance)
+                c._releaser.submit(lambda: None).result()
+            assert admin.stats().leases_active == 0
+            assert client.match(NS, [b"abc"], None) == ([], [])  # refused on the socket: nothing, counted
+            assert client.last_code == grpc.StatusCode.INVALID_ARGUMENT and client.errors == 1 and client.up
+            assert client.local is not None and client.local.calls == 2
+        finally:
+            over_grpc.close()
+
+
+def test_a_restarted_store_is_asked_over_grpc_then_on_its_own_socket(tmp_path: Path) -> None:
+    with engine_client(tmp_path) as (store, client, admin):
+        assert tiers_of(client.match(NS, [h(1)], None)) == [(RAM, 16)]
+        first = admin.stats().instance_id
+        assert store.stop() == 0
+        store = start_tierstore(tmp_path / "ts", ["--kv-host-pool-bytes", "1MiB", "--kv-disk-bytes", "0"])
+        try:
+            assert client.match(NS, [h(1)], None) == ([], [])  # the socket broke: gRPC asked the new store
+            assert client.local is None and client.up and client.match_instance not in ("", first)
+            assert client.ensure(NS)  # registers with the new instance: its socket
+            assert client.local is not None
+            assert client.match(NS, [h(1)], None) == ([], []) and client.local.calls == 1
+        finally:
+            store.stop()
+
+
+def test_a_stalled_store_is_a_deadline_as_over_grpc(tmp_path: Path) -> None:
+    clock = Clock()
+    with engine_client(tmp_path, timeout=0.5, clock=clock) as (store, client, admin):
+        store.process.send_signal(signal.SIGSTOP)
+        try:
+            assert client.match(NS, [h(1)], None) == ([], [])
+            assert client.last_code == grpc.StatusCode.DEADLINE_EXCEEDED and not client.up
+            assert client.match(NS, [h(1)], None) == ([], [])  # down: not asked again until the backoff
+        finally:
+            store.process.send_signal(signal.SIGCONT)
+        clock.t += client.retry_seconds
+        assert client.ensure(NS) and client.up and client.local is not None
+        assert tiers_of(client.match(NS, [h(1)], None)) == [(RAM, 16)] and client.local.calls == 1
+
+
+def test_a_socket_that_is_gone_is_asked_over_grpc(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with engine_client(tmp_path) as (store, client, admin):
+        assert client.local is not None
+        os.unlink(client.local.path)  # never connected yet: the connect fails
+        assert tiers_of(client.match(NS, [h(1)], None)) == [(RAM, 16)]
+        assert client.local is None and client.up and client.errors == 0
+        assert any("match socket failed" in r.getMessage() for r in caplog.records)

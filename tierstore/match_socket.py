@@ -1,0 +1,130 @@
+"""The store's Match socket: Match without gRPC, for an engine on this host.
+
+A Match is on every claim's path, and a gRPC round trip costs ~0.6 ms here, ~1.5 ms
+once the caller has been idle a few milliseconds (the threads of both ends' gRPC are
+woken one after another); a frame on a Unix socket costs 0.02 ms, 0.2 ms after idle.
+So Match is also served here: the same request and reply as the RPC, framed
+(common/frames.py; the frames are tierstore.proto's LocalMatchCall and
+LocalMatchReply), answered by the same store call with the same checks, leases and
+status codes, and traced as the RPC is (a SERVER span continuing the caller's trace).
+
+The socket lies beside the gRPC one, in the same private folder, is 0600, and takes a
+connection only from a process of the store's own user (SO_PEERCRED). Each
+connection has a thread of its own (at most MAX_CONNECTIONS; an engine keeps one);
+a frame that does not parse or is over the bound ends that connection only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from pathlib import Path
+
+import grpc
+from opentelemetry import propagate
+
+from common.frames import FrameError, recv_message, same_user, send_frame
+from common.tracing import server_call_span, set_rpc_status
+from ignis.v1 import tierstore_pb2
+from tierstore.errors import TierStoreError, Unavailable
+from tierstore.server import match_args, match_response, status_code
+from tierstore.store import TierStore
+
+log = logging.getLogger("ignis.tierstore")
+MATCH_METHOD = "/ignis.v1.TierStore/Match"
+MAX_CONNECTIONS = 32
+_CODES_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class MatchSocket:
+    def __init__(self, store: TierStore, path: Path) -> None:
+        self.store = store
+        self.path = path
+        self._listener: socket.socket | None = None
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self.refused = 0  # connections turned away: another user's, or over MAX_CONNECTIONS
+
+    def start(self) -> None:
+        """Bind and listen (OSError if it cannot); the caller holds the folder's socket lock, so a
+        file left at the path is a dead store's."""
+        self.path.unlink(missing_ok=True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(str(self.path))
+            os.chmod(self.path, 0o600)
+            listener.listen(MAX_CONNECTIONS)
+        except OSError:
+            listener.close()
+            raise
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), name="ignis-match-accept", daemon=True).start()
+
+    def close(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
+            listener.close()
+            self.path.unlink(missing_ok=True)
+        with self._lock:
+            connections, self._connections = self._connections, set()
+        for conn in connections:
+            _hang_up(conn)
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed
+                return
+            with self._lock:
+                admitted = self._listener is listener and len(self._connections) < MAX_CONNECTIONS
+                if admitted and same_user(conn):
+                    self._connections.add(conn)
+                else:
+                    admitted = False
+            if not admitted:
+                self.refused += 1
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="ignis-match", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while (call := recv_message(conn, tierstore_pb2.LocalMatchCall.FromString)) is not None:
+                send_frame(conn, self.answer(call).SerializeToString())
+        except (OSError, FrameError) as exc:  # the client's mistake or its going: this connection ends
+            log.debug("match socket connection ended: %s", exc)
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            _hang_up(conn)
+
+    def answer(self, call: tierstore_pb2.LocalMatchCall) -> tierstore_pb2.LocalMatchReply:
+        """The reply Match would give over gRPC, as a frame."""
+        with server_call_span(MATCH_METHOD, propagate.extract(dict(call.trace_context))) as span:
+            reply = self._answer(call.request)
+            set_rpc_status(span, _CODES_BY_NUMBER[reply.code], server=True)
+            return reply
+
+    def _answer(self, request: tierstore_pb2.MatchRequest) -> tierstore_pb2.LocalMatchReply:
+        try:
+            found = self.store.match_anchored(*match_args(request))
+        except TierStoreError as exc:
+            tier = exc.tier if isinstance(exc, Unavailable) else ""
+            return tierstore_pb2.LocalMatchReply(code=status_code(exc).value[0], details=str(exc), tier_fault=tier)
+        except Exception:  # a bug: say so with INTERNAL, as the RPC does
+            log.exception("Match on the match socket failed")
+            return tierstore_pb2.LocalMatchReply(code=grpc.StatusCode.INTERNAL.value[0],
+                                                 details="internal error in the tierstore; see its log")
+        return tierstore_pb2.LocalMatchReply(code=0, response=match_response(self.store, found))
+
+
+def _hang_up(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    conn.close()
