@@ -67,6 +67,12 @@ def setup_tracing(service_name: str) -> bool:
     return True
 
 
+def exporting() -> bool:
+    """Whether this process exports spans (setup_tracing found an endpoint): a hot path that makes its
+    own spans skips them, and the context it would carry, when nobody reads them."""
+    return _exporting
+
+
 def shutdown_tracing() -> None:
     """Export what is still queued and stop the exporter (graceful shutdown); no-op when tracing is off."""
     shutdown = getattr(trace.get_tracer_provider(), "shutdown", None)

@@ -34,7 +34,7 @@ import torch
 
 from common.bearer import BearerInterceptor, read_secret
 from common.mapped_file import file_fault
-from common.tracing import ClientTracingInterceptor, client_span, grpc_metadata, set_rpc_status
+from common.tracing import ClientTracingInterceptor, client_span, exporting, grpc_metadata, set_rpc_status
 from engine.tiers.local_match import LocalMatch
 from ignis.v1 import tierstore_pb2, tierstore_pb2_grpc
 
@@ -359,10 +359,11 @@ class TierClient:
         until the next instance names one, and the caller asks over gRPC."""
         assert self.local is not None
         self.last_code = None
-        span = client_span(MATCH_METHOD, self.local.path)
+        span = client_span(MATCH_METHOD, self.local.path) if exporting() else None
+        carried = dict(grpc_metadata(trace.set_span_in_context(span))) if span is not None else {}
         code = grpc.StatusCode.UNAVAILABLE
         try:
-            reply = self.local.call(request, dict(grpc_metadata(trace.set_span_in_context(span))))
+            reply = self.local.call(request, carried)
             code = _CODES_BY_NUMBER.get(reply.code, grpc.StatusCode.UNKNOWN)
             return reply
         except TimeoutError:  # the store is slow, not the socket broken: as a gRPC deadline would
@@ -375,8 +376,9 @@ class TierClient:
             self._drop_local()
             return None
         finally:
-            set_rpc_status(span, code)
-            span.end()
+            if span is not None:
+                set_rpc_status(span, code)
+                span.end()
 
     @property
     def instance_id(self) -> str:
