@@ -22,7 +22,7 @@ from common.logs import configure_logging
 from common.sizes import parse_size
 from common.tracing import run_traced
 from gateway.app import create_app
-from gateway.config import DEFAULT_MAX_REQUEST_BYTES, UPSTREAMS, GatewayConfig
+from gateway.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_STREAM_BUFFER_BYTES, UPSTREAMS, GatewayConfig
 from gateway.connection_faults import UvicornWarnings
 from gateway.event_loop import LOOPS, install, running_loop
 from gateway.http_protocol import HTTP_PARSERS, protocol_class
@@ -90,6 +90,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
                         help="open connections at most; more are answered 503 and closed (default: 2048)")
     parser.add_argument("--max-request-bytes", type=_size, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="largest request body, e.g. 16MiB; a larger one is a 413 (default: 16MiB)")
+    parser.add_argument("--max-stream-buffer", type=_size, default=DEFAULT_MAX_STREAM_BUFFER_BYTES,
+                        help="engine messages held for one stream whose client reads slower than the engine "
+                             "writes, e.g. 8MiB; past it the stream ends with an error and the engine stops "
+                             "its request (--upstream session; default: 8MiB)")
     parser.add_argument("--fault-log-interval", type=float, default=10.0,
                         help="seconds between the summary log lines of slow, refused and malformed connections "
                              "(default: 10)")
@@ -115,6 +119,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
                                probe_interval=args.probe_interval,
                                header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                                max_connections=args.max_connections, max_request_bytes=args.max_request_bytes,
+                               max_stream_buffer_bytes=args.max_stream_buffer,
                                fault_log_interval=args.fault_log_interval, routing=args.routing,
                                load_bound=args.load_bound, engine_dns=args.engine_dns,
                                dns_refresh=args.dns_refresh, tool_call_parser=args.tool_call_parser,

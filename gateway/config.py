@@ -10,6 +10,9 @@ from gateway.routing import RoutingRule
 
 UPSTREAMS = ("session", "calls")
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a 32k-token prompt is well under 1 MiB, as text or as token ids
+# A stream's engine messages held for a client that reads slower than the engine writes: ~40k tokens
+# of plain text, ~4k with 20 logprobs each (gateway/session.py).
+DEFAULT_MAX_STREAM_BUFFER_BYTES = 8 << 20
 
 
 @dataclass(slots=True)
@@ -29,6 +32,7 @@ class GatewayConfig:
     body_timeout: float = 30.0  # seconds from the end of the headers to the last byte of the body
     max_connections: int = 2048  # open connections; more are answered 503 and closed
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is a 413
+    max_stream_buffer_bytes: int = DEFAULT_MAX_STREAM_BUFFER_BYTES  # a slow reader's stream is ended past this
     fault_log_interval: float = 10.0  # seconds between summary lines of slow/refused/malformed connections
     # Engine choice and discovery (gateway/routing.py, gateway/discovery.py).
     routing: str = "bounded"  # bounded | affinity | round-robin
@@ -49,6 +53,8 @@ class GatewayConfig:
         if not self.dns_refresh > 0:
             raise ValueError(f"dns_refresh must be > 0 seconds, got {self.dns_refresh}")
         self.routing_rule()  # raises on an unknown rule or a bound below 1
+        if not self.max_stream_buffer_bytes > 0:
+            raise ValueError(f"max_stream_buffer_bytes must be > 0, got {self.max_stream_buffer_bytes}")
         for origin in self.allowed_origins:
             if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
                 raise ValueError(f"allowed origin {origin!r} is not '*' or scheme://host[:port]")

@@ -11,6 +11,12 @@ the engine to stop the request. Its deadline is kept on both sides: the engine
 ends the call at its timeout, and the gateway stops waiting then too (an engine
 that hangs with its connection open).
 
+A client that reads slower than the engine writes leaves its call's messages here (per-call
+streams had HTTP/2 flow control per call; one session has it per engine, and stalling the
+stream would stall every call on it). So each call holds at most `max_buffered` bytes of
+messages not yet taken: past that it ends RESOURCE_EXHAUSTED (after the messages it holds)
+and the engine stops the request, as Redis ends a client past its output buffer limit.
+
 Why: per-call streams cost a gRPC message, and its wake-ups, per token on both
 sides (bench/gateway.py measures both ways: `--upstream calls` is the old path).
 """
@@ -41,6 +47,11 @@ class SessionBroken(grpc.aio.AioRpcError):
     GenerateSession (UNIMPLEMENTED, or a reset stream), or the gateway is closing it."""
 
 
+class SlowReader(grpc.aio.AioRpcError):
+    """A call ended because its client read too slowly (over its buffer): the client's doing, not the
+    engine's (a RESOURCE_EXHAUSTED that no other engine should be tried for)."""
+
+
 def status_code(number: int) -> grpc.StatusCode:
     return _CODES.get(number, grpc.StatusCode.UNKNOWN)
 
@@ -51,10 +62,12 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 class SessionCall:
     """One Generate call on a session: an async iterator of its messages."""
 
-    def __init__(self, session: EngineSession, tag: int, timeout: float | None) -> None:
+    def __init__(self, session: EngineSession, tag: int, timeout: float | None, max_buffered: int) -> None:
         self._session = session
         self.tag = tag
-        self._messages: collections.deque[engine_pb2.GenerateResponse] = collections.deque()
+        self._messages: collections.deque[tuple[engine_pb2.GenerateResponse, int]] = collections.deque()
+        self._buffered = 0  # bytes of the messages not taken yet
+        self._max_buffered = max_buffered
         self._error: grpc.aio.AioRpcError | None = None
         self._ended = False
         self._waiter: asyncio.Future[None] | None = None
@@ -63,8 +76,24 @@ class SessionCall:
 
     # --- the reader's side --------------------------------------------------------------------
     def push(self, message: engine_pb2.GenerateResponse) -> None:
-        self._messages.append(message)
+        if self._ended:
+            return  # ended here (cancelled, over its buffer) while the engine was still sending
+        size = message.ByteSize()
+        self._buffered += size
+        if self._buffered > self._max_buffered and self._messages:  # one message, however big, always fits
+            self._overflow()
+            return
+        self._messages.append((message, size))
         self._wake()
+
+    def _overflow(self) -> None:
+        """The reader fell too far behind: end the call rather than hold every token it is late for."""
+        log.warning("a stream's reader fell over %d bytes behind (--max-stream-buffer): its request is stopped",
+                    self._max_buffered)
+        self.cancel()
+        self._error = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the stream was ended: its client read too slowly (over {self._max_buffered} "
+                                "bytes of output waited for it; the gateway's --max-stream-buffer)", SlowReader)
 
     def end(self, error: grpc.aio.AioRpcError | None) -> None:
         self._ended = True
@@ -97,7 +126,9 @@ class SessionCall:
                 raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
             finally:
                 self._waiter = None
-        return self._messages.popleft()
+        message, size = self._messages.popleft()
+        self._buffered -= size
+        return message
 
     def cancel(self) -> bool:
         """Stop the call (a no-op once it has ended), as `grpc.aio.Call.cancel`."""
@@ -111,8 +142,9 @@ class SessionCall:
 class EngineSession:
     """The GenerateSession stream to one engine, opened on the first call and again after it breaks."""
 
-    def __init__(self, stub: engine_pb2_grpc.EngineStub) -> None:
+    def __init__(self, stub: engine_pb2_grpc.EngineStub, max_buffered: int) -> None:
         self._stub = stub
+        self.max_buffered = max_buffered  # bytes a call holds for a slow reader (SessionCall)
         self._tags = itertools.count(1)
         self._calls: dict[int, SessionCall] = {}
         self._outbox: asyncio.Queue[engine_pb2.SessionRequest | None] | None = None
@@ -123,7 +155,7 @@ class EngineSession:
         if self._outbox is None:
             self._open()
         assert self._outbox is not None
-        call = SessionCall(self, next(self._tags), timeout)
+        call = SessionCall(self, next(self._tags), timeout, self.max_buffered)
         self._calls[call.tag] = call
         spec = engine_pb2.SessionCall(request=request, timeout_seconds=timeout or 0.0, trace_context=dict(metadata))
         self._outbox.put_nowait(engine_pb2.SessionRequest(tag=call.tag, call=spec))

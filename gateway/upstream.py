@@ -26,9 +26,9 @@ from opentelemetry import trace
 
 from common.tracing import client_span, grpc_metadata, set_rpc_status
 from gateway.engines import EngineClient, EnginePool
-from gateway.errors import from_grpc, unavailable
+from gateway.errors import OpenAIError, from_grpc, unavailable
 from gateway.routing import route_keys
-from gateway.session import SessionBroken, SessionCall
+from gateway.session import SessionBroken, SessionCall, SlowReader
 from ignis.v1 import engine_pb2
 
 GENERATE = "/ignis.v1.Engine/Generate"
@@ -75,6 +75,8 @@ async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest, key: b
             return
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
+            if isinstance(exc, SlowReader):  # the client's pace ended it: no other engine is tried
+                raise OpenAIError(408, exc.details() or "", code="slow_reader") from None
             if isinstance(exc, SessionBroken) and code != grpc.StatusCode.UNAVAILABLE and not started:
                 # The engine does not serve sessions (an older one), or the stream was reset: the same
                 # engine again, with a Generate call of its own.

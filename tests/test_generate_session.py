@@ -10,14 +10,18 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import socket
+import time
 from collections import defaultdict
 from typing import Iterator
 
 import grpc
+import h11
 import httpx
 import openai
 import pytest
 
+from gateway.session import EngineSession, SessionCall, SlowReader
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 from services import RunningService, start_gateway
 from test_engine_service import MODEL, collect, make_prompt, make_request, stats, text_of, tokens_of, wait_idle
@@ -247,3 +251,112 @@ def test_a_session_holds_at_most_the_engines_queue_of_open_calls(stub: engine_pb
     s.close()
     idle = wait_idle(stub)
     assert idle.page_pool.used_pages == 0 and idle.state_slots.used == 0
+
+
+class StalledStream:
+    """A streamed request on a raw socket with a tiny receive buffer (h11 speaks HTTP): it reads the
+    head and the first chunk, then stops reading until `read_rest`."""
+
+    def __init__(self, port: int, body: dict[str, object]) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window stays small
+        self.sock.settimeout(60)
+        self.sock.connect(("127.0.0.1", port))
+        self.http = h11.Connection(h11.CLIENT)
+        payload = json.dumps(body).encode()
+        self.sock.sendall(self.http.send(h11.Request(method="POST", target="/v1/completions", headers=[
+            ("Host", "x"), ("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])))
+        self.sock.sendall(self.http.send(h11.Data(data=payload)) + self.http.send(h11.EndOfMessage()))
+        self.status = 0
+        self.body = b""
+        while b"data: {" not in self.body:
+            self._pump()
+
+    def _pump(self) -> bool:
+        """Reads once and takes in its events; False at the end of the response."""
+        while True:
+            event = self.http.next_event()
+            if event is h11.NEED_DATA:
+                self.http.receive_data(self.sock.recv(1 << 16))
+                continue
+            if isinstance(event, h11.Response):
+                self.status = event.status_code
+            elif isinstance(event, h11.Data):
+                self.body += bytes(event.data)
+                return True
+            elif isinstance(event, h11.EndOfMessage):
+                return False
+
+    def read_rest(self) -> list[dict[str, object]]:
+        while self._pump():
+            pass
+        return [json.loads(line[6:]) for line in self.body.decode().splitlines() if line.startswith("data: {")]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_client_that_reads_too_slowly_loses_its_stream_and_nobody_else_does(
+        engine: RunningService, stub: engine_pb2_grpc.EngineStub, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One session carries every call to the engine, so a stalled reader's messages wait in the gateway:
+    past --max-stream-buffer its call ends (a slow_reader error after what it holds), the engine stops
+    the request, and a stream beside it on the same session finishes whole."""
+    gateway = start_gateway(tmp_path_factory.mktemp("gateway-slow-reader"), [engine.address],
+                            ["--max-stream-buffer", "16KiB"])
+    try:
+        # ~450 bytes a chunk with 5 logprobs, 8 choices: more than the kernel's socket buffers take in
+        # (a stalled connection absorbs up to ~4 MiB before the gateway's writes wait).
+        endless = {"model": MODEL, "prompt": "A slow reader", "max_tokens": 1500, "temperature": 0,
+                   "ignore_eos": True, "stream": True, "logprobs": 5, "n": 8}
+        stalled = StalledStream(gateway.port, endless)
+        try:
+            assert stalled.status == 200
+
+            async def beside() -> tuple[str, int]:
+                async with httpx.AsyncClient(timeout=120) as http:
+                    return await _stream_text(http, f"http://127.0.0.1:{gateway.port}/v1", 3)
+
+            text, tokens = asyncio.run(beside())
+            assert tokens == 6 + 3 % 5 and text
+            # The stalled stream's request stops long before its 8 x 1500 tokens would have run.
+            deadline = time.monotonic() + 60
+            while (s := stats(stub)).running.interactive + s.waiting.interactive:
+                assert time.monotonic() < deadline, "the stalled stream's request still runs"
+                time.sleep(0.1)
+            events = stalled.read_rest()  # now everything: what it held, then the error
+        finally:
+            stalled.close()
+        errors = [e["error"] for e in events if "error" in e]
+        assert len(errors) == 1 and errors[0]["code"] == "slow_reader", errors
+        assert "--max-stream-buffer" in errors[0]["message"]
+        assert 1 < len(events) - 1 < 8 * 1500
+        assert "fell over" in gateway.log()
+        idle = wait_idle(stub)
+        assert idle.page_pool.used_pages == 0 and idle.state_slots.used == 0
+    finally:
+        gateway.stop()
+
+
+def test_a_call_holds_one_message_of_any_size_and_at_most_its_bound_beyond() -> None:
+    """SessionCall's buffer on its own (a session never opened: nothing is sent)."""
+    async def run() -> None:
+        session = EngineSession(engine_pb2_grpc.EngineStub(grpc.aio.insecure_channel("127.0.0.1:9")), 100)
+        big, small = engine_pb2.GenerateResponse(text="x" * 500), engine_pb2.GenerateResponse(text="y" * 30)
+        call = SessionCall(session, 1, None, 100)
+        call.push(big)  # alone it fits, however big (a whole prompt's logprobs may be one message)
+        assert await anext(call) == big
+        for _ in range(3):  # 96 bytes waiting: within the bound
+            call.push(small)
+        for _ in range(3):
+            assert await anext(call) == small
+        for _ in range(3):
+            call.push(small)
+        call.push(small)  # 128 bytes waiting: over
+        call.push(small)  # after the end: dropped
+        for _ in range(3):  # what it held comes first, then the error
+            assert await anext(call) == small
+        with pytest.raises(SlowReader) as ended:
+            await anext(call)
+        assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "100 bytes" in (ended.value.details() or "")
+        assert not call.cancel()  # it has ended already
+    asyncio.run(run())
