@@ -5,6 +5,9 @@ test_model.py and test_weight_dtype.py, which load the same way."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -14,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from checkpoints import ARCHITECTURES
-from engine.model.cpu_linear import FusedLinears, OneDnnLinear, onednn_available, use_onednn_linears
+from engine.model.cpu_linear import (SHAPE_CACHE_ENTRIES, SHAPE_CACHE_VARIABLES, FusedLinears, OneDnnLinear,
+                                     onednn_available, use_onednn_linears)
 from engine.model.loader import load_model
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="needs oneDNN")
@@ -85,3 +89,20 @@ def test_a_fused_group_keeps_its_biases() -> None:
     a, b = module.fused_ab(x)
     torch.testing.assert_close(a, F.linear(x, weights["a.weight"], weights["a.bias"]))
     torch.testing.assert_close(b, F.linear(x, weights["b.weight"], weights["b.bias"]))
+
+
+@pytest.mark.skipif(not onednn_available(), reason="torch without oneDNN")
+@pytest.mark.parametrize("preset", [None, "300"])
+def test_loading_bounds_onednns_per_shape_caches_unless_the_environment_does(
+        preset: str | None, checkpoint_dir: Callable[[str], Path]) -> None:
+    """Both caches are read when the first primitive is made, so a fresh process shows what the load set
+    (the RSS they save is measured by bench.chaos's engine RSS row, not asserted here)."""
+    env = {k: v for k, v in os.environ.items() if k not in SHAPE_CACHE_VARIABLES}
+    if preset is not None:
+        env["LRU_CACHE_CAPACITY"] = preset
+    script = ("import os, sys; from engine.model.loader import load_model; "
+              "load_model(sys.argv[1], onednn_linears=True); "
+              "print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], os.environ['LRU_CACHE_CAPACITY'])")
+    out = subprocess.run([sys.executable, "-c", script, str(checkpoint_dir(ARCHITECTURES[0]))], env=env,
+                         capture_output=True, text=True, timeout=300, check=True).stdout.split()
+    assert out == [str(SHAPE_CACHE_ENTRIES), preset or str(SHAPE_CACHE_ENTRIES)]
