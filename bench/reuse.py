@@ -51,11 +51,12 @@ def bench_kind(kind: str, sizes: list[int], hidden: int, layers: int) -> dict[st
     # Room for the live prompt, its turn-2 extension and the retained copies, fp32.
     pages_needed = 4 * (max(sizes) + 128) // P + 64
     kv_bytes = pages_needed * config.state_shape().kv_bytes_per_page(P, torch.float32)
-    # A slot for every state the rows retain (each size's head, end and turn-2 end, and the warm-up's):
-    # all are interactive and inside their TTL, so a full set of slots would skip the next capture by
-    # design (docs/architecture.md, "a consequence to size for") and a row would measure that instead.
+    # A slot for every state the run retains (the warm-up's end; each size's head, end and turn-2 end;
+    # the reuse tax's three heads and ends): all are interactive and inside their TTL, so a full set of
+    # slots would skip the next capture by design (docs/architecture.md, "a consequence to size for")
+    # and a row would measure that instead.
     on = make_core(path, page_size=P, kv_cache_bytes=kv_bytes, max_num_seqs=4, prefill_chunk_tokens=2048,
-                   retained_device=3 * len(sizes) + 2)
+                   retained_device=1 + 3 * len(sizes) + 6)
     off = make_core(path, page_size=P, kv_cache_bytes=kv_bytes, max_num_seqs=4, prefill_chunk_tokens=2048,
                     reuse_prompt=False)
     rows = []

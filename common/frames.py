@@ -76,7 +76,8 @@ def _recv_exactly(sock: socket.socket, n: int, at_start: bool) -> bytes | None:
 
 def peer_uid(sock: socket.socket) -> int:
     """The user id of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
-    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    _pid, uid, _gid = struct.unpack("iII", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                           struct.calcsize("iII")))  # struct ucred
     return uid
 
 

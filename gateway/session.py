@@ -31,10 +31,12 @@ from typing import AsyncIterator
 
 import grpc
 
+from common.status_codes import code_of
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("ignis.gateway")
 _CLOSED = "the gateway closed its session with the engine"
+SLOW_READER_LOG_SECONDS = 10.0
 
 
 def rpc_error(code: grpc.StatusCode, details: str, kind: type[grpc.aio.AioRpcError] = grpc.aio.AioRpcError
@@ -50,13 +52,6 @@ class SessionBroken(grpc.aio.AioRpcError):
 class SlowReader(grpc.aio.AioRpcError):
     """A call ended because its client read too slowly (over its buffer): the client's doing, not the
     engine's (a RESOURCE_EXHAUSTED that no other engine should be tried for)."""
-
-
-def status_code(number: int) -> grpc.StatusCode:
-    return _CODES.get(number, grpc.StatusCode.UNKNOWN)
-
-
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class SessionCall:
@@ -88,8 +83,7 @@ class SessionCall:
 
     def _overflow(self) -> None:
         """The reader fell too far behind: end the call rather than hold every token it is late for."""
-        log.warning("a stream's reader fell over %d bytes behind (--max-stream-buffer): its request is stopped",
-                    self._max_buffered)
+        self._session.count_slow_reader()
         self.cancel()
         self._error = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the stream was ended: its client read too slowly (over {self._max_buffered} "
@@ -145,6 +139,9 @@ class EngineSession:
     def __init__(self, stub: engine_pb2_grpc.EngineStub, max_buffered: int) -> None:
         self._stub = stub
         self.max_buffered = max_buffered  # bytes a call holds for a slow reader (SessionCall)
+        self.slow_readers = 0  # calls ended for it
+        self._slow_logged = 0  # of them, how many a log line has told
+        self._slow_log_at = 0.0  # loop time of that line
         self._tags = itertools.count(1)
         self._calls: dict[int, SessionCall] = {}
         self._outbox: asyncio.Queue[engine_pb2.SessionRequest | None] | None = None
@@ -160,6 +157,17 @@ class EngineSession:
         spec = engine_pb2.SessionCall(request=request, timeout_seconds=timeout or 0.0, trace_context=dict(metadata))
         self._outbox.put_nowait(engine_pb2.SessionRequest(tag=call.tag, call=spec))
         return call
+
+    def count_slow_reader(self) -> None:
+        """One more call ended for its slow reader: logged at once, then summed up at most every
+        SLOW_READER_LOG_SECONDS (any client can make one)."""
+        self.slow_readers += 1
+        now = asyncio.get_running_loop().time()
+        if self._slow_logged == 0 or now - self._slow_log_at >= SLOW_READER_LOG_SECONDS:
+            log.warning("%d stream(s) ended because their client read too slowly (over %d bytes behind, "
+                        "--max-stream-buffer): their requests were stopped", self.slow_readers - self._slow_logged,
+                        self.max_buffered)
+            self._slow_logged, self._slow_log_at = self.slow_readers, now
 
     def cancel(self, tag: int) -> None:
         if self._calls.pop(tag, None) is not None and self._outbox is not None:
@@ -192,7 +200,7 @@ class EngineSession:
                         continue  # cancelled here while the engine was sending
                     if event.HasField("end"):
                         del self._calls[event.tag]
-                        code = status_code(event.end.code)
+                        code = code_of(event.end.code)
                         call.end(None if code is grpc.StatusCode.OK else rpc_error(code, event.end.details))
                     else:
                         call.push(event.response)

@@ -120,7 +120,9 @@ async def merge(streams: Sequence[AsyncIterator[engine_pb2.GenerateResponse]]
             async for msg in streams[0]:
                 yield 0, msg
         return
-    queue: asyncio.Queue[tuple[int, engine_pb2.GenerateResponse | None, BaseException | None]] = asyncio.Queue()
+    # Bounded: a pump waits for a slow reader, so each call's own buffer bound (--max-stream-buffer) holds.
+    queue: asyncio.Queue[tuple[int, engine_pb2.GenerateResponse | None, BaseException | None]] = \
+        asyncio.Queue(maxsize=len(streams))
 
     async def pump(i: int, stream: AsyncIterator[engine_pb2.GenerateResponse]) -> None:
         try:

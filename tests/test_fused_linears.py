@@ -91,18 +91,44 @@ def test_a_fused_group_keeps_its_biases() -> None:
     torch.testing.assert_close(b, F.linear(x, weights["b.weight"], weights["b.bias"]))
 
 
+_ROW_COUNTS_SCRIPT = """
+import os, sys, torch
+from engine.model.cpu_linear import FusedLinears, OneDnnLinear
+from engine.model.loader import load_model
+
+def rss_mib():
+    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS')) / 1024
+
+model = load_model(sys.argv[1], onednn_linears=True).model
+linears = [m for m in model.modules() if isinstance(m, (FusedLinears, OneDnnLinear))]
+inputs = {m: m.in_features if isinstance(m, OneDnnLinear) else m.packed_weight.shape[-1] for m in linears}
+with torch.no_grad():
+    for rows in (1, 2, 3):  # the shapes every step has: warm
+        for m in linears:
+            m(torch.randn(rows, inputs[m]))
+    before = rss_mib()
+    for rows in range(4, 404):  # prefill chunks of 400 lengths
+        for m in linears:
+            m(torch.randn(rows, inputs[m]))
+print(os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'), os.environ.get('LRU_CACHE_CAPACITY'), rss_mib() - before)
+"""
+
+
 @pytest.mark.skipif(not onednn_available(), reason="torch without oneDNN")
-@pytest.mark.parametrize("preset", [None, "300"])
-def test_loading_bounds_onednns_per_shape_caches_unless_the_environment_does(
-        preset: str | None, checkpoint_dir: Callable[[str], Path]) -> None:
-    """Both caches are read when the first primitive is made, so a fresh process shows what the load set
-    (the RSS they save is measured by bench.chaos's engine RSS row, not asserted here)."""
-    env = {k: v for k, v in os.environ.items() if k not in SHAPE_CACHE_VARIABLES}
-    if preset is not None:
-        env["LRU_CACHE_CAPACITY"] = preset
-    script = ("import os, sys; from engine.model.loader import load_model; "
-              "load_model(sys.argv[1], onednn_linears=True); "
-              "print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], os.environ['LRU_CACHE_CAPACITY'])")
-    out = subprocess.run([sys.executable, "-c", script, str(checkpoint_dir(ARCHITECTURES[0]))], env=env,
-                         capture_output=True, text=True, timeout=300, check=True).stdout.split()
-    assert out == [str(SHAPE_CACHE_ENTRIES), preset or str(SHAPE_CACHE_ENTRIES)]
+def test_loading_bounds_onednns_per_shape_caches_unless_the_environment_sizes_them(
+        checkpoint_dir: Callable[[str], Path]) -> None:
+    """Each in a fresh process (the caches are sized when the first primitive is made): linears called at
+    400 row counts grow the process by a fraction of what the library's own 1024-entry caches take."""
+    def run(preset: dict[str, str]) -> tuple[str, str, float]:
+        env = {k: v for k, v in os.environ.items()
+               if k not in {n for name, aliases in SHAPE_CACHE_VARIABLES.items() for n in (name, *aliases)}}
+        out = subprocess.run([sys.executable, "-c", _ROW_COUNTS_SCRIPT, str(checkpoint_dir(ARCHITECTURES[0]))],
+                             env={**env, **preset}, capture_output=True, text=True, timeout=300, check=True)
+        onednn, lru, grown = out.stdout.split()
+        return onednn, lru, float(grown)
+
+    bounded = run({})
+    library = run({"DNNL_PRIMITIVE_CACHE_CAPACITY": "1024", "LRU_CACHE_CAPACITY": "1024"})
+    assert bounded[:2] == (str(SHAPE_CACHE_ENTRIES), str(SHAPE_CACHE_ENTRIES))
+    assert library[:2] == ("None", "1024")  # the environment's sizes stand, under either of oneDNN's names
+    assert bounded[2] * 3 < library[2], (bounded, library)

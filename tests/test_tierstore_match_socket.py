@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.frames import recv_frame, send_frame
-from engine.tiers.client import TierClient
+from engine.tiers.client import TierClient, _beside
 from ignis.v1 import common_pb2, tierstore_pb2, tierstore_pb2_grpc
 from services import RunningService, start_tierstore
 from tierstore.client import TierStoreClient
@@ -201,32 +201,63 @@ def test_any_frame_gets_a_reply_or_a_hang_up_and_the_store_serves_on(store: tupl
     assert stub(service).Match(tierstore_pb2.MatchRequest(namespace=NS, page_hashes=[h(3)]), timeout=10).hits
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as another user")
-def test_another_user_cannot_use_it(store: tuple[RunningService, str]) -> None:
-    _, path = store
+@contextmanager
+def open_to_everyone(path: str) -> Iterator[None]:
+    """The socket 0666 and every folder above it searchable by others, for the test's span (as root)."""
+    changed = [(p, os.stat(p).st_mode) for p in [path, *Path(path).parents] if str(p) != "/"]
+    try:
+        for p, mode in changed:
+            os.chmod(p, stat.S_IMODE(mode) | (0o666 if p == path else 0o001))
+        yield
+    finally:
+        for p, mode in changed:
+            os.chmod(p, stat.S_IMODE(mode))
+
+
+def _as_nobody(path: str) -> bytes:
+    """What a process of another user gets from the socket: refused, hung up on, or answered."""
     reader, writer = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child, as nobody: connecting is refused (0600), or the store hangs up (SO_PEERCRED)
+    if pid == 0:
         os.close(reader)
         outcome = b"?"
         try:
-            os.setgid(65534)
-            os.setuid(65534)
-            conn = Conn(path)
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+            except OSError:
+                outcome = b"could not become nobody"
+                raise
+            try:
+                conn = Conn(path)
+            except PermissionError:
+                outcome = b"refused"
+                raise
             send_frame(conn.sock, tierstore_pb2.LocalMatchCall(
                 request=tierstore_pb2.MatchRequest(namespace=NS, page_hashes=[h(3)])).SerializeToString())
             outcome = b"answered" if recv_frame(conn.sock) is not None else b"hung up"
-        except PermissionError:
-            outcome = b"refused"
         except OSError:
-            outcome = b"hung up"
+            outcome = b"hung up" if outcome == b"?" else outcome
         finally:
             os.write(writer, outcome)
             os._exit(0)
     os.close(writer)
     outcome = os.read(reader, 64)
     os.waitpid(pid, 0)
-    assert outcome in (b"refused", b"hung up"), outcome
+    return outcome
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as another user")
+def test_another_user_cannot_use_it(store: tuple[RunningService, str]) -> None:
+    _, path = store
+    assert _as_nobody(path) == b"refused"  # the socket is 0600 in a 0700 folder
+    with open_to_everyone(path):  # past the file modes, the store's own check (SO_PEERCRED) hangs up
+        assert _as_nobody(path) == b"hung up"
+    conn = Conn(path)  # and its own user is still served
+    try:
+        assert conn.call(tierstore_pb2.MatchRequest(namespace=NS, page_hashes=[h(3)])).code == 0
+    finally:
+        conn.close()
 
 
 # --- the engine's end ---------------------------------------------------------------------
@@ -290,10 +321,11 @@ def test_a_restarted_store_is_asked_over_grpc_then_on_its_own_socket(tmp_path: P
         assert store.stop() == 0
         store = start_tierstore(tmp_path / "ts", ["--kv-host-pool-bytes", "1MiB", "--kv-disk-bytes", "0"])
         try:
+            old = client.local
             assert client.match(NS, [h(1)], None) == ([], [])  # the socket broke: gRPC asked the new store
-            assert client.local is None and client.up and client.match_instance not in ("", first)
-            assert client.ensure(NS)  # registers with the new instance: its socket
-            assert client.local is not None
+            assert client.up and client.match_instance not in ("", first) and old is not None and old.calls == 1
+            assert client.ensure(NS)  # registers with the new instance: its socket, at once
+            assert client.local is not None and client.local is not old
             assert client.match(NS, [h(1)], None) == ([], []) and client.local.calls == 1
         finally:
             store.stop()
@@ -314,10 +346,31 @@ def test_a_stalled_store_is_a_deadline_as_over_grpc(tmp_path: Path) -> None:
         assert tiers_of(client.match(NS, [h(1)], None)) == [(RAM, 16)] and client.local.calls == 1
 
 
-def test_a_socket_that_is_gone_is_asked_over_grpc(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with engine_client(tmp_path) as (store, client, admin):
+def test_a_socket_that_fails_is_passed_over_for_a_while(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    with engine_client(tmp_path, clock=clock) as (store, client, admin):
         assert client.local is not None
-        os.unlink(client.local.path)  # never connected yet: the connect fails
+        path = client.local.path
+        os.rename(path, path + ".away")  # never connected yet: the connect fails
+        assert tiers_of(client.match(NS, [h(1)], None)) == [(RAM, 16)]  # asked over gRPC instead
+        assert client.up and client.errors == 0
+
+        def failures() -> int:
+            return sum("match socket failed" in r.getMessage() for r in caplog.records)
+
+        assert failures() == 1
+        assert tiers_of(client.match(NS, [h(1)], None)) == [(RAM, 16)] and failures() == 1  # not tried again yet
+        os.rename(path + ".away", path)
+        clock.t += client.retry_seconds
         assert tiers_of(client.match(NS, [h(1)], None)) == [(RAM, 16)]
-        assert client.local is None and client.up and client.errors == 0
-        assert any("match socket failed" in r.getMessage() for r in caplog.records)
+        assert failures() == 1 and client.local.calls == 1  # tried again after the backoff: back on the socket
+
+
+def test_a_match_socket_not_beside_the_grpc_socket_is_not_used(tmp_path: Path) -> None:
+    """A Register reply names the socket; the engine uses it only in its gRPC socket's (private) folder,
+    and never for a store it reaches over TCP."""
+    assert _beside("/run/ignis/tierstore.sock.match", "unix:/run/ignis/tierstore.sock")
+    assert _beside("/run/ignis/tierstore.sock.match", "unix:///run/ignis/tierstore.sock")
+    assert not _beside("/tmp/elsewhere.sock", "unix:/run/ignis/tierstore.sock")
+    assert not _beside("/run/ignis/tierstore.sock.match", "127.0.0.1:7000")
+    assert not _beside("", "unix:/run/ignis/tierstore.sock")

@@ -43,6 +43,7 @@ _CODES: dict[type[TierStoreError], grpc.StatusCode] = {
     Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 TIER_FAULT_KEY = "ignis-tier-fault"  # trailing metadata of an UNAVAILABLE from a failing lower tier
+INTERNAL_DETAILS = "internal error in the tierstore; see its log"  # a bug: the traceback is in the log
 
 
 def _extent(e: Extent) -> tierstore_pb2.Extent:
@@ -69,7 +70,7 @@ def match_response(store: TierStore, found: tuple[list[Hit], list[Hit]]) -> tier
                                        instance_id=store.instance_id)
 
 
-def status_code(exc: TierStoreError) -> grpc.StatusCode:
+def refusal_code(exc: TierStoreError) -> grpc.StatusCode:
     """The status a refusal of the store ends its call with."""
     return next(c for cls, c in _CODES.items() if isinstance(exc, cls))
 
@@ -100,7 +101,7 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
             await _abort(context, exc)
         except Exception:  # a bug: say so with INTERNAL rather than a bare UNKNOWN
             log.exception("%s failed", getattr(fn, "__name__", fn))
-            await _fail(context, grpc.StatusCode.INTERNAL, "internal error in the tierstore; see its log")
+            await _fail(context, grpc.StatusCode.INTERNAL, INTERNAL_DETAILS)
 
     async def Register(self, request: tierstore_pb2.RegisterRequest, context: grpc.aio.ServicerContext
                        ) -> tierstore_pb2.RegisterResponse:
@@ -272,7 +273,7 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
 async def _abort(context: grpc.aio.ServicerContext, exc: TierStoreError) -> NoReturn:
     if isinstance(exc, Unavailable):
         context.set_trailing_metadata(((TIER_FAULT_KEY, exc.tier),))
-    await _fail(context, status_code(exc), str(exc))
+    await _fail(context, refusal_code(exc), str(exc))
 
 
 async def _fail(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:

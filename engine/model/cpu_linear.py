@@ -30,14 +30,18 @@ from torch import nn
 # Prompts of random lengths grew ignis-tiny's engine from 513 to 1,311 MiB over 600 requests, still
 # rising; at 64 entries each it stays at ~600 MiB, and a decode step (fixed shapes) still hits.
 SHAPE_CACHE_ENTRIES = 64
-SHAPE_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+# Each cache's variable, with the other names it is read under (oneDNN also reads its older DNNL_ one).
+SHAPE_CACHE_VARIABLES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": ("DNNL_PRIMITIVE_CACHE_CAPACITY",),
+                         "LRU_CACHE_CAPACITY": ()}
 
 
 def bound_shape_caches() -> None:
-    """Bound both per-shape caches (unless the environment sets them); read when the first primitive is
-    made, so this runs before any linear is packed."""
-    for name in SHAPE_CACHE_VARIABLES:
-        os.environ.setdefault(name, str(SHAPE_CACHE_ENTRIES))
+    """Bound both per-shape caches, each unless the environment sizes it. They are read when the first
+    primitive is made, so this runs before any linear is packed (in a process that made one before, it
+    changes nothing)."""
+    for name, aliases in SHAPE_CACHE_VARIABLES.items():
+        if not any(n in os.environ for n in (name, *aliases)):
+            os.environ[name] = str(SHAPE_CACHE_ENTRIES)
 
 
 def onednn_available() -> bool:

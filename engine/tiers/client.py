@@ -34,6 +34,7 @@ import torch
 
 from common.bearer import BearerInterceptor, read_secret
 from common.mapped_file import file_fault
+from common.status_codes import code_of
 from common.tracing import ClientTracingInterceptor, client_span, exporting, grpc_metadata, set_rpc_status
 from engine.tiers.local_match import LocalMatch
 from ignis.v1 import tierstore_pb2, tierstore_pb2_grpc
@@ -43,7 +44,6 @@ log = logging.getLogger("ignis.engine.tiers")
 T = TypeVar("T")
 TIER_FAULT_KEY = "ignis-tier-fault"  # an UNAVAILABLE carrying it is one failing tier of a store that is up
 MATCH_METHOD = "/ignis.v1.TierStore/Match"
-_CODES_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class TierClient:
@@ -90,6 +90,7 @@ class TierClient:
         self.match_instance = ""  # the instance that answered the last Match (its leases are that instance's)
         self._local_match = local_match
         self.local: LocalMatch | None = None  # the Match socket of the instance mapped now (local_match.py)
+        self._local_retry_at = 0.0  # after a fault of that socket, Match goes over gRPC until then
         # The Monitor's read-only calls, on a channel of their own (side_stats, side_list).
         self._side_channel: grpc.Channel | None = None
         self._side_stub: tierstore_pb2_grpc.TierStoreStub | None = None
@@ -242,8 +243,8 @@ class TierClient:
             self._instance = reply.instance_id
             self._registered.clear()
             self._drop_local()
-            if reply.match_socket and self._local_match:
-                self.local = LocalMatch(reply.match_socket, self.timeout)
+            if self._local_match and _beside(reply.match_socket, self.address):
+                self.local, self._local_retry_at = LocalMatch(reply.match_socket, self.timeout), 0.0
         self._registered.add(namespace)
         return True
 
@@ -338,12 +339,13 @@ class TierClient:
                                              lease_seconds=lease_seconds)
         if tail_hash is not None:
             request.tail_hash = tail_hash
-        local = self._match_locally(request) if self.local is not None and not self._down else None
+        asks_locally = self.local is not None and not self._down and self._clock() >= self._local_retry_at
+        local = self._match_locally(request) if asks_locally else None
         reply: tierstore_pb2.MatchResponse | None
         if local is None:  # no Match socket, or it failed
             reply = self._call(lambda s: s.Match(request, timeout=self.timeout))
         elif local.code:
-            self._ended(_CODES_BY_NUMBER.get(local.code, grpc.StatusCode.UNKNOWN), local.details,
+            self._ended(code_of(local.code), local.details,
                         local.tier_fault or None, ())
             reply = None
         else:
@@ -355,8 +357,8 @@ class TierClient:
         return list(reply.hits), list(reply.candidates)
 
     def _match_locally(self, request: tierstore_pb2.MatchRequest) -> tierstore_pb2.LocalMatchReply | None:
-        """Match over the Match socket, traced as the RPC is; None when the socket failed: it is dropped
-        until the next instance names one, and the caller asks over gRPC."""
+        """Match over the Match socket, traced as the RPC is; None when the socket failed: the caller asks
+        over gRPC, and so does every Match for `retry_seconds` (then the socket is tried again)."""
         assert self.local is not None
         self.last_code = None
         span = client_span(MATCH_METHOD, self.local.path) if exporting() else None
@@ -364,7 +366,7 @@ class TierClient:
         code = grpc.StatusCode.UNAVAILABLE
         try:
             reply = self.local.call(request, carried)
-            code = _CODES_BY_NUMBER.get(reply.code, grpc.StatusCode.UNKNOWN)
+            code = code_of(reply.code)
             return reply
         except TimeoutError:  # the store is slow, not the socket broken: as a gRPC deadline would
             self._drop_local()
@@ -372,8 +374,8 @@ class TierClient:
             return tierstore_pb2.LocalMatchReply(code=code.value[0], details="no answer on the match socket "
                                                  f"within {self.timeout}s")
         except OSError as exc:
-            log.warning("tierstore match socket failed (%s): Match over gRPC", exc)
-            self._drop_local()
+            log.warning("tierstore match socket failed (%s): Match over gRPC for %.1fs", exc, self.retry_seconds)
+            self._local_retry_at = self._clock() + self.retry_seconds
             return None
         finally:
             if span is not None:
@@ -504,11 +506,25 @@ def _tier_fault(exc: grpc.RpcError) -> str | None:
     return None
 
 
+def _beside(match_socket: str, address: str) -> bool:
+    """Whether a Register reply's Match socket lies in the folder of the gRPC socket we reached it by
+    (a folder `_foreign_socket_folder` found private): over TCP, or anywhere else, it is not used, so a
+    reply cannot send the engine's lookups to a socket of somebody's choosing."""
+    path = _socket_path(address)
+    return bool(match_socket) and path is not None and os.path.dirname(match_socket) == os.path.dirname(path)
+
+
+def _socket_path(address: str) -> str | None:
+    """The file of a ``unix:`` address, else None."""
+    return address.removeprefix("unix:").removeprefix("//") if address.startswith("unix:") else None
+
+
 def _foreign_socket_folder(address: str) -> str | None:
     """Why a `unix:` address's folder is not ours alone (not ours, a symlink, open to others), or None."""
-    if not address.startswith("unix:"):
+    path = _socket_path(address)
+    if path is None:
         return None
-    folder = os.path.dirname(address.removeprefix("unix:").removeprefix("//"))
+    folder = os.path.dirname(path)
     try:
         st = os.lstat(folder)
     except OSError:
