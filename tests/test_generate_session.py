@@ -12,6 +12,7 @@ import json
 import queue
 import socket
 import time
+from pathlib import Path
 from collections import defaultdict
 from typing import Iterator
 
@@ -255,7 +256,7 @@ def test_a_session_holds_at_most_the_engines_queue_of_open_calls(stub: engine_pb
 
 def _send_buffer_max() -> int:
     """The most a TCP socket's send buffer grows to (the kernel autotunes up to tcp_wmem's max)."""
-    return int(open("/proc/sys/net/ipv4/tcp_wmem").read().split()[2])
+    return int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
 
 
 class StalledStream:

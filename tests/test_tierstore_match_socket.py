@@ -12,6 +12,7 @@ import signal
 import socket
 import stat
 import struct
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -374,3 +375,27 @@ def test_a_match_socket_not_beside_the_grpc_socket_is_not_used(tmp_path: Path) -
     assert not _beside("/tmp/elsewhere.sock", "unix:/run/ignis/tierstore.sock")
     assert not _beside("/run/ignis/tierstore.sock.match", "127.0.0.1:7000")
     assert not _beside("", "unix:/run/ignis/tierstore.sock")
+
+
+def test_closing_the_socket_hangs_up_and_waits_for_its_threads(tmp_path: Path) -> None:
+    """In-process (a real TierStore): after close() no thread of the socket runs a Match on the store."""
+    from tierstore.match_socket import MatchSocket
+    from tierstore.registry import Registration
+    from tierstore.store import StoreConfig, TierStore
+    store = TierStore(StoreConfig(arena_bytes=1 << 20, disk_path=str(tmp_path / "kv"), disk_bytes=0))
+    try:
+        store.register(Registration(NS, "tiny", 16, "bytes", 0, 4 * KiB))
+        served = MatchSocket(store, tmp_path / "store.sock.match")
+        served.start()
+        conns = [Conn(str(served.path)) for _ in range(3)]
+        for conn in conns:
+            assert conn.call(tierstore_pb2.MatchRequest(namespace=NS, page_hashes=[h(1)])).code == 0
+        threads = [t for t in threading.enumerate() if t.name.startswith("ignis-match")]
+        assert len(threads) == 4  # the acceptor and one per connection
+        served.close()
+        assert not any(t.is_alive() for t in threads) and not served.path.exists()
+        assert all(conn.closed_by_store() for conn in conns)
+        for conn in conns:
+            conn.close()
+    finally:
+        store.close()

@@ -39,6 +39,7 @@ log = logging.getLogger("ignis.tierstore")
 MATCH_METHOD = "/ignis.v1.TierStore/Match"
 MAX_CONNECTIONS = 32
 ACCEPT_RETRY_SECONDS = 0.1
+CLOSE_WAIT_SECONDS = 2.0  # close() waits this long for the threads to leave (a Match in flight finishes)
 
 
 class MatchSocket:
@@ -46,7 +47,8 @@ class MatchSocket:
         self.store = store
         self.path = path
         self._listener: socket.socket | None = None
-        self._connections: set[socket.socket] = set()
+        self._connections: dict[socket.socket, threading.Thread] = {}  # each with the thread serving it
+        self._acceptor: threading.Thread | None = None
         self._lock = threading.Lock()
         self.refused = 0  # connections turned away: another user's, or over MAX_CONNECTIONS
 
@@ -63,18 +65,25 @@ class MatchSocket:
             listener.close()
             raise
         self._listener = listener
-        threading.Thread(target=self._accept, args=(listener,), name="ignis-match-accept", daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept, args=(listener,), name="ignis-match-accept",
+                                          daemon=True)
+        self._acceptor.start()
 
     def close(self) -> None:
+        """Stop taking connections, hang up on the open ones and wait for their threads, so that no
+        Match runs on a store being closed."""
         listener, self._listener = self._listener, None
         if listener is not None:
             listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
             listener.close()
             self.path.unlink(missing_ok=True)
         with self._lock:
-            connections, self._connections = self._connections, set()
+            connections, self._connections = self._connections, {}
         for conn in connections:
-            _hang_up(conn)
+            _shut(conn)  # wakes its thread's recv; the thread closes it
+        deadline = time.monotonic() + CLOSE_WAIT_SECONDS
+        for thread in [*connections.values(), *([self._acceptor] if self._acceptor is not None else [])]:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _accept(self, listener: socket.socket) -> None:
         while True:
@@ -88,16 +97,15 @@ class MatchSocket:
                 time.sleep(ACCEPT_RETRY_SECONDS)
                 continue
             with self._lock:
-                admitted = self._listener is listener and len(self._connections) < MAX_CONNECTIONS
-                if admitted and same_user(conn):
-                    self._connections.add(conn)
-                else:
-                    admitted = False
+                admitted = self._listener is listener and len(self._connections) < MAX_CONNECTIONS \
+                    and same_user(conn)
+                if admitted:
+                    thread = self._connections[conn] = threading.Thread(target=self._serve, args=(conn,),
+                                                                         name="ignis-match", daemon=True)
+                    thread.start()
             if not admitted:
                 self.refused += 1
                 conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="ignis-match", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -107,7 +115,7 @@ class MatchSocket:
             log.debug("match socket connection ended: %s", exc)
         finally:
             with self._lock:
-                self._connections.discard(conn)
+                self._connections.pop(conn, None)
             _hang_up(conn)
 
     def answer(self, call: tierstore_pb2.LocalMatchCall) -> tierstore_pb2.LocalMatchReply:
@@ -131,9 +139,13 @@ class MatchSocket:
         return tierstore_pb2.LocalMatchReply(code=0, response=match_response(self.store, found))
 
 
-def _hang_up(conn: socket.socket) -> None:
+def _shut(conn: socket.socket) -> None:
     try:
         conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
+    except OSError:  # the peer went first, or the thread has closed it already
         pass
+
+
+def _hang_up(conn: socket.socket) -> None:
+    _shut(conn)
     conn.close()
