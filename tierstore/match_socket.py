@@ -2,7 +2,7 @@
 
 A Match is on every claim's path, and a gRPC round trip is most of it, the more so once
 the caller has been idle a few milliseconds (the threads of both ends' gRPC are woken one
-after another): framed on a Unix socket a Match takes 0.04 ms against 0.3-0.9 ms over
+after another): framed on a Unix socket a Match takes 0.04 ms against 0.6-0.9 ms over
 gRPC back to back, 0.7-1.1 ms against 1.6-2.4 ms right after a 150 MiB copy (bench.tiers).
 So Match is also served here: the same request and reply as the RPC, framed
 (common/frames.py; the frames are tierstore.proto's LocalMatchCall and

@@ -1,7 +1,7 @@
 """The engine's end of the tierstore's Match socket (tierstore.proto, "local match").
 
 Match over a Unix socket instead of gRPC, on every claim's path: 0.04 ms against
-0.3-0.9 ms back to back, 0.7-1.1 ms against 1.6-2.4 ms right after a 150 MiB copy
+0.6-0.9 ms back to back, 0.7-1.1 ms against 1.6-2.4 ms right after a 150 MiB copy
 (bench.tiers' "Match" rows). One connection,
 opened on first use; it is used under the tier link's lock (one call at a time).
 The store at the other end must run as our own user (SO_PEERCRED): anyone else's
