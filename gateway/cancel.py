@@ -42,16 +42,19 @@ class DisconnectWatch:
         task = asyncio.current_task()
         assert task is not None
         self._task = task
+        self._active = True
         self._listener = asyncio.create_task(wait_disconnect(self._receive))
         self._listener.add_done_callback(self._on_disconnect)
         return self
 
     def _on_disconnect(self, listener: asyncio.Task[None]) -> None:
-        if not listener.cancelled() and listener.exception() is None:
+        # A callback queued in the turn the block ended runs despite remove_done_callback: not past the block.
+        if self._active and not listener.cancelled() and listener.exception() is None:
             self.disconnected = True
             self._task.cancel()
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        self._active = False
         self._listener.remove_done_callback(self._on_disconnect)
         self._listener.cancel()
         return kind is asyncio.CancelledError and self.disconnected and self._task.uncancel() == 0
