@@ -21,7 +21,6 @@ import logging
 import mmap
 import os
 import stat
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Sequence
@@ -308,17 +307,11 @@ class TierClient:
             torch.cuda.cudart().cudaHostUnregister(self._pinned_ptr)
             self._pinned_ptr = None
         self.arena = None
-        if self._mmap is not None:
-            # A torch.frombuffer tensor (the arena, and any view of it a copy on another thread holds
-            # now) keeps the mmap object alive but not its buffer export, so close() would succeed and
-            # unmap memory that copy still reads or writes (a SIGSEGV, bench.chaos's deleted arena).
-            # Close it only when nothing else refers to it; else the last reference unmaps it.
-            if sys.getrefcount(self._mmap) <= 2:  # this attribute and getrefcount's own argument
-                try:
-                    self._mmap.close()
-                except BufferError:  # a memoryview (arena_bytes) still exists: the collector unmaps it
-                    pass
-            self._mmap = None
+        # Dropped, never closed: a torch.frombuffer tensor (the arena, and any view of it a copy on
+        # another thread holds now) keeps the mmap object alive but not its buffer export, so close()
+        # would unmap memory that copy still reads or writes (a SIGSEGV, bench.chaos's deleted arena).
+        # The last reference, ours or a view's, unmaps it.
+        self._mmap = None
         if self._arena_fd >= 0:
             os.close(self._arena_fd)
             self._arena_fd = -1
@@ -340,25 +333,20 @@ class TierClient:
         if tail_hash is not None:
             request.tail_hash = tail_hash
         asks_locally = self.local is not None and not self._down and self._clock() >= self._local_retry_at
-        local = self._match_locally(request) if asks_locally else None
-        reply: tierstore_pb2.MatchResponse | None
-        if local is None:  # no Match socket, or it failed
+        answered, reply = self._match_locally(request) if asks_locally else (False, None)
+        if not answered:  # no Match socket, or it failed
             reply = self._call(lambda s: s.Match(request, timeout=self.timeout))
-        elif local.code:
-            self._ended(code_of(local.code), local.details,
-                        local.tier_fault or None, ())
-            reply = None
-        else:
-            reply = local.response
         if reply is None:
             return [], []
         self.match_instance = reply.instance_id
         self.same_instance(reply.instance_id)
         return list(reply.hits), list(reply.candidates)
 
-    def _match_locally(self, request: tierstore_pb2.MatchRequest) -> tierstore_pb2.LocalMatchReply | None:
-        """Match over the Match socket, traced as the RPC is; None when the socket failed: the caller asks
-        over gRPC, and so does every Match for `retry_seconds` (then the socket is tried again)."""
+    def _match_locally(self, request: tierstore_pb2.MatchRequest
+                       ) -> tuple[bool, tierstore_pb2.MatchResponse | None]:
+        """Match over the Match socket, traced as the RPC is: (answered, the reply; None when the store
+        refused or timed out, counted as the RPC's would be). Not answered when the socket failed: the
+        caller asks over gRPC, and so does every Match for `retry_seconds` (then the socket is tried again)."""
         assert self.local is not None
         self.last_code = None
         span = client_span(MATCH_METHOD, self.local.path) if exporting() else None
@@ -367,20 +355,22 @@ class TierClient:
         try:
             reply = self.local.call(request, carried)
             code = code_of(reply.code)
-            return reply
         except TimeoutError:  # the store is slow, not the socket broken: as a gRPC deadline would
-            self._drop_local()
             code = grpc.StatusCode.DEADLINE_EXCEEDED
-            return tierstore_pb2.LocalMatchReply(code=code.value[0], details="no answer on the match socket "
-                                                 f"within {self.timeout}s")
+            self._ended(code, f"no answer on the match socket within {self.timeout}s", None, ())
+            return True, None
         except OSError as exc:
             log.warning("tierstore match socket failed (%s): Match over gRPC for %.1fs", exc, self.retry_seconds)
             self._local_retry_at = self._clock() + self.retry_seconds
-            return None
+            return False, None
         finally:
             if span is not None:
                 set_rpc_status(span, code)
                 span.end()
+        if code is not grpc.StatusCode.OK:
+            self._ended(code, reply.details, reply.tier_fault or None, ())
+            return True, None
+        return True, reply.response
 
     @property
     def instance_id(self) -> str:
