@@ -47,6 +47,7 @@ class ConnectionFaults:
         self._malformed = 0
         self._upgrades = 0
         self._accept_failures = 0
+        self._slow_readers = 0
         self._since = now
 
     def closed(self, phase: Phase) -> None:
@@ -72,6 +73,10 @@ class ConnectionFaults:
         self._accept_failures += 1
         self.metrics.accept_failures.inc()
 
+    def slow_reader(self) -> None:
+        """A stream ended because its client read too slowly (over --max-stream-buffer behind)."""
+        self._slow_readers += 1
+
     def summary(self) -> str | None:
         """What was counted since the last summary, as one line (None when nothing was); starts a new tally."""
         now = time.monotonic()
@@ -89,6 +94,9 @@ class ConnectionFaults:
             parts.append(f"served {self._upgrades} Upgrade request{'' if self._upgrades == 1 else 's'} as plain HTTP")
         if self._accept_failures:
             parts.append(f"failed {self._accept_failures} accepts for want of file descriptors")
+        if self._slow_readers:
+            parts.append(f"ended {self._slow_readers} stream{'' if self._slow_readers == 1 else 's'} whose client "
+                         "read too slowly (--max-stream-buffer), their requests stopped")
         line = f"in the last {round(now - self._since)} s: " + ", ".join(parts) if parts else None
         self._reset(now)
         return line

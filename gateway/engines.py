@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -70,7 +71,8 @@ class EnginePool:
     def __init__(self, addresses: list[str], interval: float = 2.0, probe_timeout: float = 2.0,
                  rule: RoutingRule | None = None, discovery: Discovery | None = None,
                  dns_refresh: float = 10.0, rewatch_delay: float = 0.5, sessions: bool = True,
-                 traced: bool = True, max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER_BYTES) -> None:
+                 traced: bool = True, max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER_BYTES,
+                 on_slow_reader: Callable[[], None] = lambda: None) -> None:
         if not addresses and discovery is None:
             raise ValueError("at least one engine address or DNS name is needed")
         self.interval = interval
@@ -81,6 +83,7 @@ class EnginePool:
         self.rewatch_delay = rewatch_delay
         self.sessions = sessions
         self.max_stream_buffer = max_stream_buffer  # bytes held for one call's slow reader (gateway/session.py)
+        self.on_slow_reader = on_slow_reader  # a call ended for its slow reader (the fault summary counts it)
         self.traced = traced  # a CLIENT span per Generate call (off when no spans are exported)
         self.static = list(dict.fromkeys(addresses))
         self.engines: list[EngineClient] = [self._client(a) for a in self.static]
@@ -89,17 +92,19 @@ class EnginePool:
         self._started = False
 
     @classmethod
-    def from_config(cls, config: GatewayConfig, resolver: Resolver = getaddrinfo_resolver) -> EnginePool:
+    def from_config(cls, config: GatewayConfig, resolver: Resolver = getaddrinfo_resolver,
+                    on_slow_reader: Callable[[], None] = lambda: None) -> EnginePool:
         discovery = Discovery([DnsName.parse(n) for n in config.engine_dns], resolver) if config.engine_dns else None
         return cls(config.engines, config.probe_interval, config.probe_timeout, config.routing_rule(), discovery,
                    config.dns_refresh, sessions=config.upstream == "session", traced=config.tracing,
-                   max_stream_buffer=config.max_stream_buffer_bytes)
+                   max_stream_buffer=config.max_stream_buffer_bytes, on_slow_reader=on_slow_reader)
 
     def _client(self, address: str) -> EngineClient:
         channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         stub = engine_pb2_grpc.EngineStub(channel)
         return EngineClient(address, channel, stub, health_pb2_grpc.HealthStub(channel),
-                            session=EngineSession(stub, self.max_stream_buffer) if self.sessions else None)
+                            session=EngineSession(stub, self.max_stream_buffer, self.on_slow_reader)
+                            if self.sessions else None)
 
     @staticmethod
     def without_session(engine: EngineClient) -> None:

@@ -27,7 +27,7 @@ import asyncio
 import collections
 import itertools
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -36,7 +36,6 @@ from ignis.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("ignis.gateway")
 _CLOSED = "the gateway closed its session with the engine"
-SLOW_READER_LOG_SECONDS = 10.0
 
 
 def rpc_error(code: grpc.StatusCode, details: str, kind: type[grpc.aio.AioRpcError] = grpc.aio.AioRpcError
@@ -57,12 +56,11 @@ class SlowReader(grpc.aio.AioRpcError):
 class SessionCall:
     """One Generate call on a session: an async iterator of its messages."""
 
-    def __init__(self, session: EngineSession, tag: int, timeout: float | None, max_buffered: int) -> None:
+    def __init__(self, session: EngineSession, tag: int, timeout: float | None) -> None:
         self._session = session
         self.tag = tag
         self._messages: collections.deque[tuple[engine_pb2.GenerateResponse, int]] = collections.deque()
         self._buffered = 0  # bytes of the messages not taken yet
-        self._max_buffered = max_buffered
         self._error: grpc.aio.AioRpcError | None = None
         self._ended = False
         self._waiter: asyncio.Future[None] | None = None
@@ -75,7 +73,7 @@ class SessionCall:
             return  # ended here (cancelled, over its buffer) while the engine was still sending
         size = message.ByteSize()
         self._buffered += size
-        if self._buffered > self._max_buffered and self._messages:  # one message, however big, always fits
+        if self._buffered > self._session.max_buffered and self._messages:  # one message, however big, fits
             self._overflow()
             return
         self._messages.append((message, size))
@@ -83,11 +81,11 @@ class SessionCall:
 
     def _overflow(self) -> None:
         """The reader fell too far behind: end the call rather than hold every token it is late for."""
-        self._session.count_slow_reader()
-        self.cancel()
-        self._error = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the stream was ended: its client read too slowly (over {self._max_buffered} "
-                                "bytes of output waited for it; the gateway's --max-stream-buffer)", SlowReader)
+        self._session.on_slow_reader()
+        self.end(rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"the stream was ended: its client read too slowly (over {self._session.max_buffered} "
+                           "bytes of output waited for it; the gateway's --max-stream-buffer)", SlowReader))
+        self._session.cancel(self.tag)
 
     def end(self, error: grpc.aio.AioRpcError | None) -> None:
         self._ended = True
@@ -136,12 +134,11 @@ class SessionCall:
 class EngineSession:
     """The GenerateSession stream to one engine, opened on the first call and again after it breaks."""
 
-    def __init__(self, stub: engine_pb2_grpc.EngineStub, max_buffered: int) -> None:
+    def __init__(self, stub: engine_pb2_grpc.EngineStub, max_buffered: int,
+                 on_slow_reader: Callable[[], None]) -> None:
         self._stub = stub
         self.max_buffered = max_buffered  # bytes a call holds for a slow reader (SessionCall)
-        self.slow_readers = 0  # calls ended for it
-        self._slow_logged = 0  # of them, how many a log line has told
-        self._slow_log_at = 0.0  # loop time of that line
+        self.on_slow_reader = on_slow_reader  # told of each call ended for one (the gateway's fault summary)
         self._tags = itertools.count(1)
         self._calls: dict[int, SessionCall] = {}
         self._outbox: asyncio.Queue[engine_pb2.SessionRequest | None] | None = None
@@ -152,22 +149,11 @@ class EngineSession:
         if self._outbox is None:
             self._open()
         assert self._outbox is not None
-        call = SessionCall(self, next(self._tags), timeout, self.max_buffered)
+        call = SessionCall(self, next(self._tags), timeout)
         self._calls[call.tag] = call
         spec = engine_pb2.SessionCall(request=request, timeout_seconds=timeout or 0.0, trace_context=dict(metadata))
         self._outbox.put_nowait(engine_pb2.SessionRequest(tag=call.tag, call=spec))
         return call
-
-    def count_slow_reader(self) -> None:
-        """One more call ended for its slow reader: logged at once, then summed up at most every
-        SLOW_READER_LOG_SECONDS (any client can make one)."""
-        self.slow_readers += 1
-        now = asyncio.get_running_loop().time()
-        if self._slow_logged == 0 or now - self._slow_log_at >= SLOW_READER_LOG_SECONDS:
-            log.warning("%d stream(s) ended because their client read too slowly (over %d bytes behind, "
-                        "--max-stream-buffer): their requests were stopped", self.slow_readers - self._slow_logged,
-                        self.max_buffered)
-            self._slow_logged, self._slow_log_at = self.slow_readers, now
 
     def cancel(self, tag: int) -> None:
         if self._calls.pop(tag, None) is not None and self._outbox is not None:
