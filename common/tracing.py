@@ -17,7 +17,7 @@ import collections
 import contextlib
 import inspect
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -175,16 +175,18 @@ def _server_span(method: str, parent: otel_context.Context, context: grpc.aio.Se
 
 
 @contextlib.contextmanager
-def server_call_span(method: str, parent: otel_context.Context) -> Iterator[Span]:
-    """A current SERVER span for one call that is not its own RPC (a call on a session stream); the
+def server_call_span(method: str, carried: Mapping[str, str]) -> Iterator[Span]:
+    """A current SERVER span for one call that is not its own RPC (a call on a session stream, a Match on
+    the tierstore's socket), continuing the trace `carried` names (W3C traceparent/tracestate); the
     caller sets its status (`set_rpc_status(..., server=True)`). Without an exporter: the invalid span,
-    current for nothing (a call on a session pays no span when nobody reads them)."""
+    current for nothing, and the carried context is not even read (nobody reads the spans)."""
     if not _exporting:
         yield trace.INVALID_SPAN
         return
     name, attributes = _rpc_attributes(method)
     tracer = trace.get_tracer(TRACER_NAME)
-    with tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes,
+    with tracer.start_as_current_span(name, context=propagate.extract(dict(carried)), kind=SpanKind.SERVER,
+                                      attributes=attributes,
                                       record_exception=False, set_status_on_exception=False) as span:
         yield span
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Generic, Iterator, Protocol, TypeVar
 
 import grpc
-from opentelemetry import propagate
 
 from common.tracing import server_call_span, set_rpc_status
 from engine.call_status import Abort, submit
@@ -153,7 +152,7 @@ class GenerateSession:
         call.task = asyncio.create_task(self._run(call, spec), name=f"session-call-{tag}")
 
     async def _run(self, call: _Call, spec: engine_pb2.SessionCall) -> None:
-        with server_call_span(GENERATE_METHOD, propagate.extract(dict(spec.trace_context))) as span:
+        with server_call_span(GENERATE_METHOD, spec.trace_context) as span:
             code = grpc.StatusCode.CANCELLED
             try:
                 async with _deadline(spec.timeout_seconds):

@@ -25,11 +25,10 @@ import time
 from pathlib import Path
 
 import grpc
-from opentelemetry import propagate
 
 from common.frames import FrameError, recv_message, same_user, send_frame
 from common.status_codes import code_of
-from common.tracing import exporting, server_call_span, set_rpc_status
+from common.tracing import server_call_span, set_rpc_status
 from ignis.v1 import tierstore_pb2
 from tierstore.errors import TierStoreError, Unavailable
 from tierstore.server import INTERNAL_DETAILS, match_args, match_response, refusal_code
@@ -50,7 +49,6 @@ class MatchSocket:
         self._connections: dict[socket.socket, threading.Thread] = {}  # each with the thread serving it
         self._acceptor: threading.Thread | None = None
         self._lock = threading.Lock()
-        self.refused = 0  # connections turned away: another user's, or over MAX_CONNECTIONS
 
     def start(self) -> None:
         """Bind and listen (OSError if it cannot); the caller holds the folder's socket lock, so a
@@ -103,8 +101,7 @@ class MatchSocket:
                     thread = self._connections[conn] = threading.Thread(target=self._serve, args=(conn,),
                                                                          name="ignis-match", daemon=True)
                     thread.start()
-            if not admitted:
-                self.refused += 1
+            if not admitted:  # another user's, or over MAX_CONNECTIONS
                 conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -120,9 +117,7 @@ class MatchSocket:
 
     def answer(self, call: tierstore_pb2.LocalMatchCall) -> tierstore_pb2.LocalMatchReply:
         """The reply Match would give over gRPC, as a frame."""
-        if not exporting():
-            return self._answer(call.request)
-        with server_call_span(MATCH_METHOD, propagate.extract(dict(call.trace_context))) as span:
+        with server_call_span(MATCH_METHOD, call.trace_context) as span:
             reply = self._answer(call.request)
             set_rpc_status(span, code_of(reply.code), server=True)
             return reply
