@@ -16,8 +16,11 @@ from typing import TypeVar
 
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
+from common.grpc_server import MAX_MESSAGE_BYTES
+
 M = TypeVar("M")
-MAX_FRAME = 64 << 20  # the same bound as a gRPC message to our servers (common/grpc_server.py)
+MAX_FRAME = MAX_MESSAGE_BYTES  # the same bound as a gRPC message to our servers
+_CHUNK = 1 << 20
 _LENGTH = struct.Struct("<I")
 
 
@@ -61,16 +64,16 @@ def recv_message(sock: socket.socket, parse: Callable[[bytes], M]) -> M | None:
 
 
 def _recv_exactly(sock: socket.socket, n: int, at_start: bool) -> bytes | None:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            if at_start and got == 0:
+    # Grown as bytes arrive, not sized from the announced length: a peer that announces 64 MiB and
+    # sends nothing holds no memory for it.
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), _CHUNK))
+        if not chunk:
+            if at_start and not buf:
                 return None
-            raise FrameError(f"the stream ended {got} bytes into a {n}-byte read")
-        got += k
+            raise FrameError(f"the stream ended {len(buf)} bytes into a {n}-byte read")
+        buf += chunk
     return bytes(buf)
 
 

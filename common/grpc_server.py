@@ -10,7 +10,8 @@ from grpc_reflection.v1alpha import reflection
 
 # gRPC sets SO_REUSEPORT by default, so a second server on a port already in use
 # binds "successfully" and steals half the connections. One port, one server.
-SERVER_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)]
+MAX_MESSAGE_BYTES = 64 << 20  # the largest message our servers take
+SERVER_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)]
 
 
 def build_server(
