@@ -174,9 +174,15 @@ class ForwardBatch:
 
         seqs = _seq_views(views, tables, [page for table in tables for page in table], device)
 
-        decoding = [i for i, s in enumerate(seqs) if s.is_decode]
+        decoding: list[int] = []  # indices of the decode rows
+        rest: list[SeqView] = []
+        for i, s in enumerate(seqs):
+            if s.is_decode:
+                decoding.append(i)
+            else:
+                rest.append(s)
         decodes = [seqs[i] for i in decoding]
-        others = tuple(s for s in seqs if not s.is_decode) if len(decodes) < len(seqs) else ()
+        others = tuple(rest)
         decode = None
         if _pad_decodes(decodes, device):
             decode = _decode_gather(decodes, [tables[i] for i in decoding], page_size, device, len(ids))

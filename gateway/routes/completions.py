@@ -157,7 +157,7 @@ class _Reply:
         logprobs = None
         if self.echo or self.logprobs:  # text offsets so far, and whether this is the choice's first chunk
             first = g not in builders
-            builder = builders.setdefault(g, lp.CompletionLogprobs()) if first else builders[g]
+            builder = builders[g] = lp.CompletionLogprobs() if first else builders[g]
             parts = []
             if first and self.echo:  # each choice starts with the prompt
                 text = self._prompt_text(p, prompt_lps.get(p, [])) + text
