@@ -526,12 +526,14 @@ def _write_state(client: TierClient, name: str) -> None:
 
 
 @contextmanager
-def engine_and_store(tmp_path: Path) -> Iterator[tuple[RunningService, TierClient, TierStoreClient]]:
-    """A tierstore (1 MiB arena, 8 MiB disk), the engine's tier client of it and an admin client; all closed after."""
+def engine_and_store(tmp_path: Path, **client: object) -> Iterator[tuple[RunningService, TierClient, TierStoreClient]]:
+    """A tierstore (1 MiB arena, 8 MiB disk), the engine's tier client of it (`client`: its keyword arguments
+    over the defaults) and an admin client; all closed after."""
     store: RunningService = start_tierstore(tmp_path / "ts", ["--kv-host-pool-bytes", "1MiB", "--kv-disk-path",
                                                               str(tmp_path / "kv"), "--kv-disk-bytes", "8MiB"])
-    client = TierClient(store.address, model="m", page_size=16, layout=LAYOUT, kv_bytes_per_token=1024,
-                        fixed_state_bytes=0, timeout=10.0, clock=Clock())
+    client = TierClient(store.address, **{"model": "m", "page_size": 16, "layout": LAYOUT,  # type: ignore[arg-type]
+                                          "kv_bytes_per_token": 1024, "fixed_state_bytes": 0, "timeout": 10.0,
+                                          "clock": Clock(), **client})
     admin = TierStoreClient(store.address)
     try:
         yield store, client, admin

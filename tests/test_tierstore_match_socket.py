@@ -27,6 +27,7 @@ from common.frames import recv_frame, send_frame
 from engine.tiers.client import TierClient, _beside
 from ignis.v1 import common_pb2, tierstore_pb2, tierstore_pb2_grpc
 from services import RunningService, start_tierstore
+from test_tierstore_faults import LAYOUT, Clock, engine_and_store
 from tierstore.client import TierStoreClient
 
 NS = b"n" * 16
@@ -262,30 +263,14 @@ def test_another_user_cannot_use_it(store: tuple[RunningService, str]) -> None:
 
 
 # --- the engine's end ---------------------------------------------------------------------
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 @contextmanager
 def engine_client(tmp_path: Path, **kw: object) -> Iterator[tuple[RunningService, TierClient, TierStoreClient]]:
-    """A store with one state in RAM, the engine's tier client of it (registered) and an admin client."""
-    store = start_tierstore(tmp_path / "ts", ["--kv-host-pool-bytes", "1MiB", "--kv-disk-bytes", "0"])
-    client = TierClient(store.address, model="tiny", page_size=16, layout="bytes", kv_bytes_per_token=0,
-                        fixed_state_bytes=4 * KiB, **kw)  # type: ignore[arg-type]
-    admin = TierStoreClient(store.address)
-    try:
-        admin.register(NS, model="tiny", page_size=16, layout="bytes", fixed_state_bytes=4 * KiB)
+    """engine_and_store's store with one state in RAM, the engine's tier client registered with it."""
+    with engine_and_store(tmp_path, **kw) as (store, client, admin):
+        admin.register(NS, model="m", page_size=16, layout=LAYOUT, kv_bytes_per_token=1024)
         admin.store(h(1), b"\1" * (64 * KiB), meta([h(1)], 16, 64 * KiB))
         assert client.ensure(NS)
         yield store, client, admin
-    finally:
-        admin.close()
-        client.close()
-        store.stop()
 
 
 def tiers_of(found: tuple[list[tierstore_pb2.MatchHit], list[tierstore_pb2.MatchHit]]) -> list[tuple[int, int]]:
@@ -294,8 +279,8 @@ def tiers_of(found: tuple[list[tierstore_pb2.MatchHit], list[tierstore_pb2.Match
 
 def test_the_engines_client_asks_on_the_socket_and_gets_what_grpc_gives(tmp_path: Path) -> None:
     with engine_client(tmp_path) as (store, client, admin):
-        over_grpc = TierClient(store.address, model="tiny", page_size=16, layout="bytes", kv_bytes_per_token=0,
-                               fixed_state_bytes=4 * KiB, local_match=False)
+        over_grpc = TierClient(store.address, model="m", page_size=16, layout=LAYOUT, kv_bytes_per_token=1024,
+                               fixed_state_bytes=0, local_match=False)
         try:
             assert over_grpc.ensure(NS) and over_grpc.local is None
             assert client.local is not None and client.local.path.endswith(".match")
