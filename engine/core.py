@@ -313,6 +313,12 @@ class EngineCore:
         self.totals.preempted += len(plan.preempted)
         if plan.empty:
             return
+        if plan.decodes_only:
+            seqs = [c.seq for c in plan.chunks]
+            # Past its first token a decode has no forks, prompt logprobs or max_tokens=0 to see to.
+            if all(seq.num_output for seq in seqs):
+                self._decoded(seqs, self.runner.run_decodes(seqs))
+                return
         results = self.runner.run(plan.chunks)
         to_sample: list[tuple[EngineSequence, torch.Tensor]] = []
         deltas: Deltas = {}
@@ -336,30 +342,42 @@ class EngineCore:
                 to_sample.append((child, res.next_token_logits))
         failed: dict[str, str] = {}
         if to_sample:
-            self._sample(to_sample, deltas, failed)
+            self._sample([seq for seq, _ in to_sample], torch.stack([row for _, row in to_sample]), deltas, failed)
+        self._finish_step(deltas, failed)
+
+    def _decoded(self, seqs: list[EngineSequence], logits: torch.Tensor) -> None:
+        """After a decode-only step: each sequence computed its one token; sample them all."""
+        after_compute = self.reuse.after_compute
+        for seq, row in zip(seqs, logits.unbind(0)):
+            seq.mark_computed(1)
+            after_compute(seq, row)
+        deltas: Deltas = {}
+        failed: dict[str, str] = {}
+        self._sample(seqs, logits, deltas, failed)
+        self._finish_step(deltas, failed)
+
+    def _finish_step(self, deltas: Deltas, failed: dict[str, str]) -> None:
         for rid, message in failed.items():
             deltas.pop(rid, None)
             self._fail(rid, message)
         self.outputs.emit(self._live, deltas)
 
-    def _sample(self, items: list[tuple[EngineSequence, torch.Tensor]], deltas: Deltas,
+    def _sample(self, seqs: list[EngineSequence], logits: torch.Tensor, deltas: Deltas,
                 failed: dict[str, str]) -> None:
-        """Sample the batch in one call; if that raises, sample each sequence alone so that
-        one request's failure ends that request only (`failed`: request id -> why)."""
-        seqs = [seq for seq, _ in items]
+        """Sample the batch (logits [B, V], row i for seqs[i]) in one call; if that raises, sample each
+        sequence alone so that one request's failure ends that request only (`failed`: request id -> why)."""
         # What raises in sampling does so before any draw (the checks and logit processing come
         # first, and capped logits keep the probabilities finite), so a retry draws what the batch
         # would have: no generator state needs saving on every step.
         try:
-            out = sample(torch.stack([row for _, row in items]), [s.sampler for s in seqs], self.eos_ids,
-                         [s.num_output for s in seqs])  # logits: [B, V]
+            out = sample(logits, [s.sampler for s in seqs], self.eos_ids, [s.num_output for s in seqs])
         except Exception:
-            if len(items) == 1:
+            if len(seqs) == 1:
                 log.exception("sampling failed for request %s", seqs[0].request.request_id)
                 failed.setdefault(seqs[0].request.request_id, "sampling failed for this request (see the engine log)")
                 return
-            log.warning("batched sampling failed: sampling the %d sequences one by one", len(items))
-            for item in items:
-                self._sample([item], deltas, failed)
+            log.warning("batched sampling failed: sampling the %d sequences one by one", len(seqs))
+            for i, seq in enumerate(seqs):
+                self._sample([seq], logits[i : i + 1], deltas, failed)
             return
         self.outputs.append_sampled(seqs, out, deltas, failed)

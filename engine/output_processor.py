@@ -119,7 +119,7 @@ class OutputProcessor:
             # A complete grammar took its stop token (EOS under ignore_eos): nothing may follow.
             self.finish(seq, FinishReason.STOP, token, deltas, (token,), lp)
         else:
-            text, matched = seq.stream.push([token])
+            text, matched = seq.stream.push_token(token)
             if matched is not None:
                 self.finish(seq, FinishReason.STOP, matched, deltas, (token,), lp, text)
             elif seq.num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
@@ -151,7 +151,9 @@ class OutputProcessor:
                 live.prompt_logprobs_sent = True
                 prompt_lp = tuple(live.prompt_logprobs) if live.prompt_logprobs else None
             usage = None
-            if all(s.status is SeqStatus.FINISHED for s in live.seqs):
+            seqs = live.seqs
+            if seqs[0].status is SeqStatus.FINISHED if len(seqs) == 1 else \
+                    all(s.status is SeqStatus.FINISHED for s in seqs):
                 live_requests.pop(rid, None)
                 self.totals.finished += 1
                 usage = self.usage(live)

@@ -133,6 +133,8 @@ class EngineSequence:
         self.held_for_inflight = False  # was held at admission while another computed its reusable state
         self.moved: MovedState | None = None  # where its state waits while it is moved down a tier
         self.moves = 0
+        # Sort key: higher sorts later = lower rank = preempted first (kept: the scheduler sorts every step).
+        self.rank_key: tuple[int, float] = (int(request.request_class), request.arrival)
 
     @property
     def num_output(self) -> int:
@@ -145,11 +147,6 @@ class EngineSequence:
     @property
     def in_prefill(self) -> bool:
         return self.num_pending > 1 or self.num_computed == 0
-
-    @property
-    def rank_key(self) -> tuple[int, float]:
-        """Sort key: higher sorts later = lower rank = preempted first."""
-        return (int(self.request.request_class), self.request.arrival)
 
     def pages_needed(self, total_tokens: int, page_size: int) -> int:
         return max(0, -(-total_tokens // page_size) - len(self.page_table))

@@ -70,6 +70,14 @@ class ModelRunner:
             )
         return out
 
+    def run_decodes(self, seqs: list[EngineSequence]) -> torch.Tensor:
+        """The steady state: each sequence decodes its one pending token and wants its next-token
+        logits. Returns logits [B, V], row i sequence i's, from a batch built without a chunk per sequence."""
+        batch = ForwardBatch.for_decodes([s.token_ids[-1] for s in seqs], [s.num_computed for s in seqs],
+                                         [s.page_table for s in seqs], [s.slot for s in seqs], self.page_size,
+                                         self.model.device)
+        return self.model(batch, self.cache)
+
     def fork_state(self, parent: EngineSequence, child: EngineSequence, new_last_page: int | None) -> None:
         """Give `child` a copy of the parent's state: shared full pages are already in its
         table; the partially filled last page (if any) and the recurrent slot are copied."""

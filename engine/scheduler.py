@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from engine.cache.reuse import Claim, NoReuse, PromptReuse
 from engine.facts import RequestClass
@@ -21,6 +22,7 @@ from engine.live_moves import LiveMoves
 from engine.request import EngineSequence, MovedState, SeqStatus
 from engine.tracing import admission_stage
 
+_RANK = attrgetter("rank_key")
 # Copies a parent's computed state into a forked child: (parent, child, child's private last page or None).
 ForkCopy = Callable[[EngineSequence, EngineSequence, int | None], None]
 
@@ -36,6 +38,8 @@ class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[EngineSequence] = field(default_factory=list)  # lost their state: recomputed later
     moving: list[EngineSequence] = field(default_factory=list)  # started moving down a tier this step
+    # Every chunk is one sequence decoding its one pending token (the steady state: the runner's fast path).
+    decodes_only: bool = False
 
     @property
     def empty(self) -> bool:
@@ -151,7 +155,7 @@ class Scheduler:
         return len(pages), sum(1 for s in self.mover.moving if s.slot is not None)
 
     def _lowest_running(self) -> EngineSequence | None:
-        return max(self.running, key=lambda s: s.rank_key, default=None)
+        return max(self.running, key=_RANK, default=None)
 
     # --- the step -------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -160,18 +164,29 @@ class Scheduler:
         self._settle_moves(plan)
         self._admit(plan)
         budget = self.limits.step_token_budget
-        decoding = [s for s in self.running if not s.in_prefill]
-        prefilling = [s for s in self.running if s.in_prefill]
+        page_size = self.limits.page_size
+        decoding: list[EngineSequence] = []
+        prefilling: list[EngineSequence] = []
+        for s in self.running:  # in_prefill, inline: this runs for every sequence of every step
+            pending = len(s.token_ids) - s.num_computed
+            (prefilling if pending > 1 or s.num_computed == 0 else decoding).append(s)
+        plan.decodes_only = not prefilling
         # Decodes first, highest rank first, so growth failures preempt from the bottom.
-        for seq in sorted(decoding, key=lambda s: s.rank_key):
+        for seq in sorted(decoding, key=_RANK):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if seq.num_pending == 0:  # claimed a state with its next-token logits: nothing to compute
                 plan.chunks.append(ScheduledChunk(seq, 0))
+                plan.decodes_only = False
+                continue
+            if seq.num_computed < len(seq.page_table) * page_size:  # its pages hold the new position
+                if budget > 0:
+                    plan.chunks.append(ScheduledChunk(seq, 1))
+                    budget -= 1
                 continue
             waits = False
             while not self._grow(seq, seq.num_computed + 1):
-                if self._incoming()[0] >= seq.pages_needed(seq.num_computed + 1, self.limits.page_size):
+                if self._incoming()[0] >= seq.pages_needed(seq.num_computed + 1, page_size):
                     waits = True  # a move in progress frees the page: wait a round for it
                     break
                 victim = self._lowest_running()

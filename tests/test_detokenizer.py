@@ -175,3 +175,14 @@ def test_stop_on_special_token_text_when_not_skipped(tok: Tokenizer) -> None:
     stream = TextStream(tok, stop=["<|im_end|>"], skip_special_tokens=False)
     deltas, stop = stream_all(stream, ids)
     assert "".join(deltas) == "done" and stop == "<|im_end|>"
+
+
+@pytest.mark.parametrize("stop", [(), ("tool",), ("\n</tool_call>", "ü")])
+def test_one_token_at_a_time_is_push_of_one(tok: Tokenizer, stop: tuple[str, ...]) -> None:
+    """push_token (the engine's per-step call) says what push([token]) says, token by token."""
+    ids = [i for text in TEXTS for i in tok.encode(text)] + sorted(tok.special_token_ids)[:2]
+    for skip in (True, False):
+        listed, single = TextStream(tok, stop, skip), TextStream(tok, stop, skip)
+        for token in ids:
+            assert single.push_token(token) == listed.push([token])
+        assert single.finish() == listed.finish()

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.model.batch import DecodeGather, ForwardBatch, LogitsWanted, SeqView, SequenceChunk
+from engine.model.batch import DecodeGather, DecodeViews, ForwardBatch, LogitsWanted, SeqView, SequenceChunk
 
 PAGE = 16
 
@@ -38,8 +38,8 @@ def _same(a: object, b: object) -> None:
         assert isinstance(b, DecodeGather)
         for f in dataclasses.fields(DecodeGather):
             _same(getattr(a, f.name), getattr(b, f.name))
-    elif isinstance(a, tuple):
-        assert isinstance(b, tuple) and len(a) == len(b)
+    elif isinstance(a, (tuple, DecodeViews)):  # a decode-only batch's views are made when asked
+        assert isinstance(b, (tuple, DecodeViews)) and len(a) == len(b)
         for x, y in zip(a, b):
             _same(x, y)
     else:
@@ -64,3 +64,15 @@ def test_a_short_page_table_is_refused_on_both_paths() -> None:
     for build in (ForwardBatch.build, ForwardBatch._any):
         with pytest.raises(ValueError, match="page table has 2 pages"):
             build(short, PAGE, torch.device("cpu"))
+
+
+def test_a_decode_only_batchs_views_index_like_a_tuple() -> None:
+    chunks = [SequenceChunk([7], 40, [1, 2, 3], 5), SequenceChunk([8], 3, [9], 6), SequenceChunk([9], 17, [4, 8], 7)]
+    fast = ForwardBatch.build(chunks, PAGE, torch.device("cpu"))
+    general = ForwardBatch._any(chunks, PAGE, torch.device("cpu"))
+    assert isinstance(fast.seqs, DecodeViews)
+    _same(tuple(fast.seqs[-1:]), general.seqs[-1:])
+    _same(fast.seqs[-3], general.seqs[0])
+    assert [s.state_slot for s in fast.seqs] == [5, 6, 7] == list(fast.decode_slots) == list(general.decode_slots)
+    with pytest.raises(IndexError):
+        fast.seqs[3]

@@ -7,9 +7,12 @@ pages hold it, and (hybrid models) which state slot carries its recurrent state.
 
 from __future__ import annotations
 
+from array import array
+from collections import abc
 from dataclasses import dataclass
 from enum import Enum
-from typing import Sequence
+from itertools import accumulate
+from typing import Sequence, overload
 
 import torch
 
@@ -39,7 +42,7 @@ class SequenceChunk:
             raise ValueError(f"start must be >= 0, got {self.start}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per sequence every step, and a frozen init costs 3x
 class SeqView:
     """A sequence's slice of the flat token run, with device-side page table."""
 
@@ -66,6 +69,35 @@ class SeqView:
         return self.length == 1 and self.start > 0
 
 
+class DecodeViews(abc.Sequence[SeqView]):
+    """The views of a decode-only batch, made when asked: its forward pass reads the gather and
+    `decode_slots` instead, and 64 views a step would be made for nothing."""
+
+    __slots__ = ("_starts", "_needed", "_at", "_slots", "_pages")
+
+    def __init__(self, starts: list[int], needed: list[int], slots: list[int | None], pages: torch.Tensor) -> None:
+        self._starts, self._needed, self._slots, self._pages = starts, needed, slots, pages
+        self._at = [0, *accumulate(needed)]
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    @overload
+    def __getitem__(self, i: int) -> SeqView: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[SeqView]: ...
+
+    def __getitem__(self, i: int | slice) -> SeqView | list[SeqView]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return SeqView(i, 1, self._starts[i], self._pages, self._at[i], self._needed[i], self._slots[i])
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeGather:
     """Single-token decodes of a step, padded so attention runs once for all of them."""
@@ -83,13 +115,14 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     kv_pages: torch.Tensor  # [T] page id each token's K/V is written to
     kv_offsets: torch.Tensor  # [T] offset inside that page
-    seqs: tuple[SeqView, ...]
+    seqs: Sequence[SeqView]
     logits_rows: torch.Tensor  # [R] rows of the flat run whose logits are returned
     logits_counts: tuple[int, ...]  # rows per sequence, in order
-    decodes: tuple[SeqView, ...]  # the sequences decoding one token, in order (picked once, not per layer)
+    decodes: Sequence[SeqView]  # the sequences decoding one token, in order (picked once, not per layer)
     others: tuple[SeqView, ...]  # the rest (prefill chunks), in order
     decode: DecodeGather | None = None  # set when two or more decodes run as one padded call (_pad_decodes)
     decodes_only: bool = False  # every sequence decodes one token and wants its logits: row i is sequence i's
+    decode_slots: tuple[int | None, ...] = ()  # each decode's state slot, in order (read once a layer)
 
     @property
     def num_tokens(self) -> int:
@@ -103,35 +136,63 @@ class ForwardBatch:
 
     @classmethod
     def _decodes_only(cls, chunks: Sequence[SequenceChunk], page_size: int, device: torch.device) -> "ForwardBatch":
-        """A step of single-token decodes only (the steady state), in fewer Python operations per
-        sequence than `_any`; the same batch (tests/test_forward_batch.py)."""
-        tables = []
-        flat: list[int] = []
-        pages = []
-        for c in chunks:
-            needed = c.start // page_size + 1
-            if len(c.page_table) < needed:
-                raise ValueError(f"page table has {len(c.page_table)} pages but {c.start + 1} tokens need {needed}")
-            table = c.page_table[:needed]
-            tables.append(table)
-            flat.extend(table)
-            pages.append(table[-1])
-        positions = [c.start for c in chunks]
-        seqs = _seq_views([(i, 1, c.start, c.state_slot) for i, c in enumerate(chunks)], tables, flat, device)
-        decode = _decode_gather(seqs, tables, page_size, device, len(seqs)) if _pad_decodes(seqs, device) else None
-        rows = list(range(len(chunks)))
+        return cls.for_decodes(
+            [c.token_ids[0] for c in chunks], [c.start for c in chunks], [c.page_table for c in chunks],
+            [c.state_slot for c in chunks], page_size, device)
+
+    @classmethod
+    def for_decodes(cls, tokens: list[int], starts: list[int], tables: Sequence[Sequence[int]],
+                    slots: list[int | None], page_size: int, device: torch.device) -> "ForwardBatch":
+        """A step of single-token decodes only (the steady state): sequence i decodes `tokens[i]` at
+        position `starts[i]` (> 0) over its page table, and wants its logits. The batch `_any` builds
+        (tests/test_forward_batch.py), from one host-to-device copy and a few torch calls instead of
+        work per sequence."""
+        count = len(tokens)
+        # Everything the step needs from the host, in one buffer and one copy: every page table one
+        # after another, then the ids, positions, the pages and offsets the new K/V go to, the context
+        # lengths, then (unless they are all as wide) the tables padded to one width for the decode gather.
+        values = array("q")
+        needed: list[int] = []
+        last_pages: list[int] = []
+        for table, start in zip(tables, starts):
+            n = start // page_size + 1
+            if len(table) < n:
+                raise ValueError(f"page table has {len(table)} pages but {start + 1} tokens need {n}")
+            values.extend(table if len(table) == n else table[:n])
+            needed.append(n)
+            last_pages.append(table[n - 1])
+        flat = len(values)
+        values.extend(tokens)
+        values.extend(starts)
+        values.extend(last_pages)
+        values.extend([start % page_size for start in starts])
+        values.extend([start + 1 for start in starts])
+        widest = max(needed)
+        ragged = widest != min(needed)
+        if ragged:
+            for table, n in zip(tables, needed):
+                values.extend(table[:n])
+                values.extend(_zeros(widest - n))
+        on_device = int64_tensor(values, device)
+        pages = on_device[:flat]
+        rows = on_device[flat : flat + 5 * count].view(5, count)
+        views = DecodeViews(starts, needed, slots, pages)
+        every = _position_tables(count, page_size, device)[0]  # the logits rows and decode rows: all of them
+        decode = None
+        if _pad_decodes(views, device):
+            padded = (on_device[flat + 5 * count :] if ragged else pages).view(count, widest)
+            positions, page_of, offset_of = _position_tables(max(starts) + 1, page_size, device)
+            decode = DecodeGather(
+                rows=every,
+                pages=padded[:, page_of],
+                offsets=offset_of.expand(count, -1),
+                valid=positions[None, :] < rows[4][:, None],
+                every_row=True,
+            )
         return cls(
-            input_ids=torch.tensor([c.token_ids[0] for c in chunks], dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            kv_pages=torch.tensor(pages, dtype=torch.int64, device=device),
-            kv_offsets=torch.tensor([p % page_size for p in positions], dtype=torch.int64, device=device),
-            seqs=tuple(seqs),
-            logits_rows=torch.tensor(rows, dtype=torch.int64, device=device),
-            logits_counts=(1,) * len(chunks),
-            decodes=tuple(seqs),
-            others=(),
-            decode=decode,
-            decodes_only=True,
+            input_ids=rows[0], positions=rows[1], kv_pages=rows[2], kv_offsets=rows[3], seqs=views,
+            logits_rows=every, logits_counts=(1,) * count, decodes=views, others=(), decode=decode,
+            decodes_only=True, decode_slots=tuple(slots),
         )
 
     @classmethod
@@ -170,7 +231,7 @@ class ForwardBatch:
             tables.append(chunk.page_table[:needed])
 
         def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+            return int64_tensor(values, device)
 
         seqs = _seq_views(views, tables, [page for table in tables for page in table], device)
 
@@ -198,6 +259,7 @@ class ForwardBatch:
             decodes=tuple(decodes),
             others=others,
             decode=decode,
+            decode_slots=tuple(s.state_slot for s in decodes),
         )
 
 
@@ -205,7 +267,7 @@ def _seq_views(views: Sequence[tuple[int, int, int, int | None]], tables: Sequen
                flat: list[int], device: torch.device) -> list[SeqView]:
     """Each sequence's view, from its (offset, length, start, slot) and page table; every page table is a
     slice of one tensor of `flat` (the tables one after another): one host-to-device copy, not one each."""
-    pages = torch.tensor(flat, dtype=torch.int64, device=device)
+    pages = int64_tensor(flat, device)
     seqs = []
     at = 0
     for (offset, length, start, slot), table in zip(views, tables):
@@ -221,7 +283,7 @@ def _seq_views(views: Sequence[tuple[int, int, int, int | None]], tables: Sequen
 CPU_PADDED_DECODE_MAX_CONTEXT = 512
 
 
-def _pad_decodes(decodes: list[SeqView], device: torch.device) -> bool:
+def _pad_decodes(decodes: Sequence[SeqView], device: torch.device) -> bool:
     """Whether this step's single-token decodes run as one padded attention call."""
     if kernels_for(device).decode_in_place:  # the C kernel on the CPU: no cost per padded position
         return bool(decodes)
@@ -236,14 +298,51 @@ def _decode_gather(seqs: list[SeqView], tables: list[Sequence[int]], page_size: 
     longest = max(s.end for s in seqs)
     max_pages = -(-longest // page_size)
     # Built from the page lists in one call (a row assignment per sequence was ~3 µs each).
-    table = torch.tensor([list(t) + [0] * (max_pages - len(t)) for t in tables], dtype=torch.int64, device=device)
-    positions = torch.arange(longest, device=device)
-    pages = table[:, positions // page_size]  # [B, L]
-    lengths = torch.tensor([s.end for s in seqs], device=device)
+    flat = array("q")
+    for t in tables:
+        flat.extend(t[:max_pages])
+        flat.extend(_zeros(max_pages - len(t)))
+    table = int64_tensor(flat, device).view(len(tables), max_pages)
+    positions, page_of, offset_of = _position_tables(longest, page_size, device)
+    lengths = int64_tensor([s.end for s in seqs], device)
     return DecodeGather(
-        rows=torch.tensor(offsets, dtype=torch.int64, device=device),
-        pages=pages,
-        offsets=(positions % page_size).expand(len(seqs), -1),
+        rows=int64_tensor(offsets, device),
+        pages=table[:, page_of],
+        offsets=offset_of.expand(len(seqs), -1),
         valid=positions[None, :] < lengths[:, None],
         every_row=offsets == list(range(total_rows)),
     )
+
+
+def int64_tensor(values: Sequence[int] | array, device: torch.device) -> torch.Tensor:
+    """`torch.tensor(values, dtype=torch.int64, device=device)`, 4-5x faster for a list of ints: the
+    list goes into an `array` (the tensor shares its memory) instead of through torch's element loop."""
+    buffer = values if isinstance(values, array) else array("q", values)
+    if not buffer:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    host = torch.frombuffer(buffer, dtype=torch.int64)
+    return host if device.type == "cpu" else host.to(device)
+
+
+_ZEROS = array("q", bytes(8 * 4096))  # padding for page tables
+
+
+def _zeros(count: int) -> array:
+    return _ZEROS[:count] if count <= len(_ZEROS) else array("q", bytes(8 * count))
+
+
+_POSITIONS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _position_tables(length: int, page_size: int, device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(arange(length), the page index and the offset inside the page of each position), sliced from
+    tables kept per device and page size and grown by doubling: three torch calls a step fewer."""
+    key = (device, page_size)
+    tables = _POSITIONS.get(key)
+    if tables is None or tables[0].shape[0] < length:
+        size = max(length, 2 * tables[0].shape[0] if tables is not None else 1024)
+        positions = torch.arange(size, dtype=torch.int64, device=device)
+        tables = (positions, positions // page_size, positions % page_size)
+        _POSITIONS[key] = tables
+    return tables[0][:length], tables[1][:length], tables[2][:length]

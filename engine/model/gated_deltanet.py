@@ -125,7 +125,9 @@ class GatedDeltaNet(nn.Module):
         every_row = gather is not None and gather.every_row
         rows = slice(None) if every_row else torch.tensor([s.offset for s in seqs], dtype=torch.int64,
                                                           device=mixed.device)
-        slot_ids = [_slot(s) for s in seqs]
+        slot_ids = list(batch.decode_slots)  # read once for the step, not once a sequence in every layer
+        if None in slot_ids:
+            raise ValueError("a hybrid model needs a state slot for every sequence")
         fused = ops.gdn_decode_fused
         if fused is not None and gdn_decode.supports(cache.conv, cache.recurrent, self.dk, self.dv):
             # One C call: gates, conv taps, head split, q/k norms, the delta rule (states in place), gated norm.

@@ -52,6 +52,9 @@ class RequestSampler:
         guide: TokenGuide | None = None,
     ) -> None:
         self.params = params
+        # Read for every row of every step: kept, not recomputed by the params' properties.
+        self.greedy = params.is_greedy
+        self.penalised = params.has_penalties
         self.guide = guide  # the request's grammar, at this choice's position in it
         self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -162,7 +165,7 @@ def process_logits(
             cols.extend(sorted(stops))
     mask_tokens(x, rows, cols)
 
-    penalised = [i for i, s in enumerate(samplers) if s.params.has_penalties]
+    penalised = [i for i, s in enumerate(samplers) if s.penalised]
     if penalised:
         states = [samplers[i].penalty_state(vocab, x.device) for i in penalised]
         counts = torch.stack([c for c, _ in states])  # [P, V]
@@ -194,14 +197,17 @@ def sample(
     batch = x.shape[0]
     token_ids = [0] * batch
 
-    greedy = [i for i, s in enumerate(samplers) if s.params.is_greedy]
+    greedy = [i for i, s in enumerate(samplers) if s.greedy]
     if greedy:
         rows = x if len(greedy) == batch else x[greedy]  # an all-greedy batch: no copy of [B, V]
         picked = torch.argmax(rows, dim=-1).tolist()  # ties -> lowest id
-        for i, t in zip(greedy, picked):
-            token_ids[i] = t
+        if len(greedy) == batch:
+            token_ids = picked
+        else:
+            for i, t in zip(greedy, picked):
+                token_ids[i] = t
 
-    drawn = [i for i, s in enumerate(samplers) if not s.params.is_greedy]
+    drawn = [i for i, s in enumerate(samplers) if not s.greedy]
     if drawn:
         params = [samplers[i].params for i in drawn]
         scaled = x[drawn] / _column([p.temperature for p in params], x.device)[:, None]  # [S, V]

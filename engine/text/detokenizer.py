@@ -30,11 +30,19 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._token_bytes, self._decode = tokenizer.token_bytes, self._utf8.decode  # bound once: every token
 
     def push(self, ids: Iterable[int]) -> str:
         """Append ids; return the text they complete (possibly "")."""
-        data = b"".join(self._tokenizer.token_bytes(i) for i in ids if i not in self._skip)
-        return self._utf8.decode(data, final=False) if data else ""
+        data = b"".join(self._token_bytes(i) for i in ids if i not in self._skip)
+        return self._decode(data, False) if data else ""
+
+    def push_token(self, token: int) -> str:
+        """push([token]), without the iteration (one token a step is the common case)."""
+        if token in self._skip:
+            return ""
+        data = self._token_bytes(token)
+        return self._decode(data, False) if data else ""
 
     def finish(self) -> str:
         """Flush: bytes of a character that never completed become U+FFFD."""
@@ -78,7 +86,16 @@ class TextStream:
         if self.done:
             # The sequence already ended; a token sampled in the same step is dropped.
             return "", None
-        text = self._held + self._detok.push(ids)
+        return self._take(self._detok.push(ids))
+
+    def push_token(self, token: int) -> tuple[str, str | None]:
+        """push([token]), without the iteration."""
+        if self.done:
+            return "", None
+        return self._take(self._detok.push_token(token))
+
+    def _take(self, new: str) -> tuple[str, str | None]:
+        text = self._held + new if self._held else new
         if not self._stops:
             self._held = ""
             return text, None
