@@ -77,6 +77,9 @@ class Kernels:
     # The CPU's rotary embedding + KV-cache write of an attention layer (kernels/cpu/rope_cache.py:
     # returns rope(q), or None where it does not take the shapes); None: the torch ops run.
     rope_and_cache: Callable[..., torch.Tensor | None] | None = None
+    # The CPU's argmax over rows for greedy sampling (kernels/cpu/argmax.py: [B, V] -> int64 [B], or
+    # None where it does not take x); None: torch.argmax runs.
+    argmax_rows: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
 
 def torch_kernels() -> Kernels:
@@ -93,14 +96,14 @@ def cpu_kernels() -> Kernels:
     if os.environ.get("IGNIS_CPU_KERNELS", "native") == "reference":
         log.info("IGNIS_CPU_KERNELS=reference: the CPU runs the torch reference kernels")
         return references
-    from kernels.cpu import causal_conv, gdn_decode, paged_decode, rms_norm, rope_cache
+    from kernels.cpu import argmax, causal_conv, gdn_decode, paged_decode, rms_norm, rope_cache
 
     decode = paged_decode.load()
     if decode is None:
         return references
     return dataclasses.replace(references, name="cpu", paged_decode_attention=decode, decode_in_place=True,
                                gdn_decode_fused=gdn_decode.load(), rms_norm=rms_norm.load(),
-                               rope_and_cache=rope_cache.load(),
+                               rope_and_cache=rope_cache.load(), argmax_rows=argmax.load(),
                                causal_conv1d=causal_conv.load() or references.causal_conv1d)
 
 

@@ -26,6 +26,7 @@ import torch
 from engine.sampling.guide import TokenGuide, apply_guides
 from engine.sampling.params import SamplingParams
 from engine.sampling.processors import apply_logit_bias, apply_penalties, mask_tokens, truncated_probs
+from kernels.select import kernels_for
 
 _UINT64_MASK = 2**64 - 1
 # Processed logits stay below this; divided by the smallest sampled temperature (1e-5) they are still finite.
@@ -200,7 +201,7 @@ def sample(
     greedy = [i for i, s in enumerate(samplers) if s.greedy]
     if greedy:
         rows = x if len(greedy) == batch else x[greedy]  # an all-greedy batch: no copy of [B, V]
-        picked = torch.argmax(rows, dim=-1).tolist()  # ties -> lowest id
+        picked = _argmax(rows).tolist()  # ties -> lowest id
         if len(greedy) == batch:
             token_ids = picked
         else:
@@ -256,6 +257,13 @@ def _logprobs(
         if n:
             top[i] = list(zip(indices_l[row][:n], values_l[row][:n]))
     return chosen, top
+
+
+def _argmax(rows: torch.Tensor) -> torch.Tensor:
+    """torch.argmax over the last dim; on the CPU the C kernel's (torch's is a scalar loop there)."""
+    fast = kernels_for(rows.device).argmax_rows
+    picked = fast(rows) if fast is not None else None
+    return picked if picked is not None else torch.argmax(rows, dim=-1)
 
 
 def _only_these_allowed(row: torch.Tensor, ids: set[int]) -> bool:
