@@ -106,26 +106,33 @@ class OutputProcessor:
         token = out.token_ids[i]
         seq.append_token(token)
         self.totals.generated_tokens += 1
-        lp: tuple[TokenLogprob, ...] = ()
-        chosen = out.logprobs[i]
-        if seq.request.params.logprobs and chosen is not None:
-            lp = (TokenLogprob(token, chosen, tuple(out.top_logprobs[i])),)
         params = seq.request.params
+        lp: tuple[TokenLogprob, ...] = ()
+        if params.logprobs:
+            chosen = out.logprobs[i]
+            if chosen is not None:
+                lp = (TokenLogprob(token, chosen, tuple(out.top_logprobs[i])),)
         if token in self.eos_ids and not params.ignore_eos:
             self.finish(seq, FinishReason.STOP, None, deltas, (token,), lp)
-        elif token in params.stop_token_ids:
+        elif params.stop_token_ids and token in params.stop_token_ids:
             self.finish(seq, FinishReason.STOP, token, deltas, (token,), lp)
         elif seq.sampler.guide is not None and seq.sampler.guide.is_terminated:
             # A complete grammar took its stop token (EOS under ignore_eos): nothing may follow.
             self.finish(seq, FinishReason.STOP, token, deltas, (token,), lp)
         else:
             text, matched = seq.stream.push_token(token)
+            length = len(seq.token_ids)
             if matched is not None:
                 self.finish(seq, FinishReason.STOP, matched, deltas, (token,), lp, text)
-            elif seq.num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            elif length - seq.num_prompt >= params.max_tokens or length >= self.max_model_len:
                 self.finish(seq, FinishReason.LENGTH, None, deltas, (token,), lp, text)
             else:
-                deltas.setdefault(seq.request.request_id, []).append(ChoiceDelta(seq.choice, (token,), text, lp))
+                delta = ChoiceDelta(seq.choice, (token,), text, lp)
+                items = deltas.get(seq.request.request_id)
+                if items is None:
+                    deltas[seq.request.request_id] = [delta]
+                else:
+                    items.append(delta)
 
     def finish(self, seq: EngineSequence, reason: FinishReason, stop: str | int | None, deltas: Deltas,
                tokens: tuple[int, ...], lp: tuple[TokenLogprob, ...] = (), text: str = "") -> None:

@@ -11,7 +11,6 @@ from array import array
 from collections import abc
 from dataclasses import dataclass
 from enum import Enum
-from itertools import accumulate
 from typing import Sequence, overload
 
 import torch
@@ -73,11 +72,12 @@ class DecodeViews(abc.Sequence[SeqView]):
     """The views of a decode-only batch, made when asked: its forward pass reads the gather and
     `decode_slots` instead, and 64 views a step would be made for nothing."""
 
-    __slots__ = ("_starts", "_needed", "_at", "_slots", "_pages")
+    __slots__ = ("_starts", "_needed", "_slots", "_pages", "_width")
 
-    def __init__(self, starts: list[int], needed: list[int], slots: list[int | None], pages: torch.Tensor) -> None:
-        self._starts, self._needed, self._slots, self._pages = starts, needed, slots, pages
-        self._at = [0, *accumulate(needed)]
+    def __init__(self, starts: list[int], needed: list[int], slots: list[int | None], pages: torch.Tensor,
+                 width: int) -> None:
+        """pages: every sequence's page table padded to `width`, one after another."""
+        self._starts, self._needed, self._slots, self._pages, self._width = starts, needed, slots, pages, width
 
     def __len__(self) -> int:
         return len(self._starts)
@@ -95,7 +95,7 @@ class DecodeViews(abc.Sequence[SeqView]):
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
-        return SeqView(i, 1, self._starts[i], self._pages, self._at[i], self._needed[i], self._slots[i])
+        return SeqView(i, 1, self._starts[i], self._pages, i * self._width, self._needed[i], self._slots[i])
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,43 +148,36 @@ class ForwardBatch:
         (tests/test_forward_batch.py), from one host-to-device copy and a few torch calls instead of
         work per sequence."""
         count = len(tokens)
-        # Everything the step needs from the host, in one buffer and one copy: every page table one
-        # after another, then the ids, positions, the pages and offsets the new K/V go to, the context
-        # lengths, then (unless they are all as wide) the tables padded to one width for the decode gather.
+        needed = [start // page_size + 1 for start in starts]
+        widest = max(needed)
+        # Everything the step needs from the host, in one buffer and one copy: the page tables padded
+        # to one width (each sequence's view of its table is a slice of its row), then the ids,
+        # positions, the pages and offsets the new K/V go to, and the context lengths.
         values = array("q")
-        needed: list[int] = []
         last_pages: list[int] = []
-        for table, start in zip(tables, starts):
-            n = start // page_size + 1
+        for table, n, start in zip(tables, needed, starts):
             if len(table) < n:
                 raise ValueError(f"page table has {len(table)} pages but {start + 1} tokens need {n}")
             values.extend(table if len(table) == n else table[:n])
-            needed.append(n)
+            if n < widest:
+                values.extend(_zeros(widest - n))
             last_pages.append(table[n - 1])
-        flat = len(values)
         values.extend(tokens)
         values.extend(starts)
         values.extend(last_pages)
         values.extend([start % page_size for start in starts])
         values.extend([start + 1 for start in starts])
-        widest = max(needed)
-        ragged = widest != min(needed)
-        if ragged:
-            for table, n in zip(tables, needed):
-                values.extend(table[:n])
-                values.extend(_zeros(widest - n))
         on_device = int64_tensor(values, device)
-        pages = on_device[:flat]
-        rows = on_device[flat : flat + 5 * count].view(5, count)
-        views = DecodeViews(starts, needed, slots, pages)
+        padded = on_device[: count * widest]
+        rows = on_device[count * widest :].view(5, count)
+        views = DecodeViews(starts, needed, slots, padded, widest)
         every = _position_tables(count, page_size, device)[0]  # the logits rows and decode rows: all of them
         decode = None
         if _pad_decodes(views, device):
-            padded = (on_device[flat + 5 * count :] if ragged else pages).view(count, widest)
             positions, page_of, offset_of = _position_tables(max(starts) + 1, page_size, device)
             decode = DecodeGather(
                 rows=every,
-                pages=padded[:, page_of],
+                pages=padded.view(count, widest)[:, page_of],
                 offsets=offset_of.expand(count, -1),
                 valid=positions[None, :] < rows[4][:, None],
                 every_row=True,
