@@ -45,7 +45,8 @@ from bench.table import markdown, save
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 
 PROMPT = "The gateway adds how much latency to a request?"
-DEFAULT_VARIANTS = ["shipped=", "calls=--upstream calls", "uvloop=--loop uvloop"]  # session vs a call per request; each loop
+DEFAULT_VARIANTS = ["shipped=", "grpc session=--upstream grpc-session", "calls=--upstream calls",
+                    "uvloop=--loop uvloop"]  # the session on its socket, over gRPC, a call per request; each loop
 
 
 def cpu_seconds(pid: int) -> float:

@@ -1,18 +1,22 @@
 """Length-prefixed messages on a stream socket, and who is at the other end of a Unix one.
 
 The framing of the tierstore's Match socket (protos/ignis/v1/tierstore.proto, "local
-match"): each message is its length as 4 bytes (unsigned, little-endian), then the
-message. Both ends use it: the store (tierstore/match_socket.py) and the engine
-(engine/tiers/local_match.py), which meet only here and in the protos.
+match") and of the engine's session socket (engine.proto, ListModelsResponse.session_socket):
+each message is its length as 4 bytes (unsigned, little-endian), then the message. Both ends
+of each use it: the store (tierstore/match_socket.py) and the engine (engine/tiers/local_match.py);
+the engine (engine/session_socket.py) and the gateway (gateway/session_socket.py). They meet only
+here and in the protos. The blocking functions are the Match socket's, the async ones the session
+socket's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import struct
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
@@ -54,13 +58,45 @@ def recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> bytes | None:
 def recv_message(sock: socket.socket, parse: Callable[[bytes], M]) -> M | None:
     """The next frame parsed as a protobuf message (`parse`: its FromString); None when the peer
     closed the stream between frames; FrameError when it is not one."""
-    frame = recv_frame(sock)
-    if frame is None:
+    return _parsed(recv_frame(sock), parse)
+
+
+def _parsed(payload: bytes | None, parse: Callable[[bytes], M]) -> M | None:
+    if payload is None:
         return None
     try:
-        return parse(frame)
+        return parse(payload)
     except DecodeError as exc:
         raise FrameError(f"a frame that is not the message expected: {exc}") from None
+
+
+def frame(payload: bytes) -> bytes:
+    """`payload` with its length in front (FrameError over the bound)."""
+    if len(payload) > MAX_FRAME:
+        raise FrameError(f"a {len(payload)}-byte frame is over the {MAX_FRAME}-byte bound")
+    return _LENGTH.pack(len(payload)) + payload
+
+
+async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> bytes | None:
+    """recv_frame on an asyncio stream: None at a clean end between frames, FrameError inside one."""
+    try:
+        head = await reader.readexactly(_LENGTH.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise FrameError(f"the stream ended {len(exc.partial)} bytes into a frame's length") from None
+    (n,) = _LENGTH.unpack(head)
+    if n > limit:
+        raise FrameError(f"a frame of {n} bytes announced: over the {limit}-byte bound")
+    try:
+        return await reader.readexactly(n)  # the reader's buffer grows as bytes arrive
+    except asyncio.IncompleteReadError as exc:
+        raise FrameError(f"the stream ended {len(exc.partial)} bytes into a {n}-byte frame") from None
+
+
+async def read_message(reader: asyncio.StreamReader, parse: Callable[[bytes], M]) -> M | None:
+    """recv_message on an asyncio stream."""
+    return _parsed(await read_frame(reader), parse)
 
 
 def _recv_exactly(sock: socket.socket, n: int, at_start: bool) -> bytes | None:
@@ -77,13 +113,14 @@ def _recv_exactly(sock: socket.socket, n: int, at_start: bool) -> bytes | None:
     return bytes(buf)
 
 
-def peer_uid(sock: socket.socket) -> int:
-    """The user id of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
+def peer_uid(sock: socket.socket | Any) -> int:
+    """The user id of the process at the other end of a connected Unix socket (SO_PEERCRED); `sock`
+    may be asyncio's TransportSocket (a transport's "socket")."""
     _pid, uid, _gid = struct.unpack("iII", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                            struct.calcsize("iII")))  # struct ucred
     return uid
 
 
-def same_user(sock: socket.socket) -> bool:
+def same_user(sock: socket.socket | Any) -> bool:
     """Whether the peer of a Unix socket runs as this process's user."""
     return peer_uid(sock) == os.getuid()

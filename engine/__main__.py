@@ -25,6 +25,7 @@ from engine.model.loader import load_model
 from engine.model.tiny import TINY_NAME, resolve_model_path
 from engine.responses_store import ResponseStore
 from engine.server import EngineService, create_server, set_serving
+from engine.session_socket import SessionSocket
 from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("ignis.engine")
@@ -57,6 +58,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving (for tests)")
     parser.add_argument("--metrics-port", type=int, default=0, help="HTTP port of /metrics (0: off)")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds to finish in-flight work on shutdown")
+    parser.add_argument("--session-socket", action=argparse.BooleanOptionalAction, default=True,
+                        help="also serve GenerateSession on a private Unix socket, for a gateway on this host "
+                             "(engine/session_socket.py)")
     return parse_service_args(parser, _SETTING_FLAGS, argv)
 
 
@@ -96,6 +100,14 @@ async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = Fa
     await set_serving(health, False)
     await server.start()
     log.info("engine listening on %s:%d (loading %s)", args.host, port, args.model)
+    session_socket = SessionSocket(service)
+    if args.session_socket:
+        try:
+            await session_socket.start()
+            service.session_socket = session_socket.path
+            log.info("GenerateSession also on %s", session_socket.path)
+        except OSError as exc:
+            log.warning("GenerateSession over gRPC only: cannot serve a session socket: %s", exc)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -135,6 +147,7 @@ async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = Fa
     service.accepting = False
     await set_serving(health, False)
     await server.stop(args.grace)  # in-flight RPCs get `grace` seconds, then are cancelled
+    await session_socket.close()  # its calls had the same seconds
     if core is not None:
         core.stop()
     if metrics is not None:

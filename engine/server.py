@@ -54,6 +54,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self._guided_lock = threading.Lock()
         self._formats: ModelFormats | None = None
         self.responses = responses  # None: this engine stores no responses (PutResponse is FAILED_PRECONDITION)
+        self.session_socket = ""  # where GenerateSession is also served (engine/session_socket.py), if anywhere
         # LMDB calls block (a write fsyncs): one worker, off the event loop, in arrival order.
         self._records = ThreadPoolExecutor(1, thread_name_prefix="ignis-responses")
 
@@ -203,7 +204,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             tool_call_parser=self.formats(core).tool_call, reasoning_parser=self.formats(core).reasoning,
         )
         return engine_pb2.ListModelsResponse(models=[card],
-                                             engine_id=self.responses.engine_id if self.responses is not None else "")
+                                             engine_id=self.responses.engine_id if self.responses is not None else "",
+                                             session_socket=self.session_socket)
 
     async def GetStats(self, request: engine_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
                        ) -> engine_pb2.GetStatsResponse:

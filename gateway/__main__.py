@@ -67,8 +67,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
                         help="deadline of one generation in seconds (default: none)")
     parser.add_argument("--upstream", choices=UPSTREAMS, default="session",
                         help="how generations reach an engine: session (one GenerateSession stream per engine, "
-                             "a step's tokens for all its requests in one message) or calls (a Generate call "
-                             "per request)")
+                             "a step's tokens for all its requests in one message, on the engine's session "
+                             "socket when it is on this host), grpc-session (the same stream, always over gRPC) "
+                             "or calls (a Generate call per request)")
     parser.add_argument("--engine-dns", action="append", default=[], metavar="NAME:PORT",
                         help="a DNS name (e.g. a Kubernetes headless Service) whose every A/AAAA address is an "
                              "engine at PORT; repeatable, may be combined with --engine")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from gateway.discovery import DnsName
 from gateway.routing import RoutingRule
 
-UPSTREAMS = ("session", "calls")
+UPSTREAMS = ("session", "grpc-session", "calls")
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a 32k-token prompt is well under 1 MiB, as text or as token ids
 # A stream's engine messages held for a client that reads slower than the engine writes: ~40k tokens
 # of plain text, ~4k with 20 logprobs each (gateway/session.py).
@@ -22,7 +22,9 @@ class GatewayConfig:
     metrics_auth: bool = False  # /metrics needs the key too (only with api_key)
     request_timeout: float | None = None  # gRPC deadline of one generation, seconds; None = none
     # How generations reach an engine: "session" (all on one GenerateSession stream per engine, a step's
-    # tokens in one message: gateway/session.py) or "calls" (one Generate call each).
+    # tokens in one message: gateway/session.py; on the engine's session socket when it is on this host,
+    # gateway/session_socket.py), "grpc-session" (the same stream, always over gRPC) or "calls" (one
+    # Generate call each).
     upstream: str = "session"
     probe_interval: float = 2.0  # seconds between engine health probes
     probe_timeout: float = 2.0

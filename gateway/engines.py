@@ -35,6 +35,7 @@ from gateway.discovery import Discovery, DnsName, Resolver, getaddrinfo_resolver
 from gateway.errors import OpenAIError, unavailable
 from gateway.routing import RouteKeys, RoutingRule, rendezvous_order
 from gateway.session import EngineSession
+from gateway.session_socket import on_this_host
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("ignis.gateway")
@@ -71,7 +72,7 @@ class EnginePool:
     def __init__(self, addresses: list[str], interval: float = 2.0, probe_timeout: float = 2.0,
                  rule: RoutingRule | None = None, discovery: Discovery | None = None,
                  dns_refresh: float = 10.0, rewatch_delay: float = 0.5, sessions: bool = True,
-                 traced: bool = True, max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER_BYTES,
+                 session_sockets: bool = True, traced: bool = True, max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER_BYTES,
                  on_slow_reader: Callable[[], None] = lambda: None) -> None:
         if not addresses and discovery is None:
             raise ValueError("at least one engine address or DNS name is needed")
@@ -82,6 +83,7 @@ class EnginePool:
         self.dns_refresh = dns_refresh
         self.rewatch_delay = rewatch_delay
         self.sessions = sessions
+        self.session_sockets = session_sockets  # a session to an engine on this host uses its socket when it has one
         self.max_stream_buffer = max_stream_buffer  # bytes held for one call's slow reader (gateway/session.py)
         self.on_slow_reader = on_slow_reader  # a call ended for its slow reader (the fault summary counts it)
         self.traced = traced  # a CLIENT span per Generate call (off when no spans are exported)
@@ -96,7 +98,8 @@ class EnginePool:
                     on_slow_reader: Callable[[], None] = lambda: None) -> EnginePool:
         discovery = Discovery([DnsName.parse(n) for n in config.engine_dns], resolver) if config.engine_dns else None
         return cls(config.engines, config.probe_interval, config.probe_timeout, config.routing_rule(), discovery,
-                   config.dns_refresh, sessions=config.upstream == "session", traced=config.tracing,
+                   config.dns_refresh, sessions=config.upstream != "calls",
+                   session_sockets=config.upstream == "session", traced=config.tracing,
                    max_stream_buffer=config.max_stream_buffer_bytes, on_slow_reader=on_slow_reader)
 
     def _client(self, address: str) -> EngineClient:
@@ -211,6 +214,8 @@ class EnginePool:
                 engine.models = {m.id: m for m in models.models}
                 engine.models_known = True
                 engine.engine_id = models.engine_id
+                if engine.session is not None and self.session_sockets and on_this_host(engine.address):
+                    engine.session.socket_path = models.session_socket
             self._set_health(engine, ok, "" if ok else "not serving")
         except grpc.aio.AioRpcError as exc:
             self._set_health(engine, False, f"{exc.code().name}: {exc.details()}")

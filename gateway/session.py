@@ -32,6 +32,7 @@ from typing import AsyncIterator, Callable
 import grpc
 
 from common.status_codes import code_of
+from gateway.session_socket import SocketStream
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("ignis.gateway")
@@ -143,6 +144,10 @@ class EngineSession:
         self._calls: dict[int, SessionCall] = {}
         self._outbox: asyncio.Queue[engine_pb2.SessionRequest | None] | None = None
         self._reader: asyncio.Task[None] | None = None
+        # The engine's session socket, when it is on this host and says it has one (the probe sets it):
+        # the next stream opened goes there instead of gRPC (gateway/session_socket.py).
+        self.socket_path = ""
+        self.transport = ""  # what the open stream runs on: "socket", "grpc" ("" before the first)
 
     def generate(self, request: engine_pb2.GenerateRequest, timeout: float | None = None,
                  metadata: tuple[tuple[str, str], ...] = ()) -> SessionCall:
@@ -172,13 +177,31 @@ class EngineSession:
             while (request := await outbox.get()) is not None:
                 yield request
 
-        stream = self._stub.GenerateSession(requests())
-        self._reader = asyncio.create_task(self._read(stream, outbox), name="engine-session")
+        self._reader = asyncio.create_task(self._read(requests(), outbox), name="engine-session")
 
-    async def _read(self, stream: grpc.aio.StreamStreamCall,
+    async def _connect(self, requests: AsyncIterator[engine_pb2.SessionRequest]
+                       ) -> grpc.aio.StreamStreamCall | SocketStream:
+        path = self.socket_path
+        if path:
+            try:
+                stream: grpc.aio.StreamStreamCall | SocketStream = await SocketStream.open(path, requests)
+                self.transport = "socket"
+                log.info("session with the engine opened on its session socket %s", path)
+                return stream
+            except OSError as exc:
+                log.warning("the engine's session socket %s cannot be used (%s): the session goes over gRPC",
+                            path, exc)
+                self.socket_path = ""
+        self.transport = "grpc"
+        log.info("session with the engine opened over gRPC")
+        return self._stub.GenerateSession(requests)
+
+    async def _read(self, requests: AsyncIterator[engine_pb2.SessionRequest],
                     outbox: asyncio.Queue[engine_pb2.SessionRequest | None]) -> None:
         error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the engine ended the session", SessionBroken)
+        stream: grpc.aio.StreamStreamCall | SocketStream | None = None
         try:
+            stream = await self._connect(requests)
             async for response in stream:
                 for event in response.events:
                     call = self._calls.get(event.tag)
@@ -194,7 +217,8 @@ class EngineSession:
             error = rpc_error(exc.code(), exc.details() or "", SessionBroken)
         except asyncio.CancelledError:
             error = rpc_error(grpc.StatusCode.CANCELLED, _CLOSED, SessionBroken)
-            stream.cancel()
+            if stream is not None:
+                stream.cancel()
             raise
         finally:
             # This stream is done: the next call opens another; every call still open here has failed.

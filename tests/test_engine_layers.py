@@ -18,7 +18,7 @@ LAYERS = [
     "request", "outputs", "prompt", "proto_convert",
     "tiers", "cache", "tracing", "live_moves", "scheduler", "runner", "metrics", "output_processor", "state_listing",
     "responses_store",
-    "builder", "offline", "core", "call_status", "session", "server", "__main__",
+    "builder", "offline", "core", "call_status", "session", "server", "session_socket", "__main__",
 ]
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import queue
 import socket
+import stat
 import time
 from pathlib import Path
 from collections import defaultdict
@@ -183,14 +185,21 @@ def test_closing_the_stream_aborts_its_open_calls(stub: engine_pb2_grpc.EngineSt
 
 # --- through the gateway: its session upstream (the default) against a Generate call per request ---------------
 @pytest.fixture(scope="module")
-def gateways(engine: RunningService, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def gateway_services(engine: RunningService, tmp_path_factory: pytest.TempPathFactory
+                     ) -> Iterator[dict[str, RunningService]]:
     started = {name: start_gateway(tmp_path_factory.mktemp(f"gateway-{name}"), [engine.address], flags)
-               for name, flags in (("session", []), ("calls", ["--upstream", "calls"]))}
+               for name, flags in (("session", []), ("grpc-session", ["--upstream", "grpc-session"]),
+                                   ("calls", ["--upstream", "calls"]))}
     try:
-        yield {name: f"http://127.0.0.1:{g.port}/v1" for name, g in started.items()}
+        yield started
     finally:
         for g in started.values():
             g.stop()
+
+
+@pytest.fixture(scope="module")
+def gateways(gateway_services: dict[str, RunningService]) -> dict[str, str]:
+    return {name: f"http://127.0.0.1:{g.port}/v1" for name, g in gateway_services.items()}
 
 
 async def _stream_text(http: httpx.AsyncClient, url: str, i: int) -> tuple[str, int]:
@@ -225,8 +234,22 @@ def test_the_gateway_answers_the_same_over_its_session_and_over_calls(gateways: 
 
         answers[name] = ([(c.text, c.logprobs.tokens if c.logprobs else None) for c in whole.choices], streamed,
                          bad.value.status_code, asyncio.run(many()))
-    assert answers["session"] == answers["calls"]
+    assert answers["session"] == answers["grpc-session"] == answers["calls"]
     assert [tokens for _, tokens in answers["session"][3]] == [6 + i % 5 for i in range(24)]
+
+
+def test_a_gateway_on_the_engines_host_takes_its_session_socket(gateways: dict[str, str],
+                                                                 gateway_services: dict[str, RunningService],
+                                                                 stub: engine_pb2_grpc.EngineStub) -> None:
+    path = stub.ListModels(engine_pb2.ListModelsRequest()).session_socket
+    assert path and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    for name in gateways:  # each has served a request by now (the test above)
+        openai.OpenAI(base_url=gateways[name], api_key="none").completions.create(
+            model=MODEL, prompt="which way", max_tokens=2)
+    assert f"opened on its session socket {path}" in gateway_services["session"].log()
+    assert "opened over gRPC" in gateway_services["grpc-session"].log()
+    assert "session socket" not in gateway_services["grpc-session"].log()
 
 
 def test_a_session_holds_at_most_the_engines_queue_of_open_calls(stub: engine_pb2_grpc.EngineStub) -> None:

@@ -27,6 +27,7 @@ from common.frames import recv_frame, send_frame
 from engine.tiers.client import TierClient, _beside
 from ignis.v1 import common_pb2, tierstore_pb2, tierstore_pb2_grpc
 from services import RunningService, start_tierstore
+from other_user import as_nobody, open_to_everyone
 from test_tierstore_faults import LAYOUT, Clock, engine_and_store
 from tierstore.client import TierStoreClient
 
@@ -203,50 +204,14 @@ def test_any_frame_gets_a_reply_or_a_hang_up_and_the_store_serves_on(store: tupl
     assert stub(service).Match(tierstore_pb2.MatchRequest(namespace=NS, page_hashes=[h(3)]), timeout=10).hits
 
 
-@contextmanager
-def open_to_everyone(path: str) -> Iterator[None]:
-    """The socket 0666 and every folder above it searchable by others, for the test's span (as root)."""
-    changed = [(p, os.stat(p).st_mode) for p in [path, *Path(path).parents] if str(p) != "/"]
-    try:
-        for p, mode in changed:
-            os.chmod(p, stat.S_IMODE(mode) | (0o666 if p == path else 0o001))
-        yield
-    finally:
-        for p, mode in changed:
-            os.chmod(p, stat.S_IMODE(mode))
-
-
 def _as_nobody(path: str) -> bytes:
     """What a process of another user gets from the socket: refused, hung up on, or answered."""
-    reader, writer = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(reader)
-        outcome = b"?"
-        try:
-            try:
-                os.setgid(65534)
-                os.setuid(65534)
-            except OSError:
-                outcome = b"could not become nobody"
-                raise
-            try:
-                conn = Conn(path)
-            except PermissionError:
-                outcome = b"refused"
-                raise
-            send_frame(conn.sock, tierstore_pb2.LocalMatchCall(
-                request=tierstore_pb2.MatchRequest(namespace=NS, page_hashes=[h(3)])).SerializeToString())
-            outcome = b"answered" if recv_frame(conn.sock) is not None else b"hung up"
-        except OSError:
-            outcome = b"hung up" if outcome == b"?" else outcome
-        finally:
-            os.write(writer, outcome)
-            os._exit(0)
-    os.close(writer)
-    outcome = os.read(reader, 64)
-    os.waitpid(pid, 0)
-    return outcome
+    def use() -> bytes:
+        conn = Conn(path)
+        send_frame(conn.sock, tierstore_pb2.LocalMatchCall(
+            request=tierstore_pb2.MatchRequest(namespace=NS, page_hashes=[h(3)])).SerializeToString())
+        return b"answered" if recv_frame(conn.sock) is not None else b"hung up"
+    return as_nobody(use)
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as another user")

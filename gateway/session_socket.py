@@ -1,0 +1,91 @@
+"""The GenerateSession stream over an engine's session socket (engine/session_socket.py).
+
+Read as EngineSession reads a grpc.aio stream: iterate it for SessionResponse
+messages; its end, a broken connection or a frame that does not parse raise
+UNAVAILABLE as a dropped gRPC stream does, and `cancel()` closes it. The same
+messages as the gRPC stream, framed (common/frames.py). It is opened only to a
+socket whose server runs as this gateway's user (SO_PEERCRED): the path comes from
+the engine's ListModels answer, and a socket put there by another user is not ours
+to trust with prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+from collections.abc import AsyncIterator
+
+import grpc
+
+from common.frames import FrameError, frame, read_message, same_user
+from ignis.v1 import engine_pb2
+
+_READ_LIMIT = 1 << 20  # the stream reader's buffer before it pauses the socket (a frame may be larger)
+
+
+class NotOurs(OSError):
+    """The socket's server runs as another user."""
+
+
+def on_this_host(address: str) -> bool:
+    """Whether a gRPC target names this host: a Unix socket or a loopback address (so a path the
+    engine reports is a path here)."""
+    if address.startswith("unix:") or address.startswith("unix-abstract:"):
+        return True
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    host = host.removeprefix("ipv4:").removeprefix("ipv6:").strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class SocketStream:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 requests: AsyncIterator[engine_pb2.SessionRequest]) -> None:
+        self._reader, self._writer = reader, writer
+        self._sending = asyncio.create_task(self._send(requests), name="engine-session-socket-writer")
+
+    @classmethod
+    async def open(cls, path: str, requests: AsyncIterator[engine_pb2.SessionRequest]) -> SocketStream:
+        """Connect (OSError, NotOurs among them, when it cannot be used: the caller takes gRPC)."""
+        reader, writer = await asyncio.open_unix_connection(path, limit=_READ_LIMIT)
+        if not same_user(writer.get_extra_info("socket")):
+            writer.close()
+            raise NotOurs(f"the session socket {path} is served by another user")
+        return cls(reader, writer, requests)
+
+    async def _send(self, requests: AsyncIterator[engine_pb2.SessionRequest]) -> None:
+        try:
+            async for request in requests:
+                self._writer.write(frame(request.SerializeToString()))
+                await self._writer.drain()
+        except (ConnectionError, FrameError):
+            pass  # the reading side sees the connection end and says so
+        finally:
+            self._writer.close()  # the session is over on this side: the engine ends its calls
+
+    def __aiter__(self) -> SocketStream:
+        return self
+
+    async def __anext__(self) -> engine_pb2.SessionResponse:
+        try:
+            response = await read_message(self._reader, engine_pb2.SessionResponse.FromString)
+        except (ConnectionError, FrameError) as exc:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       f"the session socket failed: {exc}") from None
+        if response is None:
+            raise StopAsyncIteration
+        return response
+
+    def cancel(self) -> None:
+        self._sending.cancel()
+        self._writer.close()
+
+    async def closed(self) -> None:
+        self.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+            await self._sending
