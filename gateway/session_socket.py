@@ -12,7 +12,6 @@ to trust with prompts.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 from collections.abc import AsyncIterator
 
@@ -84,8 +83,3 @@ class SocketStream:
     def cancel(self) -> None:
         self._sending.cancel()
         self._writer.close()
-
-    async def closed(self) -> None:
-        self.cancel()
-        with contextlib.suppress(asyncio.CancelledError, ConnectionError):
-            await self._sending
