@@ -316,7 +316,9 @@ def test_a_killed_engine_is_dropped_at_once_and_comes_back(tiny_model_dir: Path,
         async with pool_of([victim.address, engines[0].address], interval=3600.0,
                            rule=RoutingRule("affinity")) as pool:
             gone = next(e for e in pool.engines if e.address == victim.address)
-            assert gone.healthy
+            assert gone.healthy and gone.session is not None
+            first_socket = gone.session.socket_path
+            assert first_socket, "an engine on this host names its session socket"
             victim.process.send_signal(signal.SIGKILL)
             victim.process.wait()
             await until(lambda: not gone.healthy)
@@ -329,6 +331,11 @@ def test_a_killed_engine_is_dropped_at_once_and_comes_back(tiny_model_dir: Path,
             back = await asyncio.to_thread(start_engine, tmp_path / "victim", str(tiny_model_dir),
                                            [*ENGINE_ARGS, "--port", str(port)])
             await until(lambda: gone.healthy, timeout=60)
+            # Back, it names a new session socket (the old one died with it), and calls go there.
+            request = swarm_request("on the socket again", 2, head_on(pool, victim.address))
+            assert [m async for m in generate(pool, request, head_key(request), spec)][-1].HasField("usage")
+            assert gone.session is not None and gone.session.transport == "socket"
+            assert gone.session.socket_path not in ("", first_socket) and Path(gone.session.socket_path).exists()
             return back
 
     back = asyncio.run(main())
