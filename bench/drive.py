@@ -9,6 +9,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.model.loader import load_model
+from engine.model.openmp import on_own_thread
 from engine.offline import run_to_completion
 from engine.outputs import Usage
 from engine.request import EngineRequest
@@ -16,8 +17,8 @@ from engine.text.tokenizer import Tokenizer
 
 
 def make_core(path: Path, **config: object) -> EngineCore:
-    core = EngineCore(load_model(path, onednn_linears=True), Tokenizer.from_dir(path),  # as the engine service
-                      EngineConfig(**config))  # type: ignore[arg-type]
+    core = on_own_thread(lambda: EngineCore(  # as the engine service builds it (engine/model/openmp.py)
+        load_model(path, onednn_linears=True), Tokenizer.from_dir(path), EngineConfig(**config)))  # type: ignore[arg-type]
     core.start()
     return core
 

@@ -56,7 +56,7 @@ class Timed:
 
 
 def measure(path: Path, batch: int, steps: int, prompt: int = 16) -> dict[str, Any]:
-    loaded, tokenizer = load_model(path), Tokenizer.from_dir(path)
+    loaded, tokenizer = load_model(path, onednn_linears=True), Tokenizer.from_dir(path)  # as the engine service
     max_tokens = steps + 8
     pages = batch * -(-(prompt + max_tokens) // 16) + 16
     page_bytes = loaded.config.state_shape().kv_bytes_per_page(16, loaded.model.dtype) or 1

@@ -22,6 +22,7 @@ from engine.core import EngineCore
 from common.metrics import serve_metrics
 from engine.model.errors import CheckpointError
 from engine.model.loader import load_model
+from engine.model.openmp import on_own_thread
 from engine.model.tiny import TINY_NAME, resolve_model_path
 from engine.responses_store import ResponseStore
 from engine.server import EngineService, create_server, set_serving
@@ -114,7 +115,9 @@ async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = Fa
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    load = asyncio.ensure_future(asyncio.to_thread(lambda: build_core(resolve_model_path(args.model), settings)))
+    # On a thread that ends with it: no OpenMP team outlives the load (engine/model/openmp.py).
+    load = asyncio.ensure_future(asyncio.to_thread(
+        on_own_thread, lambda: build_core(resolve_model_path(args.model), settings)))
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait({load, waiter}, return_when=asyncio.FIRST_COMPLETED)
     core = None
