@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -78,6 +79,7 @@ class EngineCore:
         self._wake = threading.Event()
         self.reuse.notify_copies(self._wake.set)  # a copy off the step is through: collect it, even when idle
         self._lock = threading.Lock()
+        self._listeners: tuple[Callable[[], None], ...] = ()  # told after each round of updates (step thread)
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._next_seq = 0
@@ -132,6 +134,21 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         self._inbox.append(("abort", request_id))
         self._wake.set()
+
+    def add_update_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener` on the step thread after each round of updates it hands to sinks (a step's,
+        or the cancels and failures between steps), so that a sink may queue quietly and its owner
+        wake once a round (engine/session.py) instead of once an update. Any thread."""
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+
+    def remove_update_listener(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            self._listeners = tuple(fn for fn in self._listeners if fn != listener)  # a bound method: equal, not the same
+
+    def _updates_sent(self) -> None:
+        for listener in self._listeners:  # a tuple replaced whole: read without the lock
+            listener()
 
     def namespace_hash(self, cache_salt: str) -> BlockHash:
         """h0 of the request's chain: the model's namespace, salted by the tenant's cache_salt."""
@@ -226,6 +243,7 @@ class EngineCore:
         while not self._stopping:
             self.drain_inbox()
             if not self.scheduler.has_work():
+                self._updates_sent()  # what the inbox ended (cancels) is on its way before the wait
                 if self.reuse.copying:
                     self.reuse.poll()  # frees what finished copies held; makes their states claimable
                 self._wake.wait(0.5)
@@ -237,8 +255,10 @@ class EngineCore:
                 log.exception("engine step failed; failing in-flight requests")
                 for rid in list(self._live):
                     self._fail(rid, "internal error in the engine step (see the engine log)")
+            self._updates_sent()
         for rid in list(self._live):
             self._fail(rid, "the engine shut down")
+        self._updates_sent()
 
     def drain_inbox(self) -> None:
         """Take in what submit and abort queued (the step thread does it; synchronous drivers call it before step())."""

@@ -55,8 +55,10 @@ MAX_RESPONSE_BYTES = 8 << 20
 class Outbox(Generic[_Item]):
     """Updates from the engine thread and ends from the event loop, in order, waking the loop once per burst.
 
-    A step calls every request's sink in a row: only the first call of a burst pays a
-    thread-safe wake-up; the others append under the lock.
+    A step calls every request's sink in a row. The session's sinks queue quietly and the engine
+    wakes the loop once the round is out (`EngineCore.add_update_listener`): one wake-up and one
+    message a step, where waking on the first update let the loop take a step's updates in ~20
+    pieces, each a wake-up, a message and GIL hand-offs with the step thread.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -66,11 +68,16 @@ class Outbox(Generic[_Item]):
         self._ready = asyncio.Event()
         self._signalled = False
 
-    def put_threadsafe(self, item: _Item) -> None:
+    def put_quietly(self, item: _Item) -> None:
+        """From the engine thread, without waking the loop: `wake_threadsafe` follows (once a round)."""
         with self._lock:
             self._items.append(item)
-            wake = not self._signalled
-            self._signalled = True
+
+    def wake_threadsafe(self) -> None:
+        """Wake the loop for what `put_quietly` queued, if anything and if not woken already."""
+        with self._lock:
+            wake = bool(self._items) and not self._signalled
+            self._signalled = self._signalled or wake
         if wake:
             self._loop.call_soon_threadsafe(self._ready.set)
 
@@ -109,6 +116,14 @@ class GenerateSession:
             Outbox(asyncio.get_running_loop())
         self._calls: dict[int, _Call] = {}
         self._reading = True
+        self._core: EngineCore | None = None  # the core that tells the outbox when a round of updates is out
+
+    def _listen(self, core: EngineCore) -> None:
+        if self._core is not core:
+            if self._core is not None:
+                self._core.remove_update_listener(self._outbox.wake_threadsafe)
+            core.add_update_listener(self._outbox.wake_threadsafe)
+            self._core = core
 
     async def serve(self, requests: AsyncIterator[engine_pb2.SessionRequest]
                     ) -> AsyncIterator[engine_pb2.SessionResponse]:
@@ -122,6 +137,8 @@ class GenerateSession:
             for call in list(self._calls.values()):
                 self._close(call, grpc.StatusCode.CANCELLED)
             await asyncio.gather(reader, return_exceptions=True)
+            if self._core is not None:
+                self._core.remove_update_listener(self._outbox.wake_threadsafe)
 
     async def _read(self, requests: AsyncIterator[engine_pb2.SessionRequest]) -> None:
         try:
@@ -172,7 +189,8 @@ class GenerateSession:
                 return grpc.StatusCode.CANCELLED  # ended while its prompt was rendered
             call.request_id = engine_request.request_id
             call.echo_ids = engine_request.prompt_ids if engine_request.echo else None
-            submit(core, engine_request, lambda update: self._outbox.put_threadsafe((call, update)))
+            self._listen(core)
+            submit(core, engine_request, lambda update: self._outbox.put_quietly((call, update)))
         except Abort as exc:
             self._end(call, exc.code, exc.message)
             return exc.code

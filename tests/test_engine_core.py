@@ -158,3 +158,46 @@ def test_queue_bound(tiny: tuple[LoadedModel, Tokenizer]) -> None:
         core.submit(make_request("c", make_prompt(5, 3), 5), lambda u: None)
     with pytest.raises(ValueError, match="context"):
         core.validate(make_request("d", make_prompt(5, 3), 64 * 16))
+
+
+def test_update_listeners_hear_each_round_after_its_updates(tiny: tuple[LoadedModel, Tokenizer]) -> None:
+    """A round of updates (a step's, or a cancel between steps) reaches the sinks, then the listeners:
+    what a session's outbox waits for before it wakes its loop (engine/session.py)."""
+    core = make_core(tiny, pages=64)
+    log: list[str] = []
+    done = threading.Event()
+
+    def sink(update: RequestUpdate) -> None:
+        log.append(f"update {update.request_id}")
+        if update.done:
+            done.set()
+
+    def listener() -> None:
+        log.append("round")
+
+    core.add_update_listener(listener)
+    core.start()
+    try:
+        core.submit(make_request("a", make_prompt(12, 1), 3), sink)
+        assert done.wait(60)
+        done.clear()
+        core.submit(make_request("b", make_prompt(12, 2), 1000), sink)
+        while not any(entry == "update b" for entry in log):
+            threading.Event().wait(0.01)
+        core.abort("b")  # ended between steps: its update is followed by a round too
+        assert done.wait(60)
+        deadline = threading.Event()
+        while log[-1] != "round" and not deadline.wait(0.01):
+            pass
+        updates_a = [i for i, entry in enumerate(log) if entry == "update a"]
+        assert len(updates_a) == 3 and all(log[i + 1] in ("round", "update a") for i in updates_a)
+        last_b = max(i for i, entry in enumerate(log) if entry == "update b")
+        assert "round" in log[last_b + 1:]  # (idle, the loop tells listeners at each wake: they find nothing new)
+        core.remove_update_listener(listener)
+        rounds = log.count("round")
+        done.clear()
+        core.submit(make_request("c", make_prompt(12, 3), 2), sink)
+        assert done.wait(60)
+        assert log.count("round") == rounds
+    finally:
+        core.stop()
