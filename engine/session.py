@@ -29,7 +29,7 @@ from common.tracing import server_call_span, set_rpc_status
 from engine.call_status import Abort, submit
 from engine.core import EngineCore
 from engine.outputs import RequestUpdate
-from engine.proto_convert import update_messages
+from engine.proto_convert import fill_update_messages
 from engine.request import EngineRequest
 from ignis.v1 import engine_pb2
 
@@ -229,10 +229,10 @@ class GenerateSession:
             if self._calls.get(call.tag) is not call or call.core is None:
                 continue  # ended while its update was on the way (its tag may name a newer call now)
             echo, call.echo_ids = call.echo_ids, None
-            for msg in update_messages(call.core.tokenizer, update, echo):
-                event = out.events.add(tag=call.tag, response=msg)
+            tag = call.tag
+            for msg in fill_update_messages(call.core.tokenizer, update, echo, lambda: out.events.add(tag=tag).response):
                 if msg.prompt_logprobs or len(msg.logprobs) > 64:
-                    size += event.ByteSize()
+                    size += msg.ByteSize()
             if update.error is not None:
                 self._finish(call, grpc.StatusCode.INTERNAL, update.error, out)
             elif update.done:
