@@ -30,6 +30,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.model.config import parse_config
 from engine.model.loader import LoadedModel, load_model
+from engine.model.openmp import on_own_thread
 from engine.request import EngineRequest
 from engine.sampling.params import SamplingParams
 from engine.text.tokenizer import Tokenizer
@@ -45,7 +46,8 @@ def measure(mib: int, folder: Path, hidden: int = 1024, layers: int = 16) -> dic
     pages = max(4, mib * MiB // page_bytes)
     tokens = pages * P
     state_bytes = pages * page_bytes
-    loaded = load_model(path)
+    # As the engine service loads it, on a thread that ends with it (engine/model/openmp.py).
+    loaded = on_own_thread(lambda: load_model(path, onednn_linears=True))
     tokenizer = Tokenizer.from_dir(path)
     workdir = folder / "claims"
     store = launch_tierstore(workdir, state_bytes * 3 // 2 + MiB, 8 * state_bytes + 64 * MiB,
@@ -95,9 +97,9 @@ def measure(mib: int, folder: Path, hidden: int = 1024, layers: int = 16) -> dic
 
 def engine(loaded: LoadedModel, tokenizer: Tokenizer, store: Service, pages: int, key_file: Path) -> EngineCore:
     page_bytes = loaded.config.state_shape().kv_bytes_per_page(P, loaded.model.dtype)
-    core = EngineCore(loaded, tokenizer, EngineConfig(
+    core = on_own_thread(lambda: EngineCore(loaded, tokenizer, EngineConfig(
         page_size=P, kv_cache_bytes=pages * page_bytes, max_num_seqs=2, prefill_chunk_tokens=2048,
-        tierstore_address=store.address, tier_timeout=30.0, integrity_key_file=str(key_file)))
+        tierstore_address=store.address, tier_timeout=30.0, integrity_key_file=str(key_file))))
     core.start()
     return core
 
