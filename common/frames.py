@@ -25,6 +25,8 @@ from common.grpc_server import MAX_MESSAGE_BYTES
 M = TypeVar("M")
 MAX_FRAME = MAX_MESSAGE_BYTES  # the same bound as a gRPC message to our servers
 _CHUNK = 1 << 20
+# An asyncio stream reader's buffer before it pauses its socket (a frame may be larger: readexactly resumes it).
+STREAM_READ_LIMIT = 1 << 20
 _LENGTH = struct.Struct("<I")
 
 

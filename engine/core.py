@@ -335,10 +335,8 @@ class EngineCore:
             return
         if plan.decodes_only:
             seqs = [c.seq for c in plan.chunks]
-            # Past its first token a decode has no forks, prompt logprobs or max_tokens=0 to see to.
-            if all(seq.num_output for seq in seqs):
-                self._decoded(seqs, self.runner.run_decodes(seqs))
-                return
+            self._decoded(seqs, self.runner.run_decodes(seqs))
+            return
         results = self.runner.run(plan.chunks)
         to_sample: list[tuple[EngineSequence, torch.Tensor]] = []
         deltas: Deltas = {}

@@ -127,12 +127,7 @@ class OutputProcessor:
             elif length - seq.num_prompt >= params.max_tokens or length >= self.max_model_len:
                 self.finish(seq, FinishReason.LENGTH, None, deltas, (token,), lp, text)
             else:
-                delta = ChoiceDelta(seq.choice, (token,), text, lp)
-                items = deltas.get(seq.request.request_id)
-                if items is None:
-                    deltas[seq.request.request_id] = [delta]
-                else:
-                    items.append(delta)
+                deltas.setdefault(seq.request.request_id, []).append(ChoiceDelta(seq.choice, (token,), text, lp))
 
     def finish(self, seq: EngineSequence, reason: FinishReason, stop: str | int | None, deltas: Deltas,
                tokens: tuple[int, ...], lp: tuple[TokenLogprob, ...] = (), text: str = "") -> None:
@@ -158,9 +153,7 @@ class OutputProcessor:
                 live.prompt_logprobs_sent = True
                 prompt_lp = tuple(live.prompt_logprobs) if live.prompt_logprobs else None
             usage = None
-            seqs = live.seqs
-            if seqs[0].status is SeqStatus.FINISHED if len(seqs) == 1 else \
-                    all(s.status is SeqStatus.FINISHED for s in seqs):
+            if all(s.status is SeqStatus.FINISHED for s in live.seqs):
                 live_requests.pop(rid, None)
                 self.totals.finished += 1
                 usage = self.usage(live)

@@ -38,7 +38,8 @@ class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[EngineSequence] = field(default_factory=list)  # lost their state: recomputed later
     moving: list[EngineSequence] = field(default_factory=list)  # started moving down a tier this step
-    # Every chunk is one sequence decoding its one pending token (the steady state: the runner's fast path).
+    # Every chunk is one sequence decoding its one pending token, past its first (the steady state: the
+    # runner's fast path; a first token may fork, echo prompt logprobs or end at max_tokens=0).
     decodes_only: bool = False
 
     @property
@@ -167,10 +168,15 @@ class Scheduler:
         page_size = self.limits.page_size
         decoding: list[EngineSequence] = []
         prefilling: list[EngineSequence] = []
+        first_tokens = False  # a decode of its first token: forks, prompt logprobs or max_tokens=0 may follow
         for s in self.running:  # in_prefill, inline: this runs for every sequence of every step
-            pending = len(s.token_ids) - s.num_computed
-            (prefilling if pending > 1 or s.num_computed == 0 else decoding).append(s)
-        plan.decodes_only = not prefilling
+            length = len(s.token_ids)
+            if length - s.num_computed > 1 or s.num_computed == 0:
+                prefilling.append(s)
+            else:
+                decoding.append(s)
+                first_tokens |= length <= s.num_prompt
+        plan.decodes_only = not prefilling and not first_tokens
         # Decodes first, highest rank first, so growth failures preempt from the bottom.
         for seq in sorted(decoding, key=_RANK):
             if seq.status is not SeqStatus.RUNNING:
@@ -179,21 +185,17 @@ class Scheduler:
                 plan.chunks.append(ScheduledChunk(seq, 0))
                 plan.decodes_only = False
                 continue
-            if seq.num_computed < len(seq.page_table) * page_size:  # its pages hold the new position
-                if budget > 0:
-                    plan.chunks.append(ScheduledChunk(seq, 1))
-                    budget -= 1
-                continue
             waits = False
-            while not self._grow(seq, seq.num_computed + 1):
-                if self._incoming()[0] >= seq.pages_needed(seq.num_computed + 1, page_size):
-                    waits = True  # a move in progress frees the page: wait a round for it
-                    break
-                victim = self._lowest_running()
-                assert victim is not None
-                self._displace(victim, plan)
-                if victim is seq:
-                    break
+            if seq.num_computed >= len(seq.page_table) * page_size:  # the new position needs a page
+                while not self._grow(seq, seq.num_computed + 1):
+                    if self._incoming()[0] >= seq.pages_needed(seq.num_computed + 1, page_size):
+                        waits = True  # a move in progress frees the page: wait a round for it
+                        break
+                    victim = self._lowest_running()
+                    assert victim is not None
+                    self._displace(victim, plan)
+                    if victim is seq:
+                        break
             if seq.status is SeqStatus.RUNNING and budget > 0 and not waits:
                 plan.chunks.append(ScheduledChunk(seq, 1))
                 budget -= 1

@@ -24,13 +24,12 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from common.frames import FrameError, frame, read_message, same_user
+from common.frames import STREAM_READ_LIMIT, FrameError, frame, read_message, same_user
 from engine.session import GenerateSession, Servicer
 from ignis.v1 import engine_pb2
 
 log = logging.getLogger("ignis.engine")
 SOCKET_NAME = "session.sock"
-_READ_LIMIT = 1 << 20  # the stream reader's buffer before it pauses the socket (a frame may be larger)
 
 
 class SessionSocket:
@@ -50,7 +49,7 @@ class SessionSocket:
         path = folder / SOCKET_NAME
         old = os.umask(0o177)  # the socket is made 0600, never briefly wider
         try:
-            self._server = await asyncio.start_unix_server(self._serve, str(path), limit=_READ_LIMIT)
+            self._server = await asyncio.start_unix_server(self._serve, str(path), limit=STREAM_READ_LIMIT)
         except OSError:
             shutil.rmtree(folder, ignore_errors=True)
             raise

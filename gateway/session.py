@@ -31,6 +31,7 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
+from common.frames import FrameError
 from common.status_codes import code_of
 from gateway.session_socket import SocketStream
 from ignis.v1 import engine_pb2, engine_pb2_grpc
@@ -215,6 +216,8 @@ class EngineSession:
                         call.push(event.response)
         except grpc.aio.AioRpcError as exc:
             error = rpc_error(exc.code(), exc.details() or "", SessionBroken)
+        except (ConnectionError, FrameError) as exc:  # the session socket broke
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the session socket failed: {exc}", SessionBroken)
         except asyncio.CancelledError:
             error = rpc_error(grpc.StatusCode.CANCELLED, _CLOSED, SessionBroken)
             if stream is not None:

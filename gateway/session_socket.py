@@ -1,8 +1,9 @@
 """The GenerateSession stream over an engine's session socket (engine/session_socket.py).
 
 Read as EngineSession reads a grpc.aio stream: iterate it for SessionResponse
-messages; its end, a broken connection or a frame that does not parse raise
-UNAVAILABLE as a dropped gRPC stream does, and `cancel()` closes it. The same
+messages (a broken connection or a frame that does not parse raises ConnectionError
+or FrameError, which EngineSession ends as UNAVAILABLE, as a dropped gRPC stream),
+and `cancel()` closes it. The same
 messages as the gRPC stream, framed (common/frames.py). It is opened only to a
 socket whose server runs as this gateway's user (SO_PEERCRED): the path comes from
 the engine's ListModels answer, and a socket put there by another user is not ours
@@ -15,12 +16,9 @@ import asyncio
 import ipaddress
 from collections.abc import AsyncIterator
 
-import grpc
-
-from common.frames import FrameError, frame, read_message, same_user
+from common.frames import STREAM_READ_LIMIT, FrameError, frame, read_message, same_user
 from ignis.v1 import engine_pb2
 
-_READ_LIMIT = 1 << 20  # the stream reader's buffer before it pauses the socket (a frame may be larger)
 
 
 class NotOurs(OSError):
@@ -51,7 +49,7 @@ class SocketStream:
     @classmethod
     async def open(cls, path: str, requests: AsyncIterator[engine_pb2.SessionRequest]) -> SocketStream:
         """Connect (OSError, NotOurs among them, when it cannot be used: the caller takes gRPC)."""
-        reader, writer = await asyncio.open_unix_connection(path, limit=_READ_LIMIT)
+        reader, writer = await asyncio.open_unix_connection(path, limit=STREAM_READ_LIMIT)
         if not same_user(writer.get_extra_info("socket")):
             writer.close()
             raise NotOurs(f"the session socket {path} is served by another user")
@@ -71,11 +69,8 @@ class SocketStream:
         return self
 
     async def __anext__(self) -> engine_pb2.SessionResponse:
-        try:
-            response = await read_message(self._reader, engine_pb2.SessionResponse.FromString)
-        except (ConnectionError, FrameError) as exc:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       f"the session socket failed: {exc}") from None
+        """ConnectionError or FrameError when the connection breaks (EngineSession says UNAVAILABLE)."""
+        response = await read_message(self._reader, engine_pb2.SessionResponse.FromString)
         if response is None:
             raise StopAsyncIteration
         return response

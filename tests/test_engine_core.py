@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -182,13 +184,10 @@ def test_update_listeners_hear_each_round_after_its_updates(tiny: tuple[LoadedMo
         assert done.wait(60)
         done.clear()
         core.submit(make_request("b", make_prompt(12, 2), 1000), sink)
-        while not any(entry == "update b" for entry in log):
-            threading.Event().wait(0.01)
+        assert _until(lambda: "update b" in log)
         core.abort("b")  # ended between steps: its update is followed by a round too
         assert done.wait(60)
-        deadline = threading.Event()
-        while log[-1] != "round" and not deadline.wait(0.01):
-            pass
+        assert _until(lambda: log[-1] == "round")
         updates_a = [i for i, entry in enumerate(log) if entry == "update a"]
         assert len(updates_a) == 3 and all(log[i + 1] in ("round", "update a") for i in updates_a)
         last_b = max(i for i, entry in enumerate(log) if entry == "update b")
@@ -201,3 +200,12 @@ def test_update_listeners_hear_each_round_after_its_updates(tiny: tuple[LoadedMo
         assert log.count("round") == rounds
     finally:
         core.stop()
+
+
+def _until(condition: Callable[[], bool], timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
