@@ -33,9 +33,9 @@ class IncrementalDetokenizer:
         self._token_bytes, self._decode = tokenizer.token_bytes, self._utf8.decode  # bound once: every token
 
     def push(self, ids: Iterable[int]) -> str:
-        """Append ids; return the text they complete (possibly "")."""
-        data = b"".join(self._token_bytes(i) for i in ids if i not in self._skip)
-        return self._decode(data, False) if data else ""
+        """Append ids; return the text they complete (possibly ""): the incremental decoder holds an
+        incomplete character across tokens, so token by token gives the text their bytes give."""
+        return "".join([self.push_token(i) for i in ids])
 
     def push_token(self, token: int) -> str:
         """push([token]), without the iteration (one token a step is the common case)."""
