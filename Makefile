@@ -45,10 +45,10 @@ KERNEL_CC ?= gcc
 CPU_KERNEL_LIB := kernels/cpu/build/libignis_cpu.so
 kernels: $(CPU_KERNEL_LIB)
 
-$(CPU_KERNEL_LIB): $(wildcard kernels/cpu/*.c)
+$(CPU_KERNEL_LIB): $(wildcard kernels/cpu/*.c kernels/cpu/vendor/*/*.h)
 	@if command -v $(KERNEL_CC) >/dev/null 2>&1; then \
-	  mkdir -p $(@D) && echo "$(KERNEL_CC) -O3 -march=native -fopenmp -shared -fPIC -o $@ $^" && \
-	  $(KERNEL_CC) -O3 -march=native -fopenmp -shared -fPIC -o $@ $^; \
+	  mkdir -p $(@D) && echo "$(KERNEL_CC) -O3 -march=native -fopenmp -shared -fPIC -o $@ $(filter %.c,$^)" && \
+	  $(KERNEL_CC) -O3 -march=native -fopenmp -shared -fPIC -o $@ $(filter %.c,$^); \
 	else echo "no C compiler ($(KERNEL_CC)): CPU kernels not built, the engine runs the torch references"; fi
 
 # pytest exits 5 when it collects no tests; like any non-zero status it fails.

@@ -7,6 +7,7 @@ the state clone against a raw copy of the same bytes, the hash chain's cost, and
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from bench.drive import make_core, random_prompt, run
 from bench.geometry import ensure_geometry, geometry_config
 from engine.model.config import parse_config
 from bench.table import markdown, save
-from engine.kv.chain_hash import Namespace, page_hashes
+from engine.kv.chain_hash import Namespace, page_hashes, python_page_hashes, token_bytes
 from engine.request import EngineRequest
 from engine.sampling.params import SamplingParams
 
@@ -81,50 +82,65 @@ def bench_kind(kind: str, sizes: list[int], hidden: int, layers: int) -> dict[st
             tax_off.append(ttft(off, request(f"tax-off{r}", prompt + (1,), 512))[0])
         tax = {"on_ms": statistics.median(tax_on), "off_ms": statistics.median(tax_off)}
         tax["tax_pct"] = 100 * (tax["on_ms"] / tax["off_ms"] - 1)
-        clone = clone_cost(on, n=4096)
     finally:
         on.stop()
         off.stop()
+    # After the step threads end: a claim's copies run on the step thread, the only one with an
+    # OpenMP team in the engine; copies on this thread beside live step threads would pay
+    # libgomp's throttled wake-ups (engine/model/openmp.py) that no claim pays.
+    clone = clone_cost(on, n=4096)
     return {"kind": kind, "rows": rows, "tax": tax, "clone": clone}
 
 
 def clone_cost(core: Any, n: int, repeat: int = 41) -> dict[str, float]:
     """What a claim copies (the recurrent slot and the partial last page; full pages are shared),
-    through the cache's own copy_slot / copy_page, against torch copying the same number of bytes
-    between two contiguous buffers. Interleaved call by call (a loaded machine moves both alike);
-    before each call the last-level cache is flushed (`_evict`), so both copy from memory as a claim
-    of a retained state does, not from whatever the other just left in the 32 MiB L3 (13 MiB
-    states fit: the call after a copy found its source warm or cold by turns). Medians, and the
-    median of the per-pair ratios."""
+    through the cache's own copy_slot / copy_page, against a raw memcpy (ctypes.memmove) of the
+    same bytes: the same source and destination addresses, slot row 0 -> 1 and page 0 -> 1. Also
+    torch copying as many bytes between two fresh buffers, this bench's baseline before: on this
+    VM where the bytes live moves a copy's speed by a third (a memcpy between two KV pages ran
+    1.1x the time of copy_page on them and 1.4x a copy between fresh buffers), so only the same
+    addresses compare the clone's code with a copy. Interleaved call by call (a loaded machine
+    moves all alike); before each call the last-level cache is flushed (`_evict`), so each copies
+    from memory as a claim of a retained state does. Medians, and the median of the per-call ratios."""
     cache = core.cache
-    page_bytes = cache.kv[0].numel() * cache.kv.element_size()
-    slot_bytes = 0
-    if cache.recurrent.shape[0] >= 2:
-        slot_bytes = cache.recurrent[0].numel() * 4 + cache.conv[0].numel() * cache.conv.element_size()
-    total = slot_bytes + (page_bytes if n % P else 0) + page_bytes  # slot + private page (+1 page for 4096 aligned)
+    spans = [(cache.kv[1].data_ptr(), cache.kv[0].data_ptr(), cache.kv[0].numel() * cache.kv.element_size())]
+    has_slots = cache.recurrent.shape[0] >= 2
+    if has_slots:
+        row = cache.state_rows
+        spans.append((row[1].data_ptr(), row[0].data_ptr(), row[0].numel() * row.element_size()))
+    total = sum(nbytes for _, _, nbytes in spans)
 
     def claim() -> None:
-        if slot_bytes:
+        if has_slots:
             cache.copy_slot(0, 1)
         cache.copy_page(0, 1)
 
+    def memcpy() -> None:
+        for dst_ptr, src_ptr, nbytes in spans:
+            ctypes.memmove(dst_ptr, src_ptr, nbytes)
+
     # Written, not just allocated: never-written memory reads as the kernel's one zero page, always
-    # cached, and a copy from it costs only its writes (the baseline this bench had before).
+    # cached, and a copy from it costs only its writes.
     src = torch.rand(total // 4, dtype=torch.float32)
     dst = torch.rand(total // 4, dtype=torch.float32)
     evict = torch.ones(_last_level_cache_bytes() * 3 // 4, dtype=torch.float32)
-    clone, raw = [], []
-    for fn, samples in ((claim, clone), (lambda: dst.copy_(src), raw)):
-        fn()  # warm-up: both destinations resident
-    for _ in range(repeat):
-        for fn, samples in ((claim, clone), (lambda: dst.copy_(src), raw)):
-            evict.add_(1.0)  # read and write 3x the L3: neither copy finds its bytes in a cache
+    runs: dict[str, list[float]] = {"clone": [], "memcpy": [], "fresh": []}
+    calls = {"clone": claim, "memcpy": memcpy, "fresh": lambda: dst.copy_(src)}
+    for fn in calls.values():
+        fn()  # warm-up: every destination resident
+    order = list(calls.items())
+    for i in range(repeat):
+        for name, fn in order[i % 3:] + order[:i % 3]:  # each in each place: no order favours one
+            evict.add_(1.0)  # read and write 3x the L3: no copy finds its bytes in a cache
             t = time.perf_counter()
             fn()
-            samples.append(time.perf_counter() - t)
-    ratio = statistics.median(r / c for c, r in zip(clone, raw))
-    return {"bytes": float(total), "clone_ms": statistics.median(clone) * 1000,
-            "raw_copy_ms": statistics.median(raw) * 1000, "clone_speed": ratio, "reprefill_note": float(n)}
+            runs[name].append(time.perf_counter() - t)
+    return {"bytes": float(total), "clone_ms": statistics.median(runs["clone"]) * 1000,
+            "raw_copy_ms": statistics.median(runs["memcpy"]) * 1000,
+            "fresh_copy_ms": statistics.median(runs["fresh"]) * 1000,
+            "clone_speed": statistics.median(m / c for c, m in zip(runs["clone"], runs["memcpy"])),
+            "clone_speed_vs_fresh": statistics.median(f / c for c, f in zip(runs["clone"], runs["fresh"])),
+            "reprefill_note": float(n)}
 
 
 def _last_level_cache_bytes() -> int:
@@ -140,10 +156,26 @@ def _last_level_cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
-def hash_cost() -> dict[str, float]:
-    tokens = random_prompt(100_000, 5)
+def hash_cost(n: int = 100_000) -> dict[str, float]:
+    """The chain over a prompt of `n` ids as the engine holds them (a tuple of ints): page_hashes
+    as shipped (the C chain, kernels/cpu/chain_hash.c), against the Python loop it replaced and the
+    ids' conversion to little-endian uint32 alone, each a median of interleaved calls."""
+    tokens = random_prompt(n, 5)
     seed = Namespace(b"\0" * 16, "float32", P).digest()
-    return {"tokens": 100_000.0, "ms": timed(lambda: page_hashes(seed, tokens, P), repeat=5)}
+    calls = {"ms": lambda: page_hashes(seed, tokens, P),
+             "python_ms": lambda: python_page_hashes(seed, token_bytes(tokens), P),
+             "convert_ms": lambda: token_bytes(tokens)}
+    runs: dict[str, list[float]] = {name: [] for name in calls}
+    for fn in calls.values():
+        fn()  # warm-up
+    for _ in range(15):
+        for name, fn in calls.items():
+            t = time.perf_counter()
+            fn()
+            runs[name].append(time.perf_counter() - t)
+    out = {name: statistics.median(samples) * 1000 for name, samples in runs.items()}
+    return {"tokens": float(n), **out, "ns_per_token": out["ms"] * 1e6 / n,
+            "python_ns_per_token": out["python_ms"] * 1e6 / n, "convert_ns_per_token": out["convert_ms"] * 1e6 / n}
 
 
 def main() -> None:
@@ -163,14 +195,21 @@ def main() -> None:
         markdown(["model", "prompt tokens", "cold TTFT ms", "retry TTFT ms", "retry cached", "cold/retry",
                   "turn-2 (+64) TTFT ms", "turn-2 cached", "cold/turn-2"], ttft_rows),
         "### State clone vs raw copy of the same bytes",
-        markdown(["model", "bytes copied", "clone ms", "raw torch copy ms", "clone speed / raw (median of pairs)"],
+        markdown(["model", "bytes copied", "clone ms", "raw memcpy, same bytes ms", "clone speed / memcpy",
+                  "torch copy, fresh buffers ms", "clone speed / fresh copy"],
                  [[r["kind"], int(r["clone"]["bytes"]), r["clone"]["clone_ms"], r["clone"]["raw_copy_ms"],
-                   r["clone"].get("clone_speed", float("nan"))] for r in results]),
+                   r["clone"]["clone_speed"], r["clone"]["fresh_copy_ms"], r["clone"]["clone_speed_vs_fresh"]]
+                  for r in results]),
         "### Reuse tax at 1k tokens (cold TTFT, reuse on vs off)",
         markdown(["model", "reuse on ms", "reuse off ms", "tax %"],
                  [[r["kind"], r["tax"]["on_ms"], r["tax"]["off_ms"], r["tax"]["tax_pct"]] for r in results]),
         "### Hash chain",
-        markdown(["tokens", "ms"], [[100_000, hashing["ms"]]]),
+        markdown(["tokens", "what", "ms", "ns/token"],
+                 [[int(hashing["tokens"]), "page_hashes (shipped: one C call)", hashing["ms"], hashing["ns_per_token"]],
+                  [int(hashing["tokens"]), "the Python loop it replaced", hashing["python_ms"],
+                   hashing["python_ns_per_token"]],
+                  [int(hashing["tokens"]), "of which: ids -> little-endian uint32 (included in both)",
+                   hashing["convert_ms"], hashing["convert_ns_per_token"]]]),
     ]
     table = "\n\n".join(parts)
     print(table)

@@ -20,6 +20,8 @@ from typing import NewType, Sequence
 import numpy as np
 import xxhash
 
+from kernels.cpu import chain_hash as c_chain
+
 BlockHash = NewType("BlockHash", bytes)  # always 16 bytes; never an int, never hex except in logs
 
 
@@ -61,14 +63,31 @@ def chain(parent: BlockHash, page_tokens: bytes, media: bytes = b"") -> BlockHas
     return BlockHash(xxhash.xxh3_128_digest(parent + page_tokens + media))
 
 
+# The chain in one C call (kernels/cpu/chain_hash.c); None without the built library.
+_C_PAGES = c_chain.load()
+_C_FROM_PAGES = 4  # below this, the call's fixed cost is more than the Python loop's
+
+
 def page_hashes(namespace: BlockHash, tokens: Sequence[int], page_size: int, start: int = 0,
                 parent: BlockHash | None = None) -> list[BlockHash]:
     """Hashes of the full pages of `tokens` from page index `start` on (parent = hash before it)."""
-    raw = token_bytes(tokens)
     width = 4 * page_size
     h = namespace if parent is None else parent
-    out = []
-    for i in range(start, len(tokens) // page_size):
+    end = len(tokens) // page_size
+    raw = token_bytes(tokens[start * page_size : end * page_size] if start else tokens)
+    if _C_PAGES is not None and end - start >= _C_FROM_PAGES:
+        hashes = _C_PAGES(h, raw[: (end - start) * width], page_size)
+        if hashes is not None:
+            return hashes  # type: ignore[return-value]  # BlockHash is bytes
+    return python_page_hashes(h, raw, page_size)
+
+
+def python_page_hashes(parent: BlockHash, raw: bytes, page_size: int) -> list[BlockHash]:
+    """The chain over the full pages of `raw` (little-endian uint32 ids) in Python: the C kernel's
+    oracle, and what runs without it."""
+    width = 4 * page_size
+    h, out = parent, []
+    for i in range(len(raw) // width):
         h = chain(h, raw[i * width : (i + 1) * width])
         out.append(h)
     return out
