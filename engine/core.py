@@ -366,9 +366,11 @@ class EngineCore:
     def _decoded(self, seqs: list[EngineSequence], logits: torch.Tensor) -> None:
         """After a decode-only step: each sequence computed its one token; sample them all."""
         after_compute = self.reuse.after_compute
-        for seq, row in zip(seqs, logits.unbind(0)):
+        for seq in seqs:
             seq.mark_computed(1)
-            after_compute(seq, row)
+            # No logits: each is past its prompt's last token, where the only capture that keeps
+            # logits is made (and a row view a sequence, from unbind, cost ~2 us each).
+            after_compute(seq, None)
         deltas: Deltas = {}
         failed: dict[str, str] = {}
         self._sample(seqs, logits, deltas, failed)

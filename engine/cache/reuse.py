@@ -119,7 +119,9 @@ class PromptReuse(ABC):
         return None
 
     def after_compute(self, seq: EngineSequence, next_logits: torch.Tensor | None) -> None:
-        """Called after each step that computed tokens of `seq`."""
+        """Called after each step that computed tokens of `seq`. `next_logits`: the logits after them
+        where the step computed the prompt's last token (a checkpoint there keeps them); None on
+        the decode road (engine/core.py `_decoded`), whose sequences are all past that token."""
 
     def on_finish(self, seq: EngineSequence) -> None:
         """Called when `seq` finishes normally, before its pages and slot are released."""
