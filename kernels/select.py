@@ -80,6 +80,9 @@ class Kernels:
     # The CPU's argmax over rows for greedy sampling (kernels/cpu/argmax.py: [B, V] -> int64 [B], or
     # None where it does not take x); None: torch.argmax runs.
     argmax_rows: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+    # The same over raw logits as sampling processes them (NaN -> -inf, capped at a ceiling), for a
+    # batch that nothing else changes: (x, ceiling) -> int64 [B], or None; None: the copy is processed.
+    argmax_rows_capped: Callable[[torch.Tensor, float], torch.Tensor | None] | None = None
 
 
 def torch_kernels() -> Kernels:
@@ -104,6 +107,7 @@ def cpu_kernels() -> Kernels:
     return dataclasses.replace(references, name="cpu", paged_decode_attention=decode, decode_in_place=True,
                                gdn_decode_fused=gdn_decode.load(), rms_norm=rms_norm.load(),
                                rope_and_cache=rope_cache.load(), argmax_rows=argmax.load(),
+                               argmax_rows_capped=argmax.load_capped(),
                                causal_conv1d=causal_conv.load() or references.causal_conv1d)
 
 

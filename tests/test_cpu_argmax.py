@@ -1,6 +1,7 @@
 """The CPU's argmax over rows (kernels/cpu/argmax.c) against torch.argmax, its oracle: the same
 index on random rows, ties (the lowest index), -inf rows, NaNs (the first NaN), odd widths and
-strided rows; then that greedy sampling takes it."""
+strided rows; then that greedy sampling takes it. The capped argmax against torch.argmax of the
+logits as sampling processes them, and that a plain greedy batch takes it on its raw logits."""
 
 from __future__ import annotations
 
@@ -75,6 +76,84 @@ def test_greedy_sampling_takes_it(kernel: argmax.ArgmaxRows, monkeypatch: pytest
     table = kernels_for(torch.device("cpu"))
     monkeypatch.setattr(sampler, "kernels_for", lambda device: dataclasses.replace(table, argmax_rows=counted))
     logits = torch.randn(5, 97)
-    params = SamplingParams(temperature=0, max_tokens=4)
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=True)  # processed: not the capped road
     out = sample(logits, [RequestSampler(params) for _ in range(5)], frozenset(), [0] * 5)
     assert calls == [(5, 97)] and out.token_ids == torch.argmax(logits, dim=-1).tolist()
+
+
+@pytest.fixture(scope="module")
+def capped() -> argmax.CappedArgmaxRows:
+    return built_kernel(argmax.load_capped)
+
+
+_SPECIALS = {"-inf": float("-inf"), "inf": float("inf"), "nan": float("nan"), "-0": -0.0, "huge": 3e38}
+
+
+def _processed(x: torch.Tensor, ceiling: float) -> torch.Tensor:
+    """What process_logits makes of a row nothing else changes: its oracle's input."""
+    return x.nan_to_num(nan=float("-inf"), posinf=ceiling, neginf=float("-inf")).clamp(max=ceiling)
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.integers(0, 40), cols=st.integers(1, 200), seed=st.integers(0, 2**31),
+       levels=st.sampled_from([None, 2, 5]),
+       specials=st.lists(st.sampled_from(["-inf", "inf", "nan", "-0", "huge"]), max_size=6))
+def test_the_capped_argmax_is_torch_argmax_of_the_processed_logits(
+        capped: argmax.CappedArgmaxRows, rows: int, cols: int, seed: int, levels: int | None,
+        specials: list[str]) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g)
+    if levels is not None:
+        x = torch.randint(0, levels, (rows, cols), generator=g).float()
+    for name in specials:
+        if rows:
+            r, c = int(torch.randint(0, rows, (1,), generator=g)), int(torch.randint(0, cols, (1,), generator=g))
+            x[r, c] = _SPECIALS[name]
+    got = capped(x, sampler.LOGIT_CEILING)
+    assert got is not None and torch.equal(got, torch.argmax(_processed(x, sampler.LOGIT_CEILING), dim=-1))
+
+
+def test_the_capped_argmax_on_rows_of_nan_and_minus_infinity(capped: argmax.CappedArgmaxRows) -> None:
+    x = torch.full((4, 33), float("-inf"))
+    x[0, 0] = float("nan")  # NaN counts as -inf: every value ties, the first wins
+    x[1, :] = float("nan")
+    x[2, 5], x[2, 9] = float("inf"), 2e30  # both above the ceiling: equal there, the first wins
+    x[3, 20] = float("nan")
+    x[3, 30] = -5.0
+    got = capped(x, sampler.LOGIT_CEILING)
+    assert got is not None and got.tolist() == [0, 0, 5, 30]
+    assert torch.equal(got, torch.argmax(_processed(x, sampler.LOGIT_CEILING), dim=-1))
+    assert capped(x.t(), 1.0) is None and capped(x.double(), 1.0) is None
+
+
+def test_a_plain_greedy_batch_reads_the_raw_logits(capped: argmax.CappedArgmaxRows,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row plain greedy: the capped argmax, on the caller's own tensor (no copy), the general
+    path's tokens; any row with something to process sends the whole batch down the general path."""
+    calls: list[int] = []
+
+    def counted(x: torch.Tensor, ceiling: float) -> torch.Tensor | None:
+        calls.append(x.data_ptr())
+        return capped(x, ceiling)
+
+    table = kernels_for(torch.device("cpu"))
+    monkeypatch.setattr(sampler, "kernels_for",
+                        lambda device: dataclasses.replace(table, argmax_rows_capped=counted))
+    logits = torch.randn(6, 101)
+    logits[1, 3] = float("nan")
+    logits[2, 7] = float("inf")
+    plain = SamplingParams(temperature=0, max_tokens=4)
+    out = sample(logits, [RequestSampler(plain) for _ in range(6)], frozenset(), [0] * 6)
+    assert calls == [logits.data_ptr()]
+    assert out.token_ids == torch.argmax(sampler.process_logits(logits, [RequestSampler(plain)] * 6, frozenset(),
+                                                                [0] * 6), dim=-1).tolist()
+    assert out.logprobs == [None] * 6 and out.top_logprobs == [[]] * 6
+    for other in (SamplingParams(temperature=0, max_tokens=4, logit_bias={5: 50.0}),
+                  SamplingParams(temperature=0, max_tokens=4, min_tokens=2),
+                  SamplingParams(temperature=0, max_tokens=4, repetition_penalty=1.3),
+                  SamplingParams(temperature=0, max_tokens=4, logprobs=True),
+                  SamplingParams(temperature=0.7, max_tokens=4, seed=1)):
+        calls.clear()
+        samplers = [RequestSampler(plain) for _ in range(5)] + [RequestSampler(other)]
+        sample(logits, samplers, frozenset(), [0] * 6)
+        assert calls == [], other

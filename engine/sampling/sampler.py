@@ -57,6 +57,9 @@ class RequestSampler:
         self.greedy = params.is_greedy
         self.penalised = params.has_penalties
         self.guide = guide  # the request's grammar, at this choice's position in it
+        # Greedy and nothing for process_logits to do but sanitize: the batch may skip its copy.
+        self.plain_greedy = self.greedy and not self.penalised and guide is None and not params.logit_bias \
+            and not params.logprobs and params.min_tokens == 0
         self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
         self.output_token_ids: list[int] = []
         # `seed` overrides params.seed (fork uses it); without either, draw one so
@@ -131,11 +134,8 @@ def process_logits(
 ) -> torch.Tensor:
     """Steps 0-3: grammar, bias, min_tokens masking and penalties, on a copy of `logits`."""
     # logits: [B, V]
-    batch, vocab = logits.shape
-    if len(samplers) != batch or len(step_counts) != batch:
-        raise ValueError(
-            f"logits have {batch} rows but got {len(samplers)} samplers and {len(step_counts)} step counts"
-        )
+    _check_batch(logits, samplers, step_counts)
+    vocab = logits.shape[1]
     x = logits.to(torch.float32, copy=True)  # never modify the caller's tensor
 
     guided = [i for i, s in enumerate(samplers) if s.guide is not None]
@@ -194,6 +194,11 @@ def sample(
 ) -> SampleOutput:
     """Next token for each row of `logits`; `step_counts[i]` = tokens row i has generated so far."""
     # logits: [B, V]
+    _check_batch(logits, samplers, step_counts)
+    plain = _plain_greedy(logits, samplers)
+    if plain is not None:
+        return SampleOutput(token_ids=plain.tolist(), logprobs=[None] * len(samplers),
+                            top_logprobs=[[] for _ in samplers])
     x = process_logits(logits, samplers, eos_token_ids, step_counts)  # [B, V]
     batch = x.shape[0]
     token_ids = [0] * batch
@@ -257,6 +262,25 @@ def _logprobs(
         if n:
             top[i] = list(zip(indices_l[row][:n], values_l[row][:n]))
     return chosen, top
+
+
+def _check_batch(logits: torch.Tensor, samplers: list[RequestSampler], step_counts: list[int]) -> None:
+    batch = logits.shape[0]
+    if len(samplers) != batch or len(step_counts) != batch:
+        raise ValueError(
+            f"logits have {batch} rows but got {len(samplers)} samplers and {len(step_counts)} step counts"
+        )
+
+
+def _plain_greedy(logits: torch.Tensor, samplers: list[RequestSampler]) -> torch.Tensor | None:
+    """The tokens of a batch whose every row is plain greedy (no grammar, bias, min_tokens, penalties
+    or logprobs: process_logits would only turn NaN to -inf and cap at LOGIT_CEILING), read from the
+    raw logits by the C capped argmax, without process_logits' [B, V] copy and its two passes; None
+    for any other batch, or where no such kernel runs (then the general path gives the same)."""
+    fast = kernels_for(logits.device).argmax_rows_capped
+    if fast is None or not all(s.plain_greedy for s in samplers):
+        return None
+    return fast(logits, LOGIT_CEILING)
 
 
 def _argmax(rows: torch.Tensor) -> torch.Tensor:

@@ -48,3 +48,38 @@ int argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t row_stride, 
     }
     return 0;
 }
+
+/* The argmax of each row as greedy sampling's processed logits would give it, read from the raw
+ * logits with no copy: NaN as -inf and everything above `ceiling` (+inf too) as `ceiling`, what
+ * engine/sampling/sampler.py's process_logits makes of a row nothing else touches
+ * (nan_to_num(nan=-inf, posinf=ceiling).clamp(max=ceiling)). Its oracle is torch.argmax of that. */
+static inline float capped(float v, float ceiling) { return v > ceiling ? ceiling : v; }
+
+int argmax_rows_capped(const float *x, int64_t rows, int64_t cols, int64_t row_stride, float ceiling,
+                       int64_t *out) {
+    if (cols <= 0 || rows < 0) return -1;
+    #pragma omp parallel for schedule(static) if (rows * cols >= (1 << 18))
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * row_stride;
+        float m = -INFINITY;
+        #pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < cols; j++) {
+            const float v = capped(row[j], ceiling); /* NaN stays NaN and never wins a > */
+            m = v > m ? v : m;
+        }
+        int64_t at = -1;
+        if (m > -INFINITY) {
+            for (int64_t b = 0; b < cols && at < 0; b += BLOCK) {
+                const int64_t end = b + BLOCK < cols ? b + BLOCK : cols;
+                int hit = 0;
+                #pragma omp simd reduction(| : hit)
+                for (int64_t j = b; j < end; j++) hit |= capped(row[j], ceiling) == m;
+                if (hit)
+                    for (int64_t j = b; j < end && at < 0; j++)
+                        if (capped(row[j], ceiling) == m) at = j;
+            }
+        }
+        out[r] = at < 0 ? 0 : at; /* every value -inf or NaN: all are -inf, the first wins */
+    }
+    return 0;
+}

@@ -3,7 +3,8 @@
 Behind engine/sampling/sampler.py's greedy pick, with torch.argmax as its oracle
 (tests/test_cpu_argmax.py): torch's CPU argmax is a scalar loop, ~10x its vectorised amax, and a
 decode step runs it over every greedy row's logits. 2-D fp32 CPU tensors with contiguous rows go
-to C; anything else returns None and the caller runs torch.argmax.
+to C; anything else returns None and the caller runs torch.argmax. The capped form reads a plain
+greedy batch's raw logits as sampling would have processed them, so such a batch needs no copy.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from kernels.cpu.library import LIBRARY, bind
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES: list[Any] = [_ptr, _i64, _i64, _i64, _ptr]
+_CAPPED_ARGTYPES: list[Any] = [_ptr, _i64, _i64, _i64, ctypes.c_float, _ptr]
 
 ArgmaxRows = Callable[[torch.Tensor], "torch.Tensor | None"]
+# (raw logits, ceiling) -> the argmax of each row with NaN as -inf and values above ceiling as ceiling
+CappedArgmaxRows = Callable[[torch.Tensor, float], "torch.Tensor | None"]
 
 
 def load(path: Path = LIBRARY) -> ArgmaxRows | None:
@@ -29,13 +33,35 @@ def load(path: Path = LIBRARY) -> ArgmaxRows | None:
     return None if fn is None else functools.partial(_run, fn)
 
 
+def load_capped(path: Path = LIBRARY) -> CappedArgmaxRows | None:
+    """The capped argmax (argmax_rows_capped) bound to the library at `path`, or None (logged)."""
+    fn = bind(path, "argmax_rows_capped", _CAPPED_ARGTYPES, "greedy sampling processes a copy of the logits")
+    return None if fn is None else functools.partial(_run_capped, fn)
+
+
+def _takes(x: torch.Tensor) -> bool:
+    """2-D fp32 on the CPU with contiguous rows: what the C kernels read."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[1] > 0 \
+        and x.stride(1) == 1
+
+
 def _run(fn: Callable[..., int], x: torch.Tensor) -> torch.Tensor | None:
     """x: [B, V] fp32 on the CPU -> int64 [B], each row's argmax (lowest index among equals), or None
     where the C kernel does not take x."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] == 0 \
-            or x.stride(1) != 1:
+    if not _takes(x):
         return None
     out = torch.empty(x.shape[0], dtype=torch.int64)
     if fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr()) != 0:
         raise RuntimeError(f"argmax_rows refused shape {tuple(x.shape)}: this is a bug")
+    return out
+
+
+def _run_capped(fn: Callable[..., int], x: torch.Tensor, ceiling: float) -> torch.Tensor | None:
+    """torch.argmax(x.nan_to_num(nan=-inf, posinf=ceiling).clamp(max=ceiling), -1) without the copy,
+    or None where the C kernel does not take x."""
+    if not _takes(x):
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), ceiling, out.data_ptr()) != 0:
+        raise RuntimeError(f"argmax_rows_capped refused shape {tuple(x.shape)}: this is a bug")
     return out
