@@ -35,6 +35,7 @@ from engine.core import EngineCore
 from engine.kv.device_cache import CacheGeometry, DeviceCache
 from engine.model.config import parse_config
 from engine.model.loader import LoadedModel, load_model
+from engine.model.openmp import on_own_thread
 from engine.offline import run_to_completion
 from engine.request import EngineRequest
 from engine.sampling.params import SamplingParams
@@ -183,8 +184,8 @@ def first_token(core: EngineCore, rid: str, ids: tuple[int, ...], publish: int) 
 def make_core(loaded: LoadedModel, tokenizer: Tokenizer, sizes: list[int], **config: Any) -> EngineCore:
     kv_page = loaded.config.state_shape().kv_bytes_per_page(P, loaded.model.dtype)
     pages = 4 * (max(sizes) + 128) // P + 64  # the live prompt, its turn-2 extension, retained copies
-    core = EngineCore(loaded, tokenizer, EngineConfig(page_size=P, kv_cache_bytes=pages * kv_page, max_num_seqs=4,
-                                                      prefill_chunk_tokens=2048, **config))
+    core = on_own_thread(lambda: EngineCore(loaded, tokenizer, EngineConfig(
+        page_size=P, kv_cache_bytes=pages * kv_page, max_num_seqs=4, prefill_chunk_tokens=2048, **config)))
     core.start()
     return core
 
@@ -290,13 +291,20 @@ def main(argv: list[str] | None = None) -> int:
                            "attn_geometry": f"{heads} heads, {kv_heads} KV heads, dim {dim}, {dtype}",
                            "gdn_geometry": f"{hk} key / {hv} value heads, dim {config.linear_key_head_dim}, {dtype}"}
     began = time.perf_counter()
-    res["clone"] = state_clone(ops, device, args.hidden, args.layers, dtype, (1 << 20) * (8 if args.tiny else 1024))
     decode_cases = [(2, 128), (4, 256)] if args.tiny else [(1, 16384), (16, 4096), (16, 16384), (64, 4096)]
-    res["decode"] = decode_attention(ops, device, decode_cases, heads, kv_heads, dim, dtype)
-    res["gdn"] = gdn(ops, device, [64] if args.tiny else [2048, 8192], hk, hv, config.linear_key_head_dim, dtype,
-                     decode_batch=2 if args.tiny else 64)
+
+    def kernel_timings() -> None:
+        res["clone"] = state_clone(ops, device, args.hidden, args.layers, dtype,
+                                   (1 << 20) * (8 if args.tiny else 1024))
+        res["decode"] = decode_attention(ops, device, decode_cases, heads, kv_heads, dim, dtype)
+        res["gdn"] = gdn(ops, device, [64] if args.tiny else [2048, 8192], hk, hv, config.linear_key_head_dim,
+                         dtype, decode_batch=2 if args.tiny else 64)
+
+    # Torch's CPU work on threads that end, as the engine service does (engine/model/openmp.py): a
+    # thread left with an OpenMP team beside the core's step thread would slow its steps (CPU fallback).
+    on_own_thread(kernel_timings, "ignis-bench-kernels")
     path = ensure_geometry("hybrid", args.hidden, args.layers, root=args.models)
-    loaded = load_model(path, dtype="bfloat16" if cuda else "float32", device=device)
+    loaded = on_own_thread(lambda: load_model(path, dtype="bfloat16" if cuda else "float32", device=device))
     tokenizer = Tokenizer.from_dir(path)
     res["ttft"] = ttft(loaded, tokenizer, sizes)
     res["host"] = host_vs_device(loaded, tokenizer, sizes[:2])
