@@ -18,7 +18,7 @@ from torch import nn
 
 from checkpoints import ARCHITECTURES
 from engine.model.cpu_linear import (SHAPE_CACHE_ENTRIES, SHAPE_CACHE_VARIABLES, FusedLinears, OneDnnLinear,
-                                     onednn_available, use_onednn_linears)
+                                     onednn_available, onednn_bf16_available, use_onednn_linears)
 from engine.model.loader import load_model
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="needs oneDNN")
@@ -47,6 +47,8 @@ def test_every_group_is_fused_and_matches_its_members(arch: str, checkpoint_dir:
                 torch.testing.assert_close(out, F.linear(x, member.weight, member.bias), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not onednn_bf16_available(),
+                    reason="this CPU has no oneDNN bf16 inner product (AVX512 BW/VL/DQ or AVX-NE-CONVERT)")
 def test_bf16_groups_round_as_their_members_would(checkpoint_dir: Callable[[str], Path]) -> None:
     loaded = load_model(checkpoint_dir("Qwen3_5ForCausalLM"), onednn_linears=True, weight_dtype="bfloat16")
     g = torch.Generator().manual_seed(1)

@@ -15,11 +15,14 @@ import torch
 from torch import nn
 
 from checkpoints import ARCHITECTURES
-from engine.model.cpu_linear import OneDnnLinear, onednn_available
+from engine.model import loader
+from engine.model.cpu_linear import OneDnnLinear, onednn_available, onednn_bf16_available
 from engine.model.loader import load_model
 from test_model import hf_logits, make_cache, make_prompt, run_chunks
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="needs oneDNN")
+needs_bf16 = pytest.mark.skipif(not onednn_bf16_available(),
+                                reason="this CPU has no oneDNN bf16 inner product (AVX512 BW/VL/DQ or AVX-NE-CONVERT)")
 
 # Max |logit difference| allowed against the bf16 oracle. The logits come out of the LM head
 # rounded to bf16 on both sides (2^-7 apart near 2, these checkpoints' largest), so two ulps:
@@ -49,6 +52,7 @@ def rounded_oracle(path: Path, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
+@needs_bf16
 @pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if not a.endswith("-moe")])
 def test_bf16_weights_match_the_rounded_oracle(arch: str, checkpoint_dir: Callable[[str], Path]) -> None:
     path = checkpoint_dir(arch)
@@ -64,6 +68,7 @@ def test_bf16_weights_match_the_rounded_oracle(arch: str, checkpoint_dir: Callab
     assert diff <= (ROUTED_TOLERANCE if arch == "Qwen3NextForCausalLM" else BF16_TOLERANCE)
 
 
+@needs_bf16
 def test_bf16_weights_are_another_namespace(checkpoint_dir: Callable[[str], Path]) -> None:
     """KV made with other weights is other state: the digest the reuse namespace is built on differs."""
     path = checkpoint_dir("Qwen3ForCausalLM")
@@ -78,3 +83,12 @@ def test_bf16_weights_need_the_onednn_linears(checkpoint_dir: Callable[[str], Pa
         load_model(path, onednn_linears=False, weight_dtype="bfloat16")
     with pytest.raises(ValueError, match="weight_dtype must be"):
         load_model(path, onednn_linears=True, weight_dtype="int4")
+
+
+def test_bf16_weights_on_a_cpu_without_them_are_a_clear_error(checkpoint_dir: Callable[[str], Path],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN has no bf16 inner product, the load says so and what to set (the engine logs it and
+    exits 2), instead of oneDNN's RuntimeError from deep inside the packing."""
+    monkeypatch.setattr(loader, "onednn_bf16_available", lambda: False)
+    with pytest.raises(ValueError, match="engine.weight_dtype=float32"):
+        load_model(checkpoint_dir("Qwen3ForCausalLM"), onednn_linears=True, weight_dtype="bfloat16")

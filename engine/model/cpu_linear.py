@@ -48,6 +48,12 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN runs bf16 inner products on this CPU: it needs AVX512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and refuses to pack a bf16 weight without them (an AVX2-only EPYC has neither)."""
+    return onednn_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def _pack(weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: torch.dtype
           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A weight [out, in] in oneDNN's blocked layout (in `weight_dtype`), and its bias in that dtype."""

@@ -16,7 +16,7 @@ import torch
 
 from common.progress import Progress
 from engine.model.config import ModelConfig, load_config
-from engine.model.cpu_linear import use_onednn_linears
+from engine.model.cpu_linear import onednn_bf16_available, use_onednn_linears
 from engine.model.decoder import CausalLM
 from engine.model.errors import CheckpointError
 from engine.model.layers import Rotary
@@ -129,6 +129,9 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
         if not (onednn_linears and dev.type == "cpu" and torch_dtype == torch.float32):
             raise ValueError(f"weight_dtype {weight_dtype} applies to an fp32 CPU model with engine.cpu_linear=onednn; "
                              "elsewhere set engine.dtype")
+        if packed == torch.bfloat16 and not onednn_bf16_available():
+            raise ValueError("weight_dtype bfloat16 needs oneDNN's bf16 inner product, which this CPU lacks "
+                             "(it needs AVX512 BW/VL/DQ or AVX-NE-CONVERT): set engine.weight_dtype=float32")
         # Other weights make other state: the reuse namespace must tell them apart.
         digest = hashlib.sha256(digest + f"/linear-weights={weight_dtype}".encode()).digest()
     if onednn_linears:
