@@ -161,3 +161,25 @@ def test_a_tool_call_argument_string_takes_no_control_character(compiler: Guided
     assert accepts(opener + "Paris")
     assert not accepts(opener + "Pa\x15ris")
     assert not accepts(opener + "\x00")
+
+
+@pytest.mark.parametrize("bound", [None, 5])
+def test_a_json_string_takes_no_surrogate(compiler: GuidedCompiler, bound: int | None) -> None:
+    """xgrammar's string characters take U+D800-DFFF, whose 3-byte forms are not UTF-8 (a seeded
+    request wrote "}}th" + ED B7 BA into a maxLength 5 string: seven characters once decoded). The
+    compiler mends both its string rules (with and without a length) to refuse them."""
+    import xgrammar as xgr
+
+    string = {"type": "string"} if bound is None else {"type": "string", "maxLength": bound}
+    schema = {"type": "object", "properties": {"s": string}, "required": ["s"], "additionalProperties": False}
+    grammar = compiler.compile(GuidedSpec(GuideKind.JSON_SCHEMA, source=json.dumps(schema), strict=True)).grammar
+
+    def accepts(value: bytes) -> bool:
+        return bool(xgr.GrammarMatcher(grammar).accept_string(b'{"s": "' + value + b'"}'))
+    assert not accepts(b"}}th\xed\xb7\xba")  # U+DDFA
+    assert not accepts(b"\xed\xa0\x80")  # U+D800
+    assert accepts(b"\xed\x9f\xbf")  # U+D7FF, the last before the surrogates
+    assert accepts(b"\xee\x80\x80")  # U+E000, the first after
+    assert accepts("\u65e5\U0001F600".encode())
+    if bound is None:  # (xgrammar's length-limited string takes no escapes at all)
+        assert accepts(b"\\ud800")  # an escaped surrogate is JSON's business, and valid UTF-8

@@ -25,9 +25,13 @@ COMPILE_THREADS = 2
 # xgrammar's C++ errors start "[10:26:46] /project/cpp/regex_converter.cc:94: "; the rest is the reason.
 _LOG_PREFIX = re.compile(r"^\s*\[[\d:.]+\]\s+\S+:\d+:\s*")
 # xgrammar 0.2.9 writes a length-limited JSON string's character as [^"\\\r\n]: control characters
-# pass (invalid JSON) and escapes do not. Replaced by JSON's own rule for an unescaped character.
-_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+# pass (invalid JSON) and escapes do not. Its other strings' character, [^\0-\x1f"\\\r\n], takes
+# the UTF-16 surrogates U+D800-DFFF as if they were characters: their 3-byte forms (ED A0-BF xx) are
+# not UTF-8, so the text decodes to three U+FFFD and breaks maxLength (a seeded request wrote
+# "}}th" + ED B7 BA against maxLength 5). Both are replaced by JSON's own rule for an unescaped
+# character, without the surrogates (xgrammar already refuses overlong forms and past U+10FFFF).
+_XGRAMMAR_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
 
 
 class GuidedError(ValueError):
@@ -107,11 +111,11 @@ def _json_grammar(schema: str, strict: bool) -> xgr.Grammar:
 
 
 def _mended(grammar: xgr.Grammar) -> xgr.Grammar:
-    """`grammar` with xgrammar's length-limited string character replaced by JSON's own."""
-    text = str(grammar)
-    if _BOUNDED_STRING_CHAR not in text:
-        return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+    """`grammar` with xgrammar's JSON string characters replaced by JSON's own (see above)."""
+    text = original = str(grammar)
+    for chars in _XGRAMMAR_STRING_CHARS:
+        text = text.replace(chars, _JSON_STRING_CHAR)
+    return grammar if text == original else xgr.Grammar.from_ebnf(text)
 
 
 def _check_json(source: str, what: str) -> None:
