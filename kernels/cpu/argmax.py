@@ -36,32 +36,17 @@ def load(path: Path = LIBRARY) -> ArgmaxRows | None:
 def load_capped(path: Path = LIBRARY) -> CappedArgmaxRows | None:
     """The capped argmax (argmax_rows_capped) bound to the library at `path`, or None (logged)."""
     fn = bind(path, "argmax_rows_capped", _CAPPED_ARGTYPES, "greedy sampling processes a copy of the logits")
-    return None if fn is None else functools.partial(_run_capped, fn)
+    return None if fn is None else functools.partial(_run, fn)
 
 
-def _takes(x: torch.Tensor) -> bool:
-    """2-D fp32 on the CPU with contiguous rows: what the C kernels read."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[1] > 0 \
-        and x.stride(1) == 1
-
-
-def _run(fn: Callable[..., int], x: torch.Tensor) -> torch.Tensor | None:
-    """x: [B, V] fp32 on the CPU -> int64 [B], each row's argmax (lowest index among equals), or None
-    where the C kernel does not take x."""
-    if not _takes(x):
+def _run(fn: Callable[..., int], x: torch.Tensor, *args: float) -> torch.Tensor | None:
+    """x: [B, V] fp32 on the CPU -> int64 [B], each row's argmax (lowest index among equals) as `fn`
+    reads it (`args` go between the shape and the output: the capped form's ceiling), or None where
+    the C kernels do not take x."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] == 0 \
+            or x.stride(1) != 1:
         return None
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    if fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr()) != 0:
-        raise RuntimeError(f"argmax_rows refused shape {tuple(x.shape)}: this is a bug")
-    return out
-
-
-def _run_capped(fn: Callable[..., int], x: torch.Tensor, ceiling: float) -> torch.Tensor | None:
-    """torch.argmax(x.nan_to_num(nan=-inf, posinf=ceiling).clamp(max=ceiling), -1) without the copy,
-    or None where the C kernel does not take x."""
-    if not _takes(x):
-        return None
-    out = torch.empty(x.shape[0], dtype=torch.int64)
-    if fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), ceiling, out.data_ptr()) != 0:
-        raise RuntimeError(f"argmax_rows_capped refused shape {tuple(x.shape)}: this is a bug")
+    if fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), *args, out.data_ptr()) != 0:
+        raise RuntimeError(f"{fn.__name__} refused shape {tuple(x.shape)}: this is a bug")
     return out
