@@ -96,51 +96,76 @@ def clone_cost(core: Any, n: int, repeat: int = 41) -> dict[str, float]:
     """What a claim copies (the recurrent slot and the partial last page; full pages are shared),
     through the cache's own copy_slot / copy_page, against a raw memcpy (ctypes.memmove) of the
     same bytes: the same source and destination addresses, slot row 0 -> 1 and page 0 -> 1. Also
-    torch copying as many bytes between two fresh buffers, this bench's baseline before: on this
-    VM where the bytes live moves a copy's speed by a third (a memcpy between two KV pages ran
-    1.1x the time of copy_page on them and 1.4x a copy between fresh buffers), so only the same
-    addresses compare the clone's code with a copy. Interleaved call by call (a loaded machine
+    torch copying as many bytes between two fresh buffers, this bench's baseline before: on these
+    VMs where the bytes live moves a copy's speed by up to a third, so only the same addresses
+    compare the clone's code with a copy. Interleaved call by call (a loaded machine
     moves all alike); before each call the last-level cache is flushed (`_evict`), so each copies
-    from memory as a claim of a retained state does. Medians, and the median of the per-call ratios."""
+    from memory as a claim of a retained state does. Medians, and the median of the per-call ratios.
+
+    Two cases, interleaved. "all cold": the flush leaves nothing cached, the copy's code and tensor
+    metadata included; a 512 KiB page copy then spends ~50 us of its ~180 in misses on the torch
+    calls around it (`kv[i]` alone: 1.4 us when warm), and memmove's ctypes call pays the same way.
+    "warm code, cold bytes": after the flush each call first runs once on other rows (the pool's last
+    two), so its code and metadata are cached and its bytes are not. That is a claim on the step
+    thread between decode steps, which make those torch calls every step."""
     cache = core.cache
-    spans = [(cache.kv[1].data_ptr(), cache.kv[0].data_ptr(), cache.kv[0].numel() * cache.kv.element_size())]
-    has_slots = cache.recurrent.shape[0] >= 2
-    if has_slots:
-        row = cache.state_rows
-        spans.append((row[1].data_ptr(), row[0].data_ptr(), row[0].numel() * row.element_size()))
-    total = sum(nbytes for _, _, nbytes in spans)
+    pages, slots = cache.kv.shape[0], cache.recurrent.shape[0]
+    has_slots = slots > 0
+    if pages < 4 or has_slots and slots < 4:
+        raise ValueError(f"the clone bench needs 4 pages and 4 slots or none, got {pages} and {slots}")
+    # The same copies on rows far from 0 and 1 (no cache line or huge page shared with them).
+    near, far_page, far_slot = (0, 1), (pages - 2, pages - 1), (slots - 2, slots - 1)
 
-    def claim() -> None:
+    def spans(page: tuple[int, int], slot: tuple[int, int]) -> list[tuple[int, int, int]]:
+        """(dst, src, bytes) of the claim's copies."""
+        out = [(cache.kv[page[1]].data_ptr(), cache.kv[page[0]].data_ptr(), cache.kv[0].numel() * cache.kv.element_size())]
         if has_slots:
-            cache.copy_slot(0, 1)
-        cache.copy_page(0, 1)
+            row = cache.state_rows
+            out.append((row[slot[1]].data_ptr(), row[slot[0]].data_ptr(), row[0].numel() * row.element_size()))
+        return out
 
-    def memcpy() -> None:
+    near_spans, far_spans = spans(near, near), spans(far_page, far_slot)
+    total = sum(nbytes for _, _, nbytes in near_spans)
+
+    def claim(page: tuple[int, int], slot: tuple[int, int]) -> None:
+        if has_slots:
+            cache.copy_slot(*slot)
+        cache.copy_page(*page)
+
+    def memcpy(spans: list[tuple[int, int, int]]) -> None:
         for dst_ptr, src_ptr, nbytes in spans:
             ctypes.memmove(dst_ptr, src_ptr, nbytes)
 
     # Written, not just allocated: never-written memory reads as the kernel's one zero page, always
     # cached, and a copy from it costs only its writes.
-    src = torch.rand(total // 4, dtype=torch.float32)
-    dst = torch.rand(total // 4, dtype=torch.float32)
+    src, dst, src2, dst2 = (torch.rand(total // 4, dtype=torch.float32) for _ in range(4))
     evict = torch.ones(_last_level_cache_bytes() * 3 // 4, dtype=torch.float32)
-    runs: dict[str, list[float]] = {"clone": [], "memcpy": [], "fresh": []}
-    calls = {"clone": claim, "memcpy": memcpy, "fresh": lambda: dst.copy_(src)}
-    for fn in calls.values():
+    calls = {"clone": (lambda: claim(near, near), lambda: claim(far_page, far_slot)),
+             "memcpy": (lambda: memcpy(near_spans), lambda: memcpy(far_spans)),
+             "fresh": (lambda: dst.copy_(src), lambda: dst2.copy_(src2))}
+    runs: dict[str, list[float]] = {f"{name}{case}": [] for name in calls for case in ("", "_warm")}
+    for fn, twin in calls.values():
         fn()  # warm-up: every destination resident
+        twin()
     order = list(calls.items())
     for i in range(repeat):
-        for name, fn in order[i % 3:] + order[:i % 3]:  # each in each place: no order favours one
-            evict.add_(1.0)  # read and write 3x the L3: no copy finds its bytes in a cache
-            t = time.perf_counter()
-            fn()
-            runs[name].append(time.perf_counter() - t)
-    return {"bytes": float(total), "clone_ms": statistics.median(runs["clone"]) * 1000,
-            "raw_copy_ms": statistics.median(runs["memcpy"]) * 1000,
-            "fresh_copy_ms": statistics.median(runs["fresh"]) * 1000,
-            "clone_speed": statistics.median(m / c for c, m in zip(runs["clone"], runs["memcpy"])),
-            "clone_speed_vs_fresh": statistics.median(f / c for c, f in zip(runs["clone"], runs["fresh"])),
-            "reprefill_note": float(n)}
+        for case in ("", "_warm"):
+            for name, (fn, twin) in order[i % 3:] + order[:i % 3]:  # each in each place: no order favours one
+                evict.add_(1.0)  # read and write 3x the L3: no copy finds its bytes in a cache
+                if case:
+                    twin()
+                t = time.perf_counter()
+                fn()
+                runs[name + case].append(time.perf_counter() - t)
+    out = {"bytes": float(total), "reprefill_note": float(n)}
+    for case in ("", "_warm"):
+        clone, memcpy_runs, fresh = runs["clone" + case], runs["memcpy" + case], runs["fresh" + case]
+        out |= {f"clone_ms{case}": statistics.median(clone) * 1000,
+                f"raw_copy_ms{case}": statistics.median(memcpy_runs) * 1000,
+                f"fresh_copy_ms{case}": statistics.median(fresh) * 1000,
+                f"clone_speed{case}": statistics.median(m / c for c, m in zip(clone, memcpy_runs)),
+                f"clone_speed_vs_fresh{case}": statistics.median(f / c for c, f in zip(clone, fresh))}
+    return out
 
 
 def _last_level_cache_bytes() -> int:
@@ -195,11 +220,12 @@ def main() -> None:
         markdown(["model", "prompt tokens", "cold TTFT ms", "retry TTFT ms", "retry cached", "cold/retry",
                   "turn-2 (+64) TTFT ms", "turn-2 cached", "cold/turn-2"], ttft_rows),
         "### State clone vs raw copy of the same bytes",
-        markdown(["model", "bytes copied", "clone ms", "raw memcpy, same bytes ms", "clone speed / memcpy",
+        markdown(["model", "case", "bytes copied", "clone ms", "raw memcpy, same bytes ms", "clone speed / memcpy",
                   "torch copy, fresh buffers ms", "clone speed / fresh copy"],
-                 [[r["kind"], int(r["clone"]["bytes"]), r["clone"]["clone_ms"], r["clone"]["raw_copy_ms"],
-                   r["clone"]["clone_speed"], r["clone"]["fresh_copy_ms"], r["clone"]["clone_speed_vs_fresh"]]
-                  for r in results]),
+                 [[r["kind"], label, int(r["clone"]["bytes"]), r["clone"][f"clone_ms{case}"],
+                   r["clone"][f"raw_copy_ms{case}"], r["clone"][f"clone_speed{case}"],
+                   r["clone"][f"fresh_copy_ms{case}"], r["clone"][f"clone_speed_vs_fresh{case}"]]
+                  for r in results for case, label in (("", "all cold"), ("_warm", "warm code, cold bytes"))]),
         "### Reuse tax at 1k tokens (cold TTFT, reuse on vs off)",
         markdown(["model", "reuse on ms", "reuse off ms", "tax %"],
                  [[r["kind"], r["tax"]["on_ms"], r["tax"]["off_ms"], r["tax"]["tax_pct"]] for r in results]),
