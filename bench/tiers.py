@@ -6,7 +6,8 @@ One ~150 MiB state, side by side in one run, through a real tierstore process:
   (and the whole Reserve+copy+Commit) vs a raw numpy memcpy of the same bytes;
   a claim the way the engine makes it (engine/tiers/client.py: one Match on the
   store's Match socket that leases the hit, the copy, Release in the background),
-  the same with that Match over gRPC, and the way the example client does
+  the same with the integrity check a CPU engine makes on what it copied (a keyed
+  BLAKE3, engine/tiers/integrity.py), the same with that Match over gRPC, and the way the example client does
   (tierstore/client.py: Match, Acquire, copy, Release, each waited for);
 - KV-disk: a spill (checksum, write, fsync, rename, LMDB) and a cold restore
   (read, checksum, into the arena) vs a raw sequential write+fsync / cold read
@@ -14,7 +15,9 @@ One ~150 MiB state, side by side in one run, through a real tierstore process:
   posix_fadvise(DONTNEED) before each cold read, blob and raw file alike); the
   cold read with O_DIRECT is shown too (the restore reads that way where it can);
 - a claim from disk the engine's way (Match, AcquireStream restoring it while each part
-  that has landed is copied out, Release in the background), and the cross-host path
+  that has landed is copied out, Release in the background), also with the engine's
+  integrity check fed each copy as it is made, and after the whole copy as it was before;
+  and the cross-host path
   (Put / Get streams over loopback gRPC).
 
 The engine's claims before its last changes are measured in the same rounds too
@@ -44,6 +47,7 @@ from bench import tier_claims
 from bench.launch import launch_tierstore
 from bench.table import markdown, save
 from engine.tiers.client import TierClient
+from engine.tiers.integrity import IntegrityKey
 from ignis.v1 import common_pb2, tierstore_pb2
 from tierstore.client import TierStoreClient
 
@@ -102,6 +106,7 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
     out = memoryview(dst.data).cast("B")
     raw_file = folder / "raw.bin"
     samples = Samples()
+    integrity = IntegrityKey.ephemeral()
 
     def raw_memcpy() -> float:
         return timed(lambda: np.copyto(dst, src))
@@ -164,8 +169,10 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
 
             held = name()
 
-            def ram_claim(client: TierClient, key: str) -> None:
-                """The engine's claim from RAM with `client`: the Match leases the hit, the copy, Release behind."""
+            def ram_claim(client: TierClient, key: str, checked: bool = False) -> None:
+                """The engine's claim from RAM with `client`: the Match leases the hit, the copy, Release behind.
+                `checked`: also the engine's integrity check on a CPU cache (engine/tiers/link.py), its keyed
+                BLAKE3 over what was copied, which a claim from the store cannot skip."""
                 local_calls = client.local.calls if client.local is not None else 0
                 t0 = time.perf_counter()
                 [hit], _ = client.match(NS, [], held, lease_seconds=3.0)
@@ -173,11 +180,16 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
                 tm = time.perf_counter()
                 np.copyto(dst, np.frombuffer(client.arena_bytes(hit.extent.offset, n), dtype=np.uint8))
                 tc = time.perf_counter()
+                if checked:
+                    hashed = integrity.hasher(held, NS, n // PAGE, n)
+                    hashed.update(out)
+                    hashed.digest()  # what the check compares with the stored tag
+                th = time.perf_counter()
                 client.release(hit.lease_id, (), client.match_instance)
                 t1 = time.perf_counter()
                 drain()
                 assert (client.local.calls if client.local is not None else 0) == local_calls + (client is engine)
-                samples.add(**{key: t1 - t0, f"{key}_match": tm - t0, f"{key}_copy": tc - tm})
+                samples.add(**{key: t1 - t0, f"{key}_match": tm - t0, f"{key}_copy": tc - tm, f"{key}_tag": th - tc})
 
             def ram_claim_acquire() -> None:
                 """The engine's way before the Match could lease: Match, then Acquire, copy, Release behind
@@ -223,13 +235,17 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
                 c.drop(victim)
                 samples.add(disk_claim_cold_acquire=t1 - t0)
 
-            def disk_round() -> None:
+            def disk_round(check: str = "") -> None:
+                """A claim from disk the engine's way. `check`: also the engine's integrity check on what it
+                copied, "landing": each copy hashed as it is made (engine/tiers/unpacked_tag.py, the engine
+                now), "after": the whole copy hashed once the read is through (the engine before)."""
                 victim, pusher = name(), name()
                 c.store(victim, src_bytes, meta(n))
                 spill = timed(lambda: c.reserve(pusher, n))  # no room for two: the victim goes to disk
                 c.drop(pusher)
                 assert c.match(NS, [], tail_hash=victim)[0].tier == common_pb2.REUSE_TIER_DISK
                 drop_cache(blobs / victim.hex())
+                hashed = integrity.hasher(victim, NS, n // PAGE, n)
                 t0 = time.perf_counter()
                 [hit], _ = engine.match(NS, [], victim, lease_seconds=3.0)
                 t1 = time.perf_counter()
@@ -245,15 +261,24 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
                         restored = time.perf_counter()
                     if ready > copied:
                         np.copyto(dst[copied:ready], arena[copied:ready])
+                        if check == "landing":
+                            hashed.update(out[copied:ready])
                         copied = ready
+                if check == "after":
+                    hashed.update(out)
+                if check:
+                    hashed.digest()
                 assert lease is not None and verified and lease.from_tier == common_pb2.REUSE_TIER_DISK
                 engine.release(lease.lease_id, (), lease.instance_id)
                 t3 = time.perf_counter()
                 del arena
                 drain()
                 c.drop(victim)
-                samples.add(disk_spill=spill, disk_match=t1 - t0, disk_restore_cold=restored - t1,
-                            disk_claim_cold=t3 - t0)
+                if check:
+                    samples.add(**{f"disk_claim_checked_{check}": t3 - t0})
+                else:
+                    samples.add(disk_spill=spill, disk_match=t1 - t0, disk_restore_cold=restored - t1,
+                                disk_claim_cold=t3 - t0)
 
             def stream() -> None:
                 h = name()
@@ -275,6 +300,8 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
                 samples.add(raw_memcpy=raw_memcpy())
                 ram_claim(engine, "ram_claim_engine")
                 samples.add(raw_memcpy=raw_memcpy())
+                ram_claim(engine, "ram_claim_checked", checked=True)
+                samples.add(raw_memcpy=raw_memcpy())
                 ram_claim(engine_grpc, "ram_claim_grpc")
                 samples.add(raw_memcpy=raw_memcpy())
                 ram_claim_acquire()
@@ -284,6 +311,9 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
             for _ in range(repeats):  # disk: the raw file's write and cold reads beside each spill and restore
                 samples.add(raw_write_fsync=raw_write(), raw_read_cold=raw_read())
                 disk_round()
+                disk_round("landing")
+                samples.add(raw_read_cold=raw_read())
+                disk_round("after")
                 samples.add(raw_read_cold=raw_read(), raw_read_cold_direct=raw_read(direct=True))
                 disk_round_acquire()
             assert np.array_equal(dst, src)
@@ -308,6 +338,10 @@ TABLE_ROWS: list[tuple[str, str, str, str | None]] = [
     ("KV-RAM read", "copy out of the arena", "ram_read_copy", "raw_memcpy"),
     ("KV-RAM claim", "engine: Match on the Match socket (leases the hit) + copy, Release in the background",
      "ram_claim_engine", "raw_memcpy"),
+    ("KV-RAM claim", "engine, its integrity check too: Match on the Match socket + copy + keyed BLAKE3 of "
+     "the copy, Release in the background", "ram_claim_checked", "raw_memcpy"),
+    ("integrity", "of which: the keyed BLAKE3 of the copy (both cores)", "ram_claim_checked_tag",
+     "raw_memcpy"),
     ("KV-RAM claim", "engine before the Match socket: Match over gRPC (leases the hit) + copy, Release behind",
      "ram_claim_grpc", "raw_memcpy"),
     ("Match", "a claim's Match (RAM hit, leased) on the Match socket, right after a copy", "ram_claim_engine_match",
@@ -325,6 +359,10 @@ TABLE_ROWS: list[tuple[str, str, str, str | None]] = [
      "disk_restore_cold", "raw_read_cold"),
     ("KV-disk claim", "engine: Match + AcquireStream(restore, copied as it lands), Release in the background",
      "disk_claim_cold", "raw_read_cold"),
+    ("KV-disk claim", "engine, its integrity check too: as above + keyed BLAKE3 of each copy as it is made",
+     "disk_claim_checked_landing", "raw_read_cold"),
+    ("KV-disk claim", "engine before the check fed copy by copy: as above, the whole copy hashed after the read",
+     "disk_claim_checked_after", "raw_read_cold"),
     ("KV-disk claim", "engine before AcquireStream: Match + Acquire(restore), then the copy",
      "disk_claim_cold_acquire", "raw_read_cold"),
     ("gRPC Put", "stream in 1 MiB chunks (loopback)", "grpc_put", "raw_memcpy"),

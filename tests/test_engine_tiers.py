@@ -676,10 +676,80 @@ def test_a_streamed_restore_copies_what_has_landed_and_keeps_nothing_unverified(
             events.append(f"landed {n}")
             yield tierstore_pb2.AcquireProgress(ready_bytes=n, verified=verified and i == len(ready) - 1)
 
-    assert _copy_as_landed(steps(), 0, landing(15, 30, 30)) == (True, "L")
+    copied: list[int] = []
+    assert _copy_as_landed(steps(), 0, landing(15, 30, 30), copied.append) == (True, "L")
     assert events == ["landed 15", "a", "landed 30", "b", "logits", "landed 30"]
+    assert copied == [10, 30]  # once per round of copies, with the end of what they copied
     events.clear()
     assert _copy_as_landed(steps(), 0, landing(15, 30, verified=False)) == (False, None)
     assert events == ["landed 15", "a", "landed 30", "b", "logits"]
     events.clear()
     assert _copy_as_landed(steps(), 30, None) == (True, "L") and events == ["a", "b", "logits"]
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_a_tag_fed_copy_by_copy_is_the_tag_of_the_whole_copy(model: tuple[LoadedModel, Tokenizer],
+                                                              dense_model: tuple[LoadedModel, Tokenizer],
+                                                              prefix: bool) -> None:
+    """A restore from disk hashes each copy as it is made (engine/tiers/unpacked_tag.py): fed step by
+    step, over pages cut across steps and runs of consecutive pages, the digest is the one
+    hash_unpacked gives after all the copies, slot, conv, logits and the arena's other bytes
+    included; a prefix of a dense state's pages too. And a copy changed before it is hashed changes it."""
+    import blake3
+    import torch
+
+    from engine.tiers.codec import StateCodec
+    from engine.tiers.link import _copy_as_landed
+    from ignis.v1 import tierstore_pb2
+
+    loaded, tokenizer = dense_model if prefix else model
+    engine = Engine(loaded, tokenizer, reuse=True)
+    try:
+        cache = engine.core.cache
+        codec = StateCodec(cache, loaded.config.vocab_size)
+        assert cache.kv.shape[0] > 40
+        gen = torch.Generator().manual_seed(1)
+        for t in (cache.kv, cache.recurrent, cache.conv):
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        tokens, src = 7 * P + 3, [9, 2, 3, 4, 12, 13, 1, 5]
+        dst = [20, 21, 22, 30, 31, 32, 33, 40]  # runs that straddle the 3-page steps
+        slot = None if prefix else 1
+        nbytes = codec.nbytes(tokens, True)
+        arena = torch.zeros(4096 + nbytes, dtype=torch.uint8)
+        codec.pack(arena, 4096, tokens, slot, src, torch.randn(codec.vocab_size, generator=gen))
+        arena[4096 + nbytes - 7:] = 0x5A  # bytes no copy takes: fed from the arena
+        taken = dst[:5] if prefix else dst
+        step_bytes = 3 * codec.page_bytes
+
+        def digest(stepwise: bool, meddle: bool = False) -> bytes:
+            hasher = blake3.blake3(key=b"k" * 32)
+            feed = codec.unpacked_tag(hasher, arena, 4096, tokens, nbytes, slot, taken,
+                                      step_bytes if stepwise else None)
+            steps = codec.unpack_steps(arena, 4096, tokens, nbytes, slot, taken, step_bytes)
+            if meddle:  # a page copy that is not what the blob holds, before its hash
+                k = (slot is not None) * (bool(codec.recurrent_bytes) + bool(codec.conv_bytes))  # the first pages' step
+                end, first = steps[k]
+                steps[k] = (end, lambda: (first(), cache.kv[taken[0]].add_(1.0), None)[-1])
+            fed: list[int] = []
+            if stepwise:  # the store's messages as a read lands: ninths, then the whole, checked
+                marks = range(nbytes // 9, nbytes, nbytes // 9)
+                messages = [*(tierstore_pb2.AcquireProgress(ready_bytes=n) for n in marks),
+                            tierstore_pb2.AcquireProgress(ready_bytes=nbytes, verified=True)]
+                landed, logits = _copy_as_landed(steps, 0, iter(messages),
+                                                 lambda end: (fed.append(end), feed.through(end))[-1])
+            else:
+                landed, logits = _copy_as_landed(steps, nbytes, None)
+            assert landed and (logits is None) == prefix
+            assert not stepwise or len(fed) >= 2  # the tag was fed in rounds, between the reads
+            feed.finish(logits)
+            return hasher.digest()
+
+        whole = digest(stepwise=False)
+        assert digest(stepwise=True) == whole
+        reference = blake3.blake3(key=b"k" * 32)
+        codec.hash_unpacked(reference, arena, 4096, tokens, nbytes, slot, taken,
+                            codec.unpack(arena, 4096, tokens, nbytes, slot, taken))
+        assert reference.digest() == whole
+        assert digest(stepwise=True, meddle=True) != whole
+    finally:
+        engine.close()

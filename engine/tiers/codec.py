@@ -15,21 +15,14 @@ from typing import Any
 import torch
 
 from engine.kv.device_cache import DeviceCache
+from engine.tiers.unpacked_tag import UnpackedTag, bytes_of, nbytes_of
 
 _ALIGN = 64
+UNPACK_STEP_BYTES = 4 << 20  # the KV pages a restore copies per step, about: each runs once its bytes land
 
 
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    """A contiguous host tensor's bytes, zero copy (any dtype: numpy has no bfloat16)."""
-    return t.contiguous().view(-1).view(torch.uint8).numpy().data
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +39,9 @@ class StateCodec:
         self.cache = cache
         self.page_size = cache.page_size
         self.vocab_size = vocab_size
-        self.recurrent_bytes = _nbytes(cache.recurrent[0]) if cache.recurrent.shape[0] else 0
-        self.conv_bytes = _nbytes(cache.conv[0]) if cache.conv.shape[0] else 0
-        self.page_bytes = _nbytes(cache.kv[0])
+        self.recurrent_bytes = nbytes_of(cache.recurrent[0]) if cache.recurrent.shape[0] else 0
+        self.conv_bytes = nbytes_of(cache.conv[0]) if cache.conv.shape[0] else 0
+        self.page_bytes = nbytes_of(cache.kv[0])
         self.logits_bytes = 4 * vocab_size  # logits are fp32 (the model returns them so)
 
     @property
@@ -96,7 +89,7 @@ class StateCodec:
 
     @staticmethod
     def _view(arena: torch.Tensor, start: int, like: torch.Tensor, count: int | None = None) -> torch.Tensor:
-        n = _nbytes(like) * (count or 1)
+        n = nbytes_of(like) * (count or 1)
         shape = like.shape if count is None else (count, *like.shape)
         return arena[start:start + n].view(like.dtype).view(shape)
 
@@ -146,35 +139,33 @@ class StateCodec:
         bytes changed in the arena after the copy are not in it, and bytes changed before fail
         it (checking the arena first and copying after would leave that window open).
         CPU caches only: the copies are host memory."""
+        self.unpacked_tag(hasher, arena, offset, tokens, nbytes, slot, pages).finish(logits)
+
+    def unpacked_tag(self, hasher: Any, arena: torch.Tensor, offset: int, tokens: int, nbytes: int,
+                     slot: int | None, pages: list[int], step_bytes: int | None = None) -> UnpackedTag:
+        """`hash_unpacked` in parts (engine/tiers/unpacked_tag.py): with `step_bytes`, the pages are
+        cut where `unpack_steps(..., step_bytes)` cuts them, so `through(end)` after each step's copy
+        hashes that copy; without, each run of consecutive pages is one (threaded) update."""
         c, s = self.cache, self.sections(tokens)
-        fed = 0
-
-        def arena_to(end: int) -> None:
-            nonlocal fed
-            if end > fed:
-                hasher.update(_bytes(arena[offset + fed:offset + end]))
-                fed = end
-
-        def copy(start: int, t: torch.Tensor) -> None:
-            nonlocal fed
-            arena_to(start)
-            hasher.update(_bytes(t))
-            fed = start + _nbytes(t)
-
+        pieces: list[tuple[int, torch.Tensor]] = []
         if self.recurrent_bytes and slot is not None:
-            copy(s.recurrent, c.recurrent[slot])
+            pieces.append((s.recurrent, c.recurrent[slot]))
         if self.conv_bytes and slot is not None:
-            copy(s.conv, c.conv[slot])
-        i = 0
-        while i < len(pages):  # a run of consecutive pages is one contiguous block: one (threaded) update
-            run = 1
-            while i + run < len(pages) and pages[i + run] == pages[i] + run:
-                run += 1
-            copy(s.kv + i * self.page_bytes, c.kv[pages[i]:pages[i] + run])
-            i += run
-        if logits is not None:
-            copy(s.logits, logits)
-        arena_to(nbytes)
+            pieces.append((s.conv, c.conv[slot]))
+        per_step = self._pages_per_step(step_bytes, len(pages)) if step_bytes else len(pages) or 1
+        for first in range(0, len(pages), per_step):
+            part = pages[first:first + per_step]
+            i = 0
+            while i < len(part):  # a run of consecutive pages is one contiguous block: one update
+                run = 1
+                while i + run < len(part) and part[i + run] == part[i] + run:
+                    run += 1
+                pieces.append((s.kv + (first + i) * self.page_bytes, c.kv[part[i]:part[i] + run]))
+                i += run
+        return UnpackedTag(hasher, arena, offset, pieces, s.logits, nbytes)
+
+    def _pages_per_step(self, step_bytes: int, num_pages: int) -> int:
+        return max(1, step_bytes // self.page_bytes) if self.page_bytes else num_pages or 1
 
     def write_logits(self, arena: torch.Tensor, offset: int, tokens: int, logits: torch.Tensor) -> None:
         s = self.sections(tokens)
@@ -193,7 +184,7 @@ class StateCodec:
         return logits
 
     def unpack_steps(self, arena: torch.Tensor, offset: int, tokens: int, nbytes: int, slot: int | None,
-                     pages: list[int], step_bytes: int = 4 << 20) -> list[tuple[int, Callable[[], torch.Tensor | None]]]:
+                     pages: list[int], step_bytes: int = UNPACK_STEP_BYTES) -> list[tuple[int, Callable[[], torch.Tensor | None]]]:
         """`unpack` as copies in arena order, each with the end of the bytes it reads (relative to
         `offset`): a restore runs each once those bytes have landed. The KV pages go in runs of
         about `step_bytes`; the last step returns the logits (None if not stored), the others None."""
@@ -213,7 +204,7 @@ class StateCodec:
                 self._view(arena, offset + s.recurrent, c.recurrent[slot])))
         if self.conv_bytes:
             step(s.conv + self.conv_bytes, lambda: c.conv[slot].copy_(self._view(arena, offset + s.conv, c.conv[slot])))
-        run = max(1, step_bytes // self.page_bytes) if self.page_bytes else len(pages) or 1
+        run = self._pages_per_step(step_bytes, len(pages))
         for first in range(0, len(pages), run):
             part = pages[first:first + run]
 

@@ -37,7 +37,7 @@ from engine.facts import RequestClass, ReuseKind, ReuseTier
 from engine.kv.chain_hash import BlockHash, state_matches, state_name
 from engine.proto_convert import request_class_pb, reuse_kind, reuse_kind_pb, reuse_tier
 from engine.tiers.client import TierClient
-from engine.tiers.codec import StateCodec
+from engine.tiers.codec import UNPACK_STEP_BYTES, StateCodec
 from engine.tiers.integrity import IntegrityKey
 from ignis.v1 import common_pb2, tierstore_pb2
 
@@ -361,19 +361,26 @@ class TierLink:
                 ok = self.key.verify(tag, hit.state_hash, namespace, meta.tokens,
                                      self.client.arena_bytes(ext.offset, meta.nbytes))
             logits = None
+            # On a CPU cache the tag is checked on what was copied (codec.hash_unpacked says why); a
+            # restore from disk hashes each copy as it is made, between the reads it waits on
+            # (engine/tiers/unpacked_tag.py), a claim from RAM all at once after its copies.
+            feed = None
+            if ok and on_host and arena is not None:
+                feed = self.codec.unpacked_tag(self.key.hasher(hit.state_hash, namespace, meta.tokens, meta.nbytes),
+                                               arena, ext.offset, meta.tokens, meta.nbytes, slot, pages,
+                                               UNPACK_STEP_BYTES if stream is not None else None)
             if ok and arena is not None:
                 steps = self.codec.unpack_steps(arena, ext.offset, meta.tokens, meta.nbytes, slot, pages)
-                landed, logits = _copy_as_landed(steps, ready, stream)
+                landed, logits = _copy_as_landed(steps, ready, stream,
+                                                 feed.through if feed is not None and stream is not None else None)
                 if not landed:  # the store failed the restore (a bad blob, a failing disk): nothing copied counts
                     self.restore_failures += 1
                     return None
                 self.restores_streamed += stream is not None
-            if ok and on_host and arena is not None:
-                # Checked on what was copied (codec.hash_unpacked says why); a failed check leaves
-                # the slot and the fresh pages to a cold prefill, which overwrites them.
-                hashed = self.key.hasher(hit.state_hash, namespace, meta.tokens, meta.nbytes)
-                self.codec.hash_unpacked(hashed, arena, ext.offset, meta.tokens, meta.nbytes, slot, pages, logits)
-                ok = self.key.matches(tag, hashed)
+            if ok and feed is not None:
+                # A failed check leaves the slot and the fresh pages to a cold prefill, which overwrites them.
+                feed.finish(logits)
+                ok = self.key.matches(tag, feed.hasher)
             if not ok:
                 self.restore_failures += 1
                 self.rejected += 1
@@ -394,17 +401,24 @@ class TierLink:
 
 
 def _copy_as_landed(steps: list[tuple[int, Callable[[], torch.Tensor | None]]], ready: int,
-                    more: Iterator[tierstore_pb2.AcquireProgress] | None) -> tuple[bool, torch.Tensor | None]:
+                    more: Iterator[tierstore_pb2.AcquireProgress] | None,
+                    copied: Callable[[int], None] | None = None) -> tuple[bool, torch.Tensor | None]:
     """Runs each copy of `steps` once the bytes it reads have landed (`ready`, then each message of
     `more` until one says verified; all at once without `more`): (whether every byte was read and
-    checked by the store, the logits the last step returned). False: the stream ended in an error."""
+    checked by the store, the logits the last step returned). False: the stream ended in an error.
+    `copied(end)` after each round of copies: the copies of the bytes before `end` are made."""
     logits = None
     i = 0
+    done = 0
     verified = more is None
     while True:
+        ran = i
         while i < len(steps) and (verified or steps[i][0] <= ready):
             logits = steps[i][1]()
+            done = max(done, steps[i][0])
             i += 1
+        if copied is not None and i > ran:
+            copied(done)
         if i == len(steps) and verified:
             return True, logits
         assert more is not None

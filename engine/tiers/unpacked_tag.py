@@ -1,0 +1,66 @@
+"""Feeding a restored state's integrity tag the bytes the engine copied, as it copies them.
+
+A tag checked on a CPU cache covers exactly what is used (StateCodec.hash_unpacked): each
+section the restore copied is read from the copy, the rest of the blob (alignment, pages
+past a prefix, logits not taken) from the arena, all in arena order. A claim from RAM
+copies everything first and hashes after, in a few large updates (fastest: the BLAKE3
+threads and torch's OpenMP team never run at once). A restore from disk waits on the
+read between its copies, so it hashes each copy as it is made: the check then costs
+the last copy's hash instead of a pass over the whole state after the read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def bytes_of(t: torch.Tensor) -> memoryview:
+    """A contiguous host tensor's bytes, zero copy (any dtype: numpy has no bfloat16)."""
+    return t.contiguous().view(-1).view(torch.uint8).numpy().data
+
+
+class UnpackedTag:
+    def __init__(self, hasher: Any, arena: torch.Tensor, offset: int, pieces: list[tuple[int, torch.Tensor]],
+                 logits_at: int, nbytes: int) -> None:
+        """`pieces`: (start relative to `offset`, the copy of those bytes), in arena order; the
+        logits, if copied, come to `finish` (they exist only after the last copy)."""
+        self.hasher = hasher
+        self._arena = arena
+        self._offset = offset
+        self._pieces = pieces
+        self._logits_at = logits_at
+        self._nbytes = nbytes
+        self._fed = 0  # the state's bytes the hasher has, from its start
+        self._next = 0  # the first piece not yet fed
+
+    def through(self, end: int) -> None:
+        """Feed every piece that ends by `end`: call it once the copies of the bytes before `end` are made."""
+        while self._next < len(self._pieces):
+            start, copy = self._pieces[self._next]
+            if start + nbytes_of(copy) > end:
+                return
+            self._copied(start, copy)
+            self._next += 1
+
+    def finish(self, logits: torch.Tensor | None) -> None:
+        """Feed the rest, `logits` (the copy the restore returned, if any) included."""
+        self.through(self._nbytes)
+        if logits is not None:
+            self._copied(self._logits_at, logits)
+        self._arena_to(self._nbytes)
+
+    def _copied(self, start: int, copy: torch.Tensor) -> None:
+        self._arena_to(start)
+        self.hasher.update(bytes_of(copy))
+        self._fed = start + nbytes_of(copy)
+
+    def _arena_to(self, end: int) -> None:
+        if end > self._fed:
+            self.hasher.update(bytes_of(self._arena[self._offset + self._fed:self._offset + end]))
+            self._fed = end
