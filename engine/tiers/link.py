@@ -371,8 +371,7 @@ class TierLink:
                                                UNPACK_STEP_BYTES if stream is not None else None)
             if ok and arena is not None:
                 steps = self.codec.unpack_steps(arena, ext.offset, meta.tokens, meta.nbytes, slot, pages)
-                landed, logits = _copy_as_landed(steps, ready, stream,
-                                                 feed.through if feed is not None and stream is not None else None)
+                landed, logits = _copy_as_landed(steps, ready, stream, feed.through if feed is not None else None)
                 if not landed:  # the store failed the restore (a bad blob, a failing disk): nothing copied counts
                     self.restore_failures += 1
                     return None

@@ -11,6 +11,7 @@ the last copy's hash instead of a pass over the whole state after the read.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,24 +26,23 @@ def bytes_of(t: torch.Tensor) -> memoryview:
     return t.contiguous().view(-1).view(torch.uint8).numpy().data
 
 
+@dataclass(slots=True)
 class UnpackedTag:
-    def __init__(self, hasher: Any, arena: torch.Tensor, offset: int, pieces: list[tuple[int, torch.Tensor]],
-                 logits_at: int, nbytes: int) -> None:
-        """`pieces`: (start relative to `offset`, the copy of those bytes), in arena order; the
-        logits, if copied, come to `finish` (they exist only after the last copy)."""
-        self.hasher = hasher
-        self._arena = arena
-        self._offset = offset
-        self._pieces = pieces
-        self._logits_at = logits_at
-        self._nbytes = nbytes
-        self._fed = 0  # the state's bytes the hasher has, from its start
-        self._next = 0  # the first piece not yet fed
+    """`pieces`: (start relative to `offset`, the copy of those bytes), in arena order; the
+    logits, if copied, come to `finish` (they exist only after the last copy)."""
+    hasher: Any
+    arena: torch.Tensor
+    offset: int
+    pieces: list[tuple[int, torch.Tensor]]
+    logits_at: int
+    nbytes: int
+    _fed: int = field(default=0, init=False)  # the state's bytes the hasher has, from its start
+    _next: int = field(default=0, init=False)  # the first piece not yet fed
 
     def through(self, end: int) -> None:
         """Feed every piece that ends by `end`: call it once the copies of the bytes before `end` are made."""
-        while self._next < len(self._pieces):
-            start, copy = self._pieces[self._next]
+        while self._next < len(self.pieces):
+            start, copy = self.pieces[self._next]
             if start + nbytes_of(copy) > end:
                 return
             self._copied(start, copy)
@@ -50,10 +50,10 @@ class UnpackedTag:
 
     def finish(self, logits: torch.Tensor | None) -> None:
         """Feed the rest, `logits` (the copy the restore returned, if any) included."""
-        self.through(self._nbytes)
+        self.through(self.nbytes)
         if logits is not None:
-            self._copied(self._logits_at, logits)
-        self._arena_to(self._nbytes)
+            self._copied(self.logits_at, logits)
+        self._arena_to(self.nbytes)
 
     def _copied(self, start: int, copy: torch.Tensor) -> None:
         self._arena_to(start)
@@ -62,5 +62,5 @@ class UnpackedTag:
 
     def _arena_to(self, end: int) -> None:
         if end > self._fed:
-            self.hasher.update(bytes_of(self._arena[self._offset + self._fed:self._offset + end]))
+            self.hasher.update(bytes_of(self.arena[self.offset + self._fed:self.offset + end]))
             self._fed = end
