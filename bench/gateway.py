@@ -9,18 +9,23 @@
   stream's tokens over the round's wall time, first token included) with 1,
   32 and 256 concurrent streams, as Server-Sent Events through the gateway
   versus the gRPC stream itself; the
-  gateway's CPU time per streamed token; streams that failed (an error, a
-  short stream) at each width.
+  gateway's CPU time per streamed token, and each client's (this process's)
+  CPU time per token; streams that failed (an error, a short stream) at each
+  width.
 - Variants: one gateway per variant (`--variant NAME=FLAGS`; by default the
   gateway as shipped and the gateway on asyncio's own event loop), all in
   front of the same engine, each phase interleaving direct / variant 1 /
   variant 2 ..., so a library's effect is measured side by side.
 
 It starts its own engine and gateway processes (bench/launch.py) on loopback;
-all processes (and this client, which parses SSE in Python) share this
-machine's cores, as they would on one host. On a small machine the streaming
-ratio is mostly that contention; the gateway's own CPU time is read from
-/proc (every thread's schedstat, in nanoseconds) around each request or round.
+all processes (and this client) share this machine's cores, as they would on
+one host. On a small machine the streaming ratio is mostly that contention, so
+the streams' client is as lean as the gRPC one: aiohttp (its HTTP parser in C;
+httpx cost ~4.5x its CPU per token, ~2.5x grpc.aio's, and on 2 cores that CPU
+was taken from the engine) with orjson per event, and the table shows each
+client's CPU per token beside the gateway's. The gateway's own CPU time is read
+from /proc (every thread's schedstat, in nanoseconds) around each request or
+round.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import httpx
 import numpy as np
+import orjson
 
 from bench.launch import Service, launch_engine, launch_gateway
 from bench.table import markdown, save
@@ -143,22 +150,22 @@ async def _grpc_stream(stub: engine_pb2_grpc.EngineStub, model: str, prompt: str
     return Stream(_rate(count, first, last), count, "" if count == tokens else f"{count} of {tokens} tokens")
 
 
-async def _sse_stream(http: httpx.AsyncClient, model: str, prompt: str, tokens: int) -> Stream:
+async def _sse_stream(http: aiohttp.ClientSession, model: str, prompt: str, tokens: int) -> Stream:
     body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     first = last = 0.0
     count = 0
     done = False
     try:
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                return Stream(error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
-            async for line in response.aiter_lines():
-                if line == "data: [DONE]":
+        async with http.post("/v1/completions", json=body) as response:
+            if response.status != 200:
+                return Stream(error=f"HTTP {response.status}: {(await response.read())[:200]!r}")
+            async for line in response.content:  # one line a read: SSE events are "data: ...\n\n"
+                if line.startswith(b"data: [DONE]"):
                     done = True
-                if not line.startswith("data: ") or done:
+                if not line.startswith(b"data: ") or done:
                     continue
-                chunk = json.loads(line[6:])
+                chunk = orjson.loads(line[6:])
                 if "error" in chunk:
                     return Stream(error=str(chunk["error"])[:200])
                 if chunk.get("choices") and chunk["choices"][0]["text"]:
@@ -166,7 +173,7 @@ async def _sse_stream(http: httpx.AsyncClient, model: str, prompt: str, tokens: 
                     first = first or last
                 if chunk.get("usage"):
                     count = chunk["usage"]["completion_tokens"]
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return Stream(error=f"{type(exc).__name__}: {exc}")
     error = "" if count == tokens and done else f"{count} of {tokens} tokens, [DONE] {'seen' if done else 'missing'}"
     return Stream(_rate(count, first, last), count, error)
@@ -176,7 +183,8 @@ async def _sse_stream(http: httpx.AsyncClient, model: str, prompt: str, tokens: 
 class Rounds:
     rates: list[float] = field(default_factory=list)  # mean per-stream rate of each round
     totals: list[float] = field(default_factory=list)  # every stream's tokens over the round's wall time
-    cpu: float = 0.0
+    cpu: float = 0.0  # the gateway's
+    client_cpu: float = 0.0  # this process's: the streams' client
     tokens: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -196,31 +204,37 @@ async def stream_rates(engine: str, gateways: list[Gateway], model: str, streams
     prompts = [f"Stream {i} of {streams}: tell me about caches." for i in range(streams)]
     direct = Rounds()
     through = {g.name: Rounds() for g in gateways}
-    limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
-    clients = {g.name: httpx.AsyncClient(base_url=f"http://{g.service.address}", timeout=600, limits=limits)
+    timeout = aiohttp.ClientTimeout(total=600)
+    clients = {g.name: aiohttp.ClientSession(base_url=f"http://{g.service.address}", timeout=timeout,
+                                             connector=aiohttp.TCPConnector(limit=streams + 8))
                for g in gateways}
     try:
         async with grpc.aio.insecure_channel(engine) as channel:
             stub = engine_pb2_grpc.EngineStub(channel)
             for _ in range(repeats):
+                mine = time.process_time()  # every thread of this process: grpc's own included
                 t = time.perf_counter()
                 results = await asyncio.gather(*(_grpc_stream(stub, model, p, tokens) for p in prompts))
                 direct.add(list(results), time.perf_counter() - t)
+                direct.client_cpu += time.process_time() - mine
                 for g in gateways:
-                    c = cpu_seconds(g.pid)
+                    c, mine = cpu_seconds(g.pid), time.process_time()
                     t = time.perf_counter()
                     results = await asyncio.gather(*(_sse_stream(clients[g.name], model, p, tokens)
                                                      for p in prompts))
                     elapsed = time.perf_counter() - t
                     through[g.name].cpu += cpu_seconds(g.pid) - c
+                    through[g.name].client_cpu += time.process_time() - mine
                     through[g.name].add(list(results), elapsed)
     finally:
         for client in clients.values():
-            await client.aclose()
+            await client.close()
     out: dict[str, Any] = {"streams": streams, "tokens": tokens, "repeats": repeats,
                            "direct_tokens_per_s": float(np.median(direct.rates)), "direct_rounds": direct.rates,
                            "direct_total_tokens_per_s": float(np.median(direct.totals)),
-                           "direct_errors": len(direct.errors), "gateways": {}}
+                           "direct_errors": len(direct.errors),
+                           "direct_client_cpu_us_per_token": direct.client_cpu / direct.tokens * 1e6 if direct.tokens else 0.0,
+                           "gateways": {}}
     for g in gateways:
         r = through[g.name]
         rate = float(np.median(r.rates))
@@ -231,6 +245,7 @@ async def stream_rates(engine: str, gateways: list[Gateway], model: str, streams
             "total_tokens_per_s": total, "total_rounds": r.totals,
             "total_ratio": total / out["direct_total_tokens_per_s"] if out["direct_total_tokens_per_s"] else 0.0,
             "gateway_cpu_us_per_token": r.cpu / r.tokens * 1e6 if r.tokens else 0.0,
+            "client_cpu_us_per_token": r.client_cpu / r.tokens * 1e6 if r.tokens else 0.0,
             "errors": len(r.errors), "error_samples": sorted(set(r.errors))[:5]}
     return out
 
@@ -262,6 +277,8 @@ def _rows(latency: dict[str, Any], rates: list[dict[str, Any]], names: list[str]
                      *(f"{g[n]['total_tokens_per_s']:.3g} (x{g[n]['total_ratio']:.3f})" for n in names)])
         rows.append([f"gateway CPU per streamed token, {s} (us)", "",
                      *(g[n]["gateway_cpu_us_per_token"] for n in names)])
+        rows.append([f"client CPU per streamed token, {s} (us)", r["direct_client_cpu_us_per_token"],
+                     *(g[n]["client_cpu_us_per_token"] for n in names)])
         rows.append([f"failed streams of {s} x {r['repeats']}", r["direct_errors"], *(g[n]["errors"] for n in names)])
     return rows
 
