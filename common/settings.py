@@ -190,6 +190,8 @@ class KvDiskSettings(_Section):
     NAME: ClassVar[str] = "kv_disk"
     bytes: int = setting(4 * GiB, parse_size, minimum=0, doc="disk tier budget (bytes); 0 turns it off")
     path: str = setting("~/.cache/ignis/kv-disk", parse_path, doc="folder of the disk tier")
+    copy_ahead: bool = setting(True, parse_bool, doc="write each KV-RAM state's disk copy in the background while "
+                               "the disk has free room, so RAM pressure frees a copied state without a write")
 
     def check(self) -> None:
         if self.bytes > 0 and not self.path:

@@ -19,6 +19,7 @@ from common.settings import Settings, default_tierstore_socket, parse_service_ar
 from common.tracing import run_traced
 from common.metrics import serve_metrics
 from tierstore.auth import SocketLock, load_secret, private_dir
+from tierstore.copy_ahead import CopyAhead
 from tierstore.match_socket import MatchSocket
 from tierstore.metrics import store_registry
 from tierstore.server import TierStoreService, create_server, set_serving, set_tier_health
@@ -109,7 +110,8 @@ async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = Fa
     config = StoreConfig(arena_bytes=settings.reuse.kv_host_pool_bytes, disk_path=settings.kv_disk.path,
                          disk_bytes=settings.kv_disk.bytes,
                          interactive_ttl=settings.reuse.retained_interactive_ttl,
-                         lease_seconds=args.lease_seconds, reservation_seconds=args.reservation_seconds)
+                         lease_seconds=args.lease_seconds, reservation_seconds=args.reservation_seconds,
+                         copy_ahead=settings.kv_disk.copy_ahead)
     try:
         store = await asyncio.to_thread(TierStore, config)  # reconciles the disk tier: may take a moment
     except (OSError, ValueError) as exc:
@@ -173,6 +175,8 @@ async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = Fa
             await set_tier_health(health, await asyncio.to_thread(store.stats))  # the lock may wait on I/O
 
     sweeper = asyncio.ensure_future(sweep())
+    copier = CopyAhead(store)
+    copier.start()
     await stop.wait()
     log.info("shutting down: finishing in-flight calls for up to %.0fs", args.grace)
     await set_serving(health, False)
@@ -180,6 +184,7 @@ async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = Fa
     sweeper.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await sweeper
+    await asyncio.to_thread(copier.stop)  # its copy in flight is published or dropped before the store closes
     if match_socket is not None:
         match_socket.close()
     if metrics is not None:

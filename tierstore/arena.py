@@ -147,6 +147,11 @@ class Arena:
     def free(self, extent: Extent) -> None:
         self.allocator.free(extent)
 
+    def reader(self) -> int:
+        """A descriptor of the arena file of its own (the caller closes it): reads through it see a
+        truncated file as a short read, where the mapping would be SIGBUS; it outlives `close`."""
+        return os.dup(self._lock_fd)
+
     def slice(self, offset: int, nbytes: int) -> memoryview:
         """The arena bytes [offset, offset + nbytes), zero copy."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:

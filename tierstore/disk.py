@@ -4,6 +4,7 @@ Layout under ``kv_disk.path`` (folders 0700, files 0600)::
 
     blobs/<32 hex digits>        a state: a header describing it, then its bytes (tierstore/blob.py)
     blobs/<32 hex digits>.tmp    a write in progress (removed at start)
+    blobs/<32 hex digits>.copy.tmp   a copy ahead of need in progress (removed at start)
     index/                       LMDB (tierstore/index.py)
     index.damaged-<time>/        an index found unreadable, moved aside; a new one was rebuilt from the blobs
 
@@ -32,7 +33,7 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -52,6 +53,7 @@ T = TypeVar("T")
 
 _CHUNK = 8 << 20  # bytes per write/hash step: large sequential I/O without a second full copy
 _TMP = ".tmp"
+_COPY_TMP = ".copy.tmp"  # a copy ahead of need, written outside the store's lock beside a spill's own temp file
 ERROR_LOG_INTERVAL = 30.0  # seconds between two log lines about a failing disk
 RETRY_SECONDS = 5.0  # while the disk fails, the store tries it again this often
 _FAULTS = (OSError, lmdb.Error, IndexDamaged)
@@ -60,7 +62,34 @@ _FAULTS = (OSError, lmdb.Error, IndexDamaged)
 _DAMAGE = (IndexDamaged, lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError,
            lmdb.VersionMismatchError, lmdb.IncompatibleError, lmdb.BadValsizeError)
 
-__all__ = ["DiskFault", "DiskIO", "DiskRecord", "DiskTier", "ReconcileReport"]
+__all__ = ["DiskFault", "DiskIO", "DiskRecord", "DiskTier", "FileRange", "ReconcileReport", "SourceShrank",
+           "StagedBlob"]
+
+
+@dataclass(frozen=True, slots=True)
+class StagedBlob:
+    """A blob written and fsynced under its temp name, not yet renamed nor indexed (`DiskTier.stage`)."""
+
+    placed: DiskRecord
+    tmp: Path
+    digest: bytes  # xxh3_128 of the state's bytes as written
+
+
+def _check_length(info: StateInfo, data: memoryview | bytes) -> None:
+    if len(data) != info.nbytes:
+        raise ValueError(f"{len(data)} bytes given for a {info.nbytes}-byte state: this is a bug")
+
+
+@dataclass(frozen=True, slots=True)
+class FileRange:
+    """Bytes of an open file from `offset` on, read by descriptor (DiskIO.write_file_from)."""
+
+    fd: int
+    offset: int
+
+
+class SourceShrank(Exception):
+    """The file a copy read from ended before the bytes it was to copy (truncated under it)."""
 
 
 class DiskFault(Exception):
@@ -80,12 +109,33 @@ class DiskIO:
     def write_file(self, path: Path, header: bytes, data: memoryview | bytes) -> bytes:
         """Writes ``header`` then ``data`` to ``path`` (0600) and fsyncs; returns the xxh3_128 of ``data``."""
         view = memoryview(data).cast("B")
+        return self._write(path, header, (view[pos:pos + _CHUNK] for pos in range(0, len(view), _CHUNK)))
+
+    def write_file_from(self, path: Path, header: bytes, source: FileRange, nbytes: int) -> bytes:
+        """As `write_file`, the data read from ``source`` by pread, a chunk at a time: a file that shrinks
+        meanwhile (an arena truncated under the store) is a short read, SourceShrank, where reading it
+        through a mapping would be SIGBUS."""
+        buffer = memoryview(bytearray(min(_CHUNK, nbytes)))
+
+        def chunks() -> Iterator[memoryview]:
+            for pos in range(0, nbytes, _CHUNK):
+                chunk = buffer[:min(_CHUNK, nbytes - pos)]
+                got = 0
+                while got < len(chunk):
+                    n = os.preadv(source.fd, [chunk[got:]], source.offset + pos + got)
+                    if n == 0:
+                        raise SourceShrank(f"the source ended {pos + got} bytes into a {nbytes}-byte copy")
+                    got += n
+                yield chunk
+
+        return self._write(path, header, chunks())
+
+    def _write(self, path: Path, header: bytes, chunks: Iterable[memoryview]) -> bytes:
         hasher = xxhash.xxh3_128()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             _write_all(fd, memoryview(header))
-            for pos in range(0, len(view), _CHUNK):
-                chunk = view[pos:pos + _CHUNK]
+            for chunk in chunks:
                 hasher.update(chunk)
                 _write_all(fd, chunk)
             os.fsync(fd)
@@ -227,29 +277,63 @@ class DiskTier:
         Raises DiskFault when the disk fails: nothing is stored.
         """
         info = record.info
-        if len(data) != info.nbytes:
-            raise ValueError(f"{len(data)} bytes given for a {info.nbytes}-byte state: this is a bug")
+        _check_length(info, data)
         if info.hash in self._records:
             raise RuntimeError(f"state {short(info.hash)} is already on disk: this is a bug")
-        if info.hash in self._pending:  # its old blob must be gone before a new one takes the name
-            self._finish(info.hash)
         placed, header = with_header(record, registration)
-        size = placed.blob_bytes
-        if self.used_bytes + size > self.budget:
+        if not self._room_for(placed):
             return False  # capacity is a return value, not an error
-        final = self._blob_path(info.hash)
-        tmp = final.with_name(final.name + _TMP)
+        tmp = self._temp_path(info.hash, _TMP)
         try:
             digest = self._io.write_file(tmp, header, data)
         except OSError as exc:
             self._discard(tmp)
             raise self._failed("writing a blob", exc) from None
-        if digest != info.checksum:
+        return self._place(StagedBlob(placed, tmp, digest))
+
+    def stage(self, record: DiskRecord, source: FileRange, registration: bytes = b"") -> StagedBlob:
+        """Writes and fsyncs a state's blob, read from ``source``, under a temp name of its own, touching
+        nothing else here: the store runs it outside its lock (a copy ahead of need); `place_staged`
+        publishes it under the lock. Raises OSError (`failed_write` counts it) or SourceShrank, the
+        temp file removed."""
+        placed, header = with_header(record, registration)
+        tmp = self._temp_path(record.info.hash, _COPY_TMP)
+        try:
+            digest = self._io.write_file_from(tmp, header, source, record.info.nbytes)
+        except (OSError, SourceShrank):
+            self._discard(tmp)
+            raise
+        return StagedBlob(placed, tmp, digest)
+
+    def failed_write(self, exc: OSError) -> DiskFault:
+        """Counts and logs a `stage` that failed, as a failed `put` is."""
+        return self._failed("writing a blob", exc)
+
+    def place_staged(self, staged: StagedBlob) -> bool:
+        """Renames and indexes a staged blob (as `put` ends); False, the blob removed, if the state is on
+        disk already or the budget no longer has room. DataLoss / DiskFault as `put`."""
+        if staged.placed.info.hash in self._records or not self._room_for(staged.placed):
+            self._discard(staged.tmp)
+            return False
+        return self._place(staged)
+
+    def discard_staged(self, staged: StagedBlob) -> None:
+        self._discard(staged.tmp)
+
+    def _room_for(self, placed: DiskRecord) -> bool:
+        if placed.info.hash in self._pending:  # its old blob must be gone before a new one takes the name
+            self._finish(placed.info.hash)
+        return self.used_bytes + placed.blob_bytes <= self.budget
+
+    def _place(self, staged: StagedBlob) -> bool:
+        placed, tmp = staged.placed, staged.tmp
+        info, size = placed.info, placed.blob_bytes
+        if staged.digest != info.checksum:
             self._discard(tmp)
             self.checksum_failures += 1
             raise DataLoss(f"state {short(info.hash)} changed in the arena after commit; not written")
         try:
-            self._io.rename(tmp, final)
+            self._io.rename(tmp, self._blob_path(info.hash))
             self._io.fsync_dir(self.blobs)
             self._commit(lambda txn: self._index_put(txn, placed))
         except _FAULTS as exc:  # never indexed: the blob goes (or waits for a retry, counted)
@@ -403,6 +487,9 @@ class DiskTier:
 
     def _blob_path(self, hash: bytes) -> Path:
         return self.blobs / hash.hex()
+
+    def _temp_path(self, hash: bytes, suffix: str) -> Path:
+        return self.blobs / (hash.hex() + suffix)
 
     def _discard(self, path: Path) -> None:
         try:

@@ -3,7 +3,8 @@
 Gauges ``ignis_kv_ram_arena_bytes{kind="used|total"}``, ``ignis_kv_disk_bytes{kind="used|total"}``,
 ``ignis_kv_states{tier="ram|disk"}``, ``ignis_kv_leases_active``, ``ignis_kv_reservations_pending``;
 counters ``ignis_kv_spills_total``, ``ignis_kv_restores_total``, ``ignis_kv_evictions_total``,
-``ignis_kv_checksum_failures_total``, ``ignis_kv_protected_refusals_total``.
+``ignis_kv_checksum_failures_total``, ``ignis_kv_protected_refusals_total``,
+``ignis_kv_copies_ahead_total`` (RAM states given their disk copy ahead of need).
 
 Faults: gauges ``ignis_kv_tier_usable{tier="ram|disk"}`` (0 while the arena cannot be
 recreated, or the disk fails); counters ``ignis_kv_disk_errors_total``,
@@ -47,6 +48,8 @@ class StoreCollector(Collector):
         for name, doc, value in (
             ("ignis_kv_spills", "States moved from KV-RAM to KV-disk", s.spills),
             ("ignis_kv_restores", "States brought from KV-disk back to KV-RAM", s.restores),
+            ("ignis_kv_copies_ahead", "KV-RAM states given their KV-disk copy ahead of need (kv_disk.copy_ahead)",
+             s.copies_ahead),
             ("ignis_kv_evictions", "States dropped from their last tier to make room", s.evictions),
             ("ignis_kv_checksum_failures", "Blobs that failed their checksum (dropped, never served)",
              s.checksum_failures),

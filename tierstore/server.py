@@ -83,7 +83,8 @@ def stats_message(s: StoreStats) -> tierstore_pb2.StatsResponse:
         reservations_pending=s.reservations_pending, spills=s.spills, restores=s.restores, evictions=s.evictions,
         protected_refusals=s.protected_refusals, disk_usable=s.disk_usable, disk_errors=s.disk_errors,
         blobs_missing=s.blobs_missing, arena_recreations=s.arena_recreations, ram_states_lost=s.ram_states_lost,
-        arena_path=s.arena_path, instance_id=s.instance_id, arena_usable=s.arena_usable)
+        arena_path=s.arena_path, instance_id=s.instance_id, arena_usable=s.arena_usable,
+        copies_ahead=s.copies_ahead)
 
 
 class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):

@@ -15,7 +15,12 @@
   reservation is refused and counted (``protected_refusals``): protection changes
   decisions, not only the order. A restore is live work: rank order alone.
 - A restored state keeps its disk copy (states are immutable), so spilling it
-  again only frees its extent.
+  again only frees its extent. Copies ahead of need (``kv_disk.copy_ahead``) make the
+  same true of states that were never on disk: `copy_ahead` writes the disk copy of
+  the RAM state next to leave, while the disk has free room, outside the lock, so a
+  restore or a Reserve under pressure frees a copied state's extent without a
+  write. When the disk needs room, such redundant copies go first: copies only ever
+  take room that was free.
 - Faults degrade, never take the store down: a failing disk (read-only, full,
   I/O errors; disk.py counts and logs them) is skipped by spills while RAM keeps
   serving; an arena file found truncated, deleted or replaced (checked every
@@ -24,7 +29,10 @@
   when a reply names the new instance.
 
 One lock guards everything; disk I/O runs under it, in the server's thread pool
-(so the asyncio loop stays free), which serializes moves.
+(so the asyncio loop stays free), which serializes moves. The exception is a copy
+ahead of need: its blob is written and fsynced outside the lock (a state's bytes
+never change after Commit), then renamed and indexed under it, if the state is
+still the one it copied.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -42,7 +51,7 @@ from pathlib import Path
 from common.eviction import EvictionOrder, Resident
 from ignis.v1 import common_pb2, tierstore_pb2
 from tierstore.arena import SHM_DIR, Arena, Extent, align_up
-from tierstore.disk import DiskFault, DiskIO, DiskRecord, DiskTier
+from tierstore.disk import DiskFault, DiskIO, DiskRecord, DiskTier, FileRange, SourceShrank, StagedBlob
 from tierstore.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from tierstore.policy import last_tier_room, resident
 from tierstore.registry import NamespaceRegistry, Registration
@@ -62,6 +71,7 @@ class StoreConfig:
     interactive_ttl: float = 300.0  # reuse.retained_interactive_ttl
     lease_seconds: float = 60.0  # an Acquire with lease_seconds 0 gets this
     reservation_seconds: float = 300.0  # a Reserve never committed is abandoned after this
+    copy_ahead: bool = True  # kv_disk.copy_ahead: `copy_ahead` writes RAM states' disk copies ahead of need
 
     def __post_init__(self) -> None:
         for name in ("interactive_ttl", "lease_seconds", "reservation_seconds"):
@@ -121,6 +131,7 @@ class StoreStats:
     blobs_missing: int = 0  # found deleted behind our back on read
     arena_recreations: int = 0
     ram_states_lost: int = 0  # only in an arena that had to be recreated
+    copies_ahead: int = 0  # RAM states given their disk copy ahead of need
     arena_path: str = ""
     instance_id: str = ""
     arena_usable: bool = True
@@ -178,6 +189,18 @@ class _LeaseEntry:
     from_match: bool = False  # taken by a Match: its hit is counted when it is released as used
 
 
+@dataclass(frozen=True, slots=True)
+class _CopyJob:
+    """A copy ahead of need in flight: which state, where its bytes were, what to write."""
+
+    state: _State
+    extent: Extent
+    generation: int  # the arena's: a recreated arena ends the copy unpublished
+    record: DiskRecord
+    registration: bytes
+    source: FileRange  # the arena file by a descriptor of the job's own: closed when the copy ends
+
+
 @dataclass(slots=True)
 class _Counters:
     spills: int = 0
@@ -187,6 +210,7 @@ class _Counters:
     protected_refusals: int = 0
     arena_recreations: int = 0
     ram_states_lost: int = 0
+    copies_ahead: int = 0
 
 
 class TierStore:
@@ -217,6 +241,8 @@ class TierStore:
         self._lease_ids = itertools.count(1)
         self._busy: set[bytes] = set()  # states being restored: their disk copy must stay
         self._zombies: dict[int, _State] = {}  # dropped while pinned: their extents wait for the last unpin
+        self._copying: bytes | None = None  # the state a copy ahead of need is writing now
+        self.copy_wanted = threading.Event()  # set by a Commit: a state may want its disk copy
         self._counters = _Counters()
         if self._disk is not None:  # what survived a restart is served again
             for rec in self._disk.records():
@@ -378,6 +404,7 @@ class TierStore:
                            now + res.protect_seconds if res.protect_seconds > 0 else 0.0, res.extent)
             self._add(state)
             self._index_ram(state)
+            self.copy_wanted.set()
             return state.info
 
     def acquire(self, hash: bytes, lease_seconds: float = 0.0,
@@ -508,7 +535,7 @@ class TierStore:
                 disk_errors=disk.errors if disk is not None else 0,
                 blobs_missing=disk.blobs_missing if disk is not None else 0,
                 arena_recreations=c.arena_recreations, ram_states_lost=c.ram_states_lost,
-                arena_path=str(self.arena.path), instance_id=self.instance_id, arena_usable=self._arena_fault is None,
+                copies_ahead=c.copies_ahead, arena_path=str(self.arena.path), instance_id=self.instance_id, arena_usable=self._arena_fault is None,
             )
 
     def list_states(self, namespaces: Iterable[bytes], offset: int = 0, limit: int = 100
@@ -531,6 +558,38 @@ class TierStore:
                                       self._order.is_protected(res, now), rank)
                       for rank, (state, res, _, hits, created) in enumerate(ranked)]
         return views[offset:offset + limit], len(views)
+
+    def copy_ahead(self) -> bool:
+        """Writes the disk copy of one RAM state that has none, the next to leave RAM first, if the disk
+        has free room for it (nothing is dropped for a copy); False when there is none to write.
+
+        The blob is written outside the lock, from the committed bytes (read from the arena file, not its
+        mapping: a file truncated meanwhile stops the copy instead of SIGBUS); it is published only if the state
+        is still where it was (not dropped, moved or in a recreated arena) and the bytes still match
+        their checksum (else, as a spill would, the state is dropped: it changed after Commit). The
+        service calls this from one thread of its own (tierstore/copy_ahead.py)."""
+        with self._lock:
+            job = self._next_copy()
+        if job is None:
+            return False
+        assert self._disk is not None
+        try:
+            staged = self._disk.stage(job.record, job.source, job.registration)
+        except SourceShrank as exc:  # the arena file was truncated: the next check recreates it
+            log.warning("a copy ahead of need of state=%s stopped: %s", short(job.record.info.hash), exc)
+            with self._lock:
+                self._copying = None
+            return True
+        except OSError as exc:
+            with self._lock:
+                self._copying = None
+                self._disk.failed_write(exc)
+            return True
+        finally:
+            os.close(job.source.fd)
+        with self._lock:
+            self._publish_copy(job, staged)
+        return True
 
     def check_integrity(self) -> None:
         """Arena, index and disk agree; raises AssertionError."""
@@ -710,6 +769,8 @@ class TierStore:
         need = disk.cost(incoming.info, registration)
         if need > disk.budget:
             return False
+        if disk.free_bytes() < need:
+            self._drop_copies(need, incoming.info.hash, now)
         held = ((self._states[r.info.hash], self._resident(self._states[r.info.hash]), r.blob_bytes)
                 for r in disk.records() if r.info.hash not in self._busy and r.info.hash != incoming.info.hash)
         victims = last_tier_room(self._order, self._resident(incoming), held, newcomer_interactive=newcomer_interactive,
@@ -728,6 +789,57 @@ class TierStore:
                 return False  # a removal the disk refused: its room stays counted until a retry frees it
             raise AssertionError("disk room was counted but not found: this is a bug")
         return True
+
+    def _next_copy(self) -> _CopyJob | None:
+        disk = self._disk
+        if disk is None or not self.config.copy_ahead or self._copying is not None or not disk.writable_now() \
+                or not self._check_arena():
+            return None
+        uncopied = [s for s in self._states.values() if s.extent is not None and s.info.hash not in disk]
+        now = self._clock()
+        for state in self._order.order(uncopied, now, resident=self._resident):
+            registration = self._registration(state.info.namespace)
+            if disk.cost(state.info, registration) > disk.free_bytes():
+                continue  # a copy never drops anything: a smaller state may still fit
+            assert state.extent is not None
+            self._copying = state.info.hash
+            return _CopyJob(state, state.extent, self._arena_generation,
+                            DiskRecord(state.info, state.last_used, state.protect_until), registration,
+                            FileRange(self.arena.reader(), state.extent.offset))
+        return None
+
+    def _publish_copy(self, job: _CopyJob, staged: StagedBlob) -> None:
+        assert self._disk is not None
+        self._copying = None
+        state = job.state
+        h = state.info.hash
+        if self._states.get(h) is not state or state.extent != job.extent \
+                or self._arena_generation != job.generation or h in self._disk:
+            self._disk.discard_staged(staged)  # dropped, moved down by a spill meanwhile, or its arena is gone
+            return
+        try:
+            if not self._disk.place_staged(staged):
+                return  # the disk's free room went to a spill meanwhile
+        except DataLoss as exc:  # the arena copy was corrupted after commit: it must not be served either
+            log.error("%s", exc)
+            self._forget(state)
+            return
+        except DiskFault:  # counted and logged by the disk tier; the state stays in RAM
+            return
+        self._counters.copies_ahead += 1
+        log.info("copied state=%s bytes=%d to disk ahead of need", short(h), state.info.nbytes)
+
+    def _drop_copies(self, need: int, keep: bytes, now: float) -> None:
+        """Frees disk room by removing the disk copies of states also in RAM (nothing is lost), the next
+        to leave RAM first, until `need` bytes are free."""
+        disk = self._disk
+        assert disk is not None
+        copies = [s for s in self._states.values() if s.extent is not None and s.info.hash in disk
+                  and s.info.hash not in self._busy and s.info.hash != keep]
+        for state in self._order.order(copies, now, resident=self._resident):
+            if disk.free_bytes() >= need:
+                return
+            disk.remove(state.info.hash)
 
     def _restore(self, state: _State, now: float, progress: Callable[[Extent, int], None] | None = None) -> bool:
         """Brings a disk state into the arena, checked; False if RAM has no room. DataLoss if the blob is bad.

@@ -1,0 +1,268 @@
+"""Copies ahead of need (kv_disk.copy_ahead): a RAM state's disk copy written in the background, so
+that leaving RAM later frees it without a write; what happens to a copy when the state changes
+under it (dropped, moved down, scribbled, its arena recreated); copies only take free disk room."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import test_tierstore_faults as service_side
+from tests.services import start_tierstore
+from tests.test_tierstore_store import (AGENT, DISK_SLOT, NS, SIZE, Clock, h, make_data, put, read_back,
+                                        where)
+from tierstore.client import TierStoreClient
+from tierstore.copy_ahead import CopyAhead
+from tierstore.disk import DiskIO, FileRange
+from tierstore.registry import Registration
+from tierstore.store import DISK, StoreConfig, TierStore
+
+KiB = 1024
+
+
+class CountingIO(DiskIO):
+    """Counts blob writes; `during_write` runs inside the next one (a copy's: the store's lock is not held)."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+        self.during_write: Callable[[], None] | None = None
+
+    def _started(self, path: Path) -> None:
+        self.writes.append(path.name)
+        hook, self.during_write = self.during_write, None
+        if hook is not None:
+            hook()
+
+    def write_file(self, path: Path, header: bytes, data: memoryview | bytes) -> bytes:
+        self._started(path)
+        return super().write_file(path, header, data)
+
+    def write_file_from(self, path: Path, header: bytes, source: FileRange, nbytes: int) -> bytes:
+        self._started(path)
+        return super().write_file_from(path, header, source, nbytes)
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def io() -> CountingIO:
+    return CountingIO()
+
+
+def make(tmp_path: Path, clock: Clock, io: DiskIO, *, ram: int = 3, disk: int = 10, copy_ahead: bool = True
+         ) -> TierStore:
+    store = TierStore(StoreConfig(ram * SIZE, str(tmp_path / "kv-disk"), disk * DISK_SLOT, lease_seconds=30,
+                                  reservation_seconds=60, copy_ahead=copy_ahead), clock=clock, disk_io=io)
+    store.register(Registration(NS, "m", 16, "layout-a", 1024, 0))
+    return store
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: Clock, io: CountingIO) -> Iterator[TierStore]:
+    s = make(tmp_path, clock, io)
+    yield s
+    s.check_integrity()
+    s.close()
+
+
+def blob_files(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "kv-disk" / "blobs").iterdir())
+
+
+def copy_all(store: TierStore) -> int:
+    copies = 0
+    while store.copy_ahead():
+        copies += 1
+    return copies
+
+
+def test_the_next_state_to_leave_is_copied_first_and_then_leaves_without_a_write(
+        store: TierStore, clock: Clock, io: CountingIO) -> None:
+    for name in ("a", "b", "c"):
+        put(store, name, cls=AGENT)
+        clock.t += 1
+    read_back(store, "a")  # a is now the most recent: b leaves first, then c, then a
+    assert store.copy_wanted.is_set()  # a Commit asks for a copy
+    assert store.copy_ahead()
+    assert where(store) == {"a": "ram", "b": "ram+disk", "c": "ram"}  # b: the next to leave RAM
+    assert copy_all(store) == 2 and not store.copy_ahead()
+    assert where(store) == {"a": "ram+disk", "b": "ram+disk", "c": "ram+disk"}
+    assert store.stats().copies_ahead == 3 and len(io.writes) == 3
+    clock.t += 1
+    put(store, "d", cls=AGENT)  # RAM is full: b leaves, and it was copied: no write now
+    assert where(store)["b"] == "disk" and len(io.writes) == 3
+    s = store.stats()
+    assert (s.spills, s.evictions, s.states_ram, s.states_disk) == (1, 0, 3, 1)
+    data, tier = read_back(store, "b")
+    assert tier == DISK and data == make_data("b")
+
+
+def test_without_copy_ahead_nothing_is_copied(tmp_path: Path, clock: Clock, io: CountingIO) -> None:
+    store = make(tmp_path, clock, io, copy_ahead=False)
+    try:
+        put(store, "a")
+        assert not store.copy_ahead() and where(store) == {"a": "ram"} and not io.writes
+    finally:
+        store.close()
+
+
+def test_a_copy_only_takes_free_disk_room(tmp_path: Path, clock: Clock, io: CountingIO) -> None:
+    store = make(tmp_path, clock, io, ram=2, disk=1)
+    try:
+        put(store, "a", cls=AGENT)
+        clock.t += 1
+        put(store, "b", cls=AGENT)
+        clock.t += 1
+        put(store, "c", cls=AGENT)  # a goes down and fills the disk
+        assert where(store) == {"a": "disk", "b": "ram", "c": "ram"}
+        assert not store.copy_ahead()  # no free room: a is never dropped for a copy
+        assert where(store) == {"a": "disk", "b": "ram", "c": "ram"} and store.stats().evictions == 0
+        store.check_integrity()
+    finally:
+        store.close()
+
+
+def test_disk_room_is_taken_from_redundant_copies_before_any_state_is_dropped(
+        tmp_path: Path, clock: Clock, io: CountingIO) -> None:
+    store = make(tmp_path, clock, io, ram=2, disk=2)
+    try:
+        put(store, "a", cls=AGENT)
+        clock.t += 1
+        put(store, "b", cls=AGENT)
+        clock.t += 1
+        put(store, "c", cls=AGENT)  # a down to disk
+        assert copy_all(store) == 1  # b's copy fills the disk; c's does not fit
+        assert where(store) == {"a": "disk", "b": "ram+disk", "c": "ram"}
+        clock.t += 1
+        read_back(store, "b")  # b is now the most recent: c leaves RAM next
+        clock.t += 1
+        put(store, "d", cls=AGENT)  # c goes down: the disk needs room, and b's copy is the one that goes
+        assert where(store) == {"a": "disk", "b": "ram", "c": "disk", "d": "ram"}
+        s = store.stats()
+        assert (s.evictions, s.disk_bytes_used) == (0, 2 * DISK_SLOT)
+        store.check_integrity()
+    finally:
+        store.close()
+
+
+def test_a_state_dropped_during_its_copy_is_not_published(store: TierStore, tmp_path: Path, io: CountingIO) -> None:
+    put(store, "a")
+    io.during_write = lambda: store.drop(h("a"))  # the write runs outside the lock: a Drop gets in
+    assert store.copy_ahead()
+    assert where(store) == {} and blob_files(tmp_path) == [] and store.stats().copies_ahead == 0
+
+
+def test_a_state_moved_down_during_its_copy_keeps_the_spill_and_drops_the_copy(
+        store: TierStore, clock: Clock, tmp_path: Path, io: CountingIO) -> None:
+    for name in ("a", "b", "c"):
+        put(store, name, cls=AGENT)
+        clock.t += 1
+
+    def pressure() -> None:  # RAM pressure while a's copy is being written: a is spilled by the Reserve itself
+        put(store, "d", cls=AGENT)
+
+    io.during_write = pressure
+    assert store.copy_ahead()
+    assert where(store) == {"a": "disk", "b": "ram", "c": "ram", "d": "ram"}
+    assert io.writes == [h("a").hex() + ".copy.tmp", h("a").hex() + ".tmp"]
+    assert blob_files(tmp_path) == [h("a").hex()] and store.stats().copies_ahead == 0
+    data, tier = read_back(store, "a")
+    assert tier == DISK and data == make_data("a")
+
+
+def test_a_state_scribbled_after_commit_is_caught_by_its_copy(store: TierStore, tmp_path: Path) -> None:
+    put(store, "a")
+    lease = store.acquire(h("a"))
+    assert lease is not None
+    store.arena.slice(lease.extent.offset, 1)[:] = b"\xff" if make_data("a")[0] != 0xFF else b"\x00"
+    store.release(lease.lease_id)
+    assert store.copy_ahead()
+    assert where(store) == {} and blob_files(tmp_path) == []  # never served, never persisted
+    s = store.stats()
+    assert (s.checksum_failures, s.copies_ahead) == (1, 0)
+
+
+def test_a_copy_in_flight_when_the_arena_is_recreated_is_dropped(store: TierStore, tmp_path: Path,
+                                                                  io: CountingIO) -> None:
+    put(store, "a")
+    io.during_write = lambda: os.truncate(store.arena.path, 4096)  # what an attacker on the host may do
+    assert store.copy_ahead()
+    store.expire()  # the sweep finds the truncated file and recreates the arena: a was only in RAM
+    assert where(store) == {} and blob_files(tmp_path) == [] and store.stats().arena_recreations == 1
+
+
+def test_a_failing_disk_is_counted_and_the_state_stays_in_ram(store: TierStore, io: CountingIO) -> None:
+    put(store, "a")
+
+    def full() -> None:
+        raise OSError(28, "No space left on device")
+
+    io.during_write = full
+    assert store.copy_ahead()
+    s = store.stats()
+    assert where(store) == {"a": "ram"} and s.disk_errors == 1 and not s.disk_usable
+    assert not store.copy_ahead()  # no retry before the disk's retry time
+
+
+def test_the_thread_copies_what_is_committed_and_stops(store: TierStore) -> None:
+    copier = CopyAhead(store)
+    copier.start()
+    try:
+        put(store, "a")
+        deadline = time.monotonic() + 30
+        while where(store) != {"a": "ram+disk"} and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert where(store) == {"a": "ram+disk"}
+    finally:
+        copier.stop()
+    assert not copier._thread.is_alive()
+
+
+def test_the_service_copies_ahead_and_a_restart_serves_the_copies(tmp_path: Path) -> None:
+    args = ["--kv-host-pool-bytes", "256KiB", "--kv-disk-path", str(tmp_path / "kv"), "--kv-disk-bytes", "8MiB"]
+    store = start_tierstore(tmp_path / "ts", args)
+    try:
+        with TierStoreClient(store.address) as c:
+            _store_one(c)
+            deadline = time.monotonic() + 30
+            while c.stats().copies_ahead < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            s = c.stats()
+            assert (s.copies_ahead, s.states_ram, s.states_disk) == (1, 1, 0)
+    finally:
+        assert store.stop() == 0
+    store = start_tierstore(tmp_path / "ts", args)  # the arena is gone with the process; the copy is not
+    try:
+        with TierStoreClient(store.address) as c:
+            c.register(service_side.NS, page_size=16, layout=service_side.LAYOUT)
+            lease = c.acquire(service_side.h("s0"))
+            assert lease.from_tier == DISK
+            assert bytes(c.read(lease.extent)) == service_side.make_data("s0", 64 * KiB)
+            c.release(lease.lease_id)
+    finally:
+        store.stop()
+
+
+def test_the_service_without_copy_ahead_copies_nothing(tmp_path: Path) -> None:
+    args = ["--kv-host-pool-bytes", "256KiB", "--kv-disk-path", str(tmp_path / "kv"), "--kv-disk-bytes", "8MiB"]
+    store = start_tierstore(tmp_path / "ts", args, env={"IGNIS_KV_DISK__COPY_AHEAD": "false"})
+    try:
+        with TierStoreClient(store.address) as c:
+            _store_one(c)
+            time.sleep(1.5)  # past the copier's idle wake-up: it would have copied by now
+            assert c.stats().copies_ahead == 0
+    finally:
+        store.stop()
+
+
+def _store_one(c: TierStoreClient) -> None:
+    """One 64 KiB state through the service, as tests/test_tierstore_faults.py stores them."""
+    c.register(service_side.NS, page_size=16, layout=service_side.LAYOUT)
+    c.store(service_side.h("s0"), service_side.make_data("s0", 64 * KiB), service_side.make_meta("s0", 64 * KiB))
