@@ -10,6 +10,11 @@ the prompt length) under in-process EngineCores and a real tierstore process:
 2. engine 2 (fresh device, same store): A is restored from disk (page cache dropped);
 3. engine 3 (fresh device, same store): A is restored from RAM (the disk restore put it back there).
 
+The disk restore needs room in the full arena, where B is: with copies ahead of need
+(`kv_disk.copy_ahead`, the default) B already has its disk copy and leaves RAM at once;
+the same steps against a tierstore with them off (B written and fsynced in the restore's
+path, as before they were built) are the same run's baseline of that claim.
+
 The three engines share one integrity key file (as one engine across restarts does), so
 each can read the states the first one tagged.
 
@@ -18,6 +23,7 @@ Each figure is the request's time to first token with max_tokens=1, as the engin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,50 +55,74 @@ def measure(mib: int, folder: Path, hidden: int = 1024, layers: int = 16) -> dic
     # As the engine service loads it, on a thread that ends with it (engine/model/openmp.py).
     loaded = on_own_thread(lambda: load_model(path, onednn_linears=True))
     tokenizer = Tokenizer.from_dir(path)
-    workdir = folder / "claims"
-    store = launch_tierstore(workdir, state_bytes * 3 // 2 + MiB, 8 * state_bytes + 64 * MiB,
-                             env={"IGNIS_LOG_LEVEL": "WARNING"})
     prompts = {name: random_prompt(tokens, seed) for seed, name in enumerate("ABC", start=11)}
     ms: dict[str, float] = {}
     cached: dict[str, int] = {}
     tiers: dict[str, str] = {}
-    try:
-        def once(core: EngineCore, key: str, prompt: str) -> None:
-            req = EngineRequest(f"{key}-{prompt}", prompts[prompt],
-                                SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-            (_, usage), = run(core, req)
-            ms[key], cached[key], tiers[key] = usage.time_to_first_token_ms, usage.cached_tokens, usage.reuse.tier.value
-
-        key_file = workdir / "integrity.key"  # one engine key for the three: each reads what the first wrote
-        first = engine(loaded, tokenizer, store, pages + 8, key_file)
-        try:
-            run(first, EngineRequest("warm", random_prompt(64, 0), SamplingParams(temperature=0, max_tokens=1)))
-            once(first, "cold_prefill", "A")
-            once(first, "claim_device", "A")
-            once(first, "push_b", "B")  # A leaves the device for KV-RAM
-            once(first, "push_c", "C")  # B follows it, pushing A on to KV-disk
-        finally:
-            first.stop()
-        from bench.tiers import drop_cache  # (bench.tiers imports this module)
-
-        for blob in (workdir / "kv-disk").rglob("*"):
-            if blob.is_file():
-                drop_cache(blob)
-        for key in ("claim_disk", "claim_ram"):  # the disk restore leaves A in RAM for the next
-            core = engine(loaded, tokenizer, store, pages + 8, key_file)
-            try:
-                once(core, key, "A")
-            finally:
-                core.stop()
-    finally:
-        store.stop()
-    want = {"cold_prefill": "none", "claim_device": "device", "claim_disk": "disk", "claim_ram": "ram"}
+    scenario = Scenario(loaded, tokenizer, prompts, pages, state_bytes, ms, cached, tiers)
+    scenario.run(folder / "claims-no-copy-ahead", copy_ahead=False, keys=("claim_disk_no_copy_ahead",))
+    scenario.run(folder / "claims", copy_ahead=True, keys=("claim_disk", "claim_ram"), device=True)
+    want = {"cold_prefill": "none", "claim_device": "device", "claim_disk": "disk", "claim_ram": "ram",
+            "claim_disk_no_copy_ahead": "disk"}
     for key, tier in want.items():
         if tiers[key] != tier:
             raise RuntimeError(f"{key}: expected a {tier} hit, the engine reported {tiers[key]} "
-                               f"({cached[key]} cached tokens); see {store.log_path}")
+                               f"({cached[key]} cached tokens); see the tierstore log under {folder}")
     return {"tokens": tokens, "state_bytes": state_bytes, "hidden": hidden, "layers": layers,
             "ms": ms, "cached": cached, "tiers": tiers}
+
+
+@dataclass
+class Scenario:
+    """The steps of the module docstring against one tierstore, the figures into `ms`, `cached`, `tiers`."""
+
+    loaded: LoadedModel
+    tokenizer: Tokenizer
+    prompts: dict[str, tuple[int, ...]]
+    pages: int
+    state_bytes: int
+    ms: dict[str, float]
+    cached: dict[str, int]
+    tiers: dict[str, str]
+
+    def once(self, core: EngineCore, key: str, prompt: str) -> None:
+        req = EngineRequest(f"{key}-{prompt}", self.prompts[prompt],
+                            SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        (_, usage), = run(core, req)
+        self.ms[key], self.cached[key], self.tiers[key] = (usage.time_to_first_token_ms, usage.cached_tokens,
+                                                           usage.reuse.tier.value)
+
+    def run(self, workdir: Path, copy_ahead: bool, keys: tuple[str, ...], device: bool = False) -> None:
+        """Engine 1 computes A (cold, then a device hit with `device`), B and C; then one fresh engine per
+        key claims A (the first from disk, the next from RAM, where the disk restore left it)."""
+        store = launch_tierstore(workdir, self.state_bytes * 3 // 2 + MiB, 8 * self.state_bytes + 64 * MiB,
+                                 env={"IGNIS_LOG_LEVEL": "WARNING",
+                                      "IGNIS_KV_DISK__COPY_AHEAD": "true" if copy_ahead else "false"})
+        try:
+            key_file = workdir / "integrity.key"  # one engine key for all: each reads what the first wrote
+            first = engine(self.loaded, self.tokenizer, store, self.pages + 8, key_file)
+            try:
+                run(first, EngineRequest("warm", random_prompt(64, 0), SamplingParams(temperature=0, max_tokens=1)))
+                self.once(first, "cold_prefill" if device else "cold_prefill_again", "A")
+                if device:
+                    self.once(first, "claim_device", "A")
+                self.once(first, "push_b", "B")  # A leaves the device for KV-RAM
+                self.once(first, "push_c", "C")  # B follows it, pushing A on to KV-disk
+            finally:
+                first.stop()
+            from bench.tiers import drop_cache  # (bench.tiers imports this module)
+
+            for blob in (workdir / "kv-disk").rglob("*"):
+                if blob.is_file():
+                    drop_cache(blob)
+            for key in keys:
+                core = engine(self.loaded, self.tokenizer, store, self.pages + 8, key_file)
+                try:
+                    self.once(core, key, "A")
+                finally:
+                    core.stop()
+        finally:
+            store.stop()
 
 
 def engine(loaded: LoadedModel, tokenizer: Tokenizer, store: Service, pages: int, key_file: Path) -> EngineCore:
@@ -109,8 +139,14 @@ def rows(res: dict[str, Any]) -> list[list[Any]]:
     out = [["re-prefill", f"cold prefill of the same {res['tokens']} tokens", round(cold, 1), "-", "-"]]
     for key, what in (("claim_device", "device: pages shared by reference"),
                       ("claim_ram", "KV-RAM: Match (leases it) + copy into pages"),
-                      ("claim_disk", "KV-disk: Match + AcquireStream(restore, cold), copied as it lands")):
-        out.append([f"claim from {res['tiers'][key]}", what, round(ms[key], 1), res["cached"][key],
+                      ("claim_disk", "KV-disk: Match + AcquireStream(restore, cold), copied as it lands; the "
+                                     "resident state it displaces already has its disk copy (kv_disk.copy_ahead)"),
+                      ("claim_disk_no_copy_ahead", "KV-disk, copies ahead of need off: the restore first writes "
+                                                   "and fsyncs the resident state it displaces")):
+        if key not in ms:
+            continue
+        path = f"claim from {res['tiers'][key]}" + (", copy ahead off" if key.endswith("no_copy_ahead") else "")
+        out.append([path, what, round(ms[key], 1), res["cached"][key],
                     f"{cold / ms[key]:.0f}x faster" if ms[key] else "-"])
     return out
 

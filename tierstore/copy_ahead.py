@@ -7,17 +7,22 @@ already has its disk copy, written while nobody waited, and leaving RAM only fre
 
 One copy at a time, outside the store's lock (TierStore.copy_ahead); the thread sleeps until a
 Commit names a new state, or for a second at most (a failing disk's retry, room freed on disk).
+It runs at the lowest CPU priority (nice 19, this thread only): its hashing and copying yield to
+the store's calls and to the engines on the same cores. Its disk writes still share the disk's
+bandwidth with restores (no I/O priority is set: the block queues measured here schedule none).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 from tierstore.store import TierStore
 
 log = logging.getLogger("ignis.tierstore")
 IDLE_SECONDS = 1.0  # the longest sleep between looks when nothing was committed
+LOWEST_PRIORITY = 19
 
 
 class CopyAhead:
@@ -36,6 +41,10 @@ class CopyAhead:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)  # Linux: this thread
+        except OSError as exc:
+            log.info("copies ahead of need run at normal priority (%s)", exc)
         wanted = self._store.copy_wanted
         while not self._stop.is_set():
             wanted.clear()  # before the look: a Commit during it sets it again
