@@ -5,6 +5,7 @@ under it (dropped, moved down, scribbled, its arena recreated); copies only take
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,9 +42,10 @@ class CountingIO(DiskIO):
         self._started(path)
         return super().write_file(path, header, data)
 
-    def write_file_from(self, path: Path, header: bytes, source: FileRange, nbytes: int) -> bytes:
+    def write_file_from(self, path: Path, header: bytes, source: FileRange, nbytes: int,
+                        pace: Callable[[], None] | None = None) -> bytes:
         self._started(path)
-        return super().write_file_from(path, header, source, nbytes)
+        return super().write_file_from(path, header, source, nbytes, pace)
 
 
 @pytest.fixture
@@ -209,6 +211,17 @@ def test_a_failing_disk_is_counted_and_the_state_stays_in_ram(store: TierStore, 
     s = store.stats()
     assert where(store) == {"a": "ram"} and s.disk_errors == 1 and not s.disk_usable
     assert not store.copy_ahead()  # no retry before the disk's retry time
+
+
+def test_a_copy_waits_while_a_call_waits_on_the_disk(store: TierStore) -> None:
+    put(store, "a")
+    with store._foreground_io():  # as a restore's read does, under the lock (held here by nobody)
+        copier = threading.Thread(target=store.copy_ahead)
+        copier.start()
+        copier.join(0.2)
+        assert copier.is_alive() and where(store) == {"a": "ram"}  # paused before its first chunk
+    copier.join(30)
+    assert not copier.is_alive() and where(store) == {"a": "ram+disk"}
 
 
 def test_the_thread_copies_what_is_committed_and_stops(store: TierStore) -> None:

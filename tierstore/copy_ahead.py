@@ -8,8 +8,9 @@ already has its disk copy, written while nobody waited, and leaving RAM only fre
 One copy at a time, outside the store's lock (TierStore.copy_ahead); the thread sleeps until a
 Commit names a new state, or for a second at most (a failing disk's retry, room freed on disk).
 It runs at the lowest CPU priority (nice 19, this thread only): its hashing and copying yield to
-the store's calls and to the engines on the same cores. Its disk writes still share the disk's
-bandwidth with restores (no I/O priority is set: the block queues measured here schedule none).
+the store's calls and to the engines on the same cores. Between two 8 MiB chunks it waits while a
+call waits on the disk (a restore, a spill, a Get's read), up to 5 s a chunk, so that it does not
+take their bandwidth (no I/O priority class is set: the block queues measured here schedule none).
 """
 
 from __future__ import annotations

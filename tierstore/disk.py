@@ -111,14 +111,17 @@ class DiskIO:
         view = memoryview(data).cast("B")
         return self._write(path, header, (view[pos:pos + _CHUNK] for pos in range(0, len(view), _CHUNK)))
 
-    def write_file_from(self, path: Path, header: bytes, source: FileRange, nbytes: int) -> bytes:
+    def write_file_from(self, path: Path, header: bytes, source: FileRange, nbytes: int,
+                        pace: Callable[[], None] | None = None) -> bytes:
         """As `write_file`, the data read from ``source`` by pread, a chunk at a time: a file that shrinks
         meanwhile (an arena truncated under the store) is a short read, SourceShrank, where reading it
-        through a mapping would be SIGBUS."""
+        through a mapping would be SIGBUS. ``pace()`` runs before each chunk (it may wait)."""
         buffer = memoryview(bytearray(min(_CHUNK, nbytes)))
 
         def chunks() -> Iterator[memoryview]:
             for pos in range(0, nbytes, _CHUNK):
+                if pace is not None:
+                    pace()
                 chunk = buffer[:min(_CHUNK, nbytes - pos)]
                 got = 0
                 while got < len(chunk):
@@ -291,15 +294,16 @@ class DiskTier:
             raise self._failed("writing a blob", exc) from None
         return self._place(StagedBlob(placed, tmp, digest))
 
-    def stage(self, record: DiskRecord, source: FileRange, registration: bytes = b"") -> StagedBlob:
+    def stage(self, record: DiskRecord, source: FileRange, registration: bytes = b"",
+              pace: Callable[[], None] | None = None) -> StagedBlob:
         """Writes and fsyncs a state's blob, read from ``source``, under a temp name of its own, touching
         nothing else here: the store runs it outside its lock (a copy ahead of need); `place_staged`
         publishes it under the lock. Raises OSError (`failed_write` counts it) or SourceShrank, the
-        temp file removed."""
+        temp file removed. ``pace``: as `DiskIO.write_file_from`."""
         placed, header = with_header(record, registration)
         tmp = self._temp_path(record.info.hash, _COPY_TMP)
         try:
-            digest = self._io.write_file_from(tmp, header, source, record.info.nbytes)
+            digest = self._io.write_file_from(tmp, header, source, record.info.nbytes, pace)
         except (OSError, SourceShrank):
             self._discard(tmp)
             raise

@@ -37,6 +37,7 @@ still the one it copied.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -44,7 +45,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -61,6 +62,8 @@ log = logging.getLogger("ignis.tierstore")
 
 RAM, DISK = common_pb2.REUSE_TIER_RAM, common_pb2.REUSE_TIER_DISK
 MAX_CANDIDATES = 32  # anchored Match candidates returned (longest first)
+YIELD_POLL_SECONDS = 0.002  # a copy ahead of need looks this often whether the disk is free of waiting calls
+YIELD_LIMIT_SECONDS = 5.0  # and waits this long at most between two of its chunks
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +245,7 @@ class TierStore:
         self._busy: set[bytes] = set()  # states being restored: their disk copy must stay
         self._zombies: dict[int, _State] = {}  # dropped while pinned: their extents wait for the last unpin
         self._copying: bytes | None = None  # the state a copy ahead of need is writing now
+        self._disk_waits = 0  # disk reads and writes someone waits for now: a copy ahead of need pauses meanwhile
         self.copy_wanted = threading.Event()  # set by a Commit: a state may want its disk copy
         self._counters = _Counters()
         if self._disk is not None:  # what survived a restart is served again
@@ -499,7 +503,8 @@ class TierStore:
                     lambda: self._end_read(state, generation)
             assert self._disk is not None
             try:
-                data = self._disk.read(hash)
+                with self._foreground_io():
+                    data = self._disk.read(hash)
             except DiskFault as exc:
                 raise Unavailable("disk", f"kv-disk cannot read {short(hash)} now ({exc}); it stays stored") from None
             if data is None:
@@ -574,7 +579,7 @@ class TierStore:
             return False
         assert self._disk is not None
         try:
-            staged = self._disk.stage(job.record, job.source, job.registration)
+            staged = self._disk.stage(job.record, job.source, job.registration, pace=self._yield_disk)
         except SourceShrank as exc:  # the arena file was truncated: the next check recreates it
             log.warning("a copy ahead of need of state=%s stopped: %s", short(job.record.info.hash), exc)
             with self._lock:
@@ -739,7 +744,9 @@ class TierStore:
                 return False
             data = self.arena.slice(state.extent.offset, state.info.nbytes)
             try:
-                stored = disk.put(DiskRecord(state.info, state.last_used, state.protect_until), data, registration)
+                with self._foreground_io():
+                    stored = disk.put(DiskRecord(state.info, state.last_used, state.protect_until), data,
+                                      registration)
             except DataLoss as exc:  # the arena copy was corrupted after commit: never persist it
                 log.error("%s", exc)
                 self._forget(state)
@@ -789,6 +796,23 @@ class TierStore:
                 return False  # a removal the disk refused: its room stays counted until a retry frees it
             raise AssertionError("disk room was counted but not found: this is a bug")
         return True
+
+    @contextlib.contextmanager
+    def _foreground_io(self) -> Iterator[None]:
+        """Disk I/O a call waits for (a restore, a spill, a Get's read): copies ahead of need pause."""
+        self._disk_waits += 1
+        try:
+            yield
+        finally:
+            self._disk_waits -= 1
+
+    def _yield_disk(self) -> None:
+        """Between two chunks of a copy ahead of need: wait while a call waits on the disk (the copy's
+        writes would share its bandwidth), for YIELD_LIMIT_SECONDS at most (a copy is not starved)."""
+        waited = 0.0
+        while self._disk_waits and waited < YIELD_LIMIT_SECONDS:  # read without the lock: a hint
+            time.sleep(YIELD_POLL_SECONDS)
+            waited += YIELD_POLL_SECONDS
 
     def _next_copy(self) -> _CopyJob | None:
         disk = self._disk
@@ -857,7 +881,8 @@ class TierStore:
         try:
             if progress is not None:
                 progress(extent, 0)
-            ok = self._disk.read_into(h, view, None if progress is None else lambda n: progress(extent, n))
+            with self._foreground_io():
+                ok = self._disk.read_into(h, view, None if progress is None else lambda n: progress(extent, n))
         except DiskFault as exc:
             self.arena.free(extent)
             raise Unavailable("disk", f"kv-disk cannot read {short(h)} now ({exc}); it stays stored") from None
