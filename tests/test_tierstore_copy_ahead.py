@@ -14,11 +14,13 @@ import pytest
 
 from tests import test_tierstore_faults as service_side
 from tests.services import start_tierstore
-from tests.test_tierstore_store import (AGENT, DISK_SLOT, NS, SIZE, Clock, h, make_data, put, read_back,
-                                        where)
+from tests.test_tierstore_store import (AGENT, DISK_SLOT, NS, SIZE, Clock, h, make_data, make_meta, put,
+                                        read_back, where)
 from tierstore.client import TierStoreClient
 from tierstore.copy_ahead import CopyAhead
-from tierstore.disk import DiskIO, FileRange
+import tierstore.disk
+from tierstore.disk import DiskFault, DiskIO, DiskRecord, DiskTier, FileRange
+from tierstore.errors import FailedPrecondition
 from tierstore.registry import Registration
 from tierstore.store import DISK, StoreConfig, TierStore
 
@@ -154,6 +156,55 @@ def test_disk_room_is_taken_from_redundant_copies_before_any_state_is_dropped(
         store.close()
 
 
+def test_of_two_copies_the_one_of_the_state_leaving_ram_last_makes_room_first(
+        tmp_path: Path, clock: Clock, io: CountingIO) -> None:
+    store = make(tmp_path, clock, io, ram=3, disk=2)
+    try:
+        for name in ("a", "b", "c"):
+            put(store, name, cls=AGENT)
+            clock.t += 1
+        assert copy_all(store) == 2 and where(store) == {"a": "ram+disk", "b": "ram+disk", "c": "ram"}
+        read_back(store, "a")
+        clock.t += 1
+        read_back(store, "b")  # RAM leaves in the order c, a, b
+        clock.t += 1
+        put(store, "d", cls=AGENT)  # c goes down and needs disk room: b's copy goes, a's (next to leave) stays
+        assert where(store) == {"a": "ram+disk", "b": "ram", "c": "disk", "d": "ram"}
+        writes = len(io.writes)
+        clock.t += 1
+        put(store, "e", cls=AGENT)  # a leaves RAM, without a write
+        assert where(store)["a"] == "disk" and len(io.writes) == writes
+        assert store.stats().evictions == 0
+        store.check_integrity()
+    finally:
+        store.close()
+
+
+def test_a_spill_that_cannot_happen_drops_no_copy(tmp_path: Path, clock: Clock, io: CountingIO) -> None:
+    """A big state comes down where even the copies' room would not do: the disk state beside them ranks
+    above it, so the disk refuses it, and the copy stays."""
+    store = make(tmp_path, clock, io, ram=4, disk=2)
+    try:
+        extent = store.reserve(h("big"), 2 * SIZE, AGENT)  # the oldest: it leaves first
+        assert extent is not None
+        store.arena.slice(extent.offset, 2 * SIZE)[:] = make_data("big", 2 * SIZE)
+        store.commit(h("big"), make_meta("big", nbytes=2 * SIZE))
+        clock.t += 1
+        put(store, "p", cls=AGENT)
+        with store._lock:
+            assert store._move_down(store._states[h("p")], clock.t, None)  # p is on disk only
+        clock.t += 1
+        put(store, "q", cls=AGENT)
+        assert store.copy_ahead()  # big does not fit beside p; q does
+        assert where(store) == {"big": "ram", "p": "disk", "q": "ram+disk"}
+        with store._lock:
+            assert not store._make_disk_room(store._states[h("big")], clock.t, None, b"")
+        assert where(store) == {"big": "ram", "p": "disk", "q": "ram+disk"}
+        store.check_integrity()
+    finally:
+        store.close()
+
+
 def test_a_state_dropped_during_its_copy_is_not_published(store: TierStore, tmp_path: Path, io: CountingIO) -> None:
     put(store, "a")
     io.during_write = lambda: store.drop(h("a"))  # the write runs outside the lock: a Drop gets in
@@ -177,6 +228,190 @@ def test_a_state_moved_down_during_its_copy_keeps_the_spill_and_drops_the_copy(
     assert blob_files(tmp_path) == [h("a").hex()] and store.stats().copies_ahead == 0
     data, tier = read_back(store, "a")
     assert tier == DISK and data == make_data("a")
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copies in 4 KiB chunks: a 12 KiB state is three, with a look (pace) before each."""
+    monkeypatch.setattr(tierstore.disk, "_CHUNK", 4096)
+
+
+def between_chunks(store: TierStore, at: int, hook: Callable[[], None]) -> None:
+    """Runs `hook` before the copy's chunk number `at` (0 is the first), without the store's lock."""
+    calls = iter(range(1_000_000))
+    plain = store._yield_disk
+
+    def pace() -> None:
+        if next(calls) == at:
+            hook()
+        plain()
+
+    store._yield_disk = pace  # type: ignore[method-assign]
+
+
+def test_a_state_moved_down_mid_copy_cancels_the_copy(
+        store: TierStore, clock: Clock, tmp_path: Path, io: CountingIO, small_chunks: None) -> None:
+    for name in ("a", "b", "c"):
+        put(store, name, cls=AGENT)
+        clock.t += 1
+    between_chunks(store, 1, lambda: put(store, "d", cls=AGENT))  # a is spilled after its first chunk
+    assert store.copy_ahead()
+    assert where(store)["a"] == "disk" and blob_files(tmp_path) == [h("a").hex()]
+    s = store.stats()
+    assert (s.copies_ahead, s.checksum_failures, s.spills) == (0, 0, 1)
+    assert store._disk is not None and store._disk.staging_bytes == 0
+
+
+def test_moved_down_and_restored_to_the_same_place_mid_copy_loses_nothing(
+        store: TierStore, clock: Clock, io: CountingIO, small_chunks: None) -> None:
+    """The review's case: the bytes under the copy change and come back; the state must not be taken for
+    scribbled (it is cancelled at the move), and its bytes are served as they were."""
+    for name in ("a", "b", "c"):
+        put(store, name, cls=AGENT)
+        clock.t += 1
+
+    def churn() -> None:
+        put(store, "d", cls=AGENT)  # a goes down: d takes its extent
+        store.drop(h("d"))
+        read_back(store, "a")  # a comes back, into the extent it had
+
+    between_chunks(store, 1, churn)
+    assert store.copy_ahead()
+    assert "a" in where(store) and store.stats().checksum_failures == 0
+    assert read_back(store, "a")[0] == make_data("a")
+
+
+def test_bytes_that_change_under_the_read_and_back_are_not_a_loss(
+        store: TierStore, tmp_path: Path, small_chunks: None) -> None:
+    """The copy reads a byte of its second chunk changed, and the byte is back before the copy ends: the
+    digest does not match, but the arena does, so the copy is dropped and the state kept (and copied
+    again whole), not taken for scribbled."""
+    put(store, "a")
+    lease = store.acquire(h("a"))
+    assert lease is not None
+    at = lease.extent.offset + 4096 + 7  # in the second chunk
+    store.release(lease.lease_id)
+    good = store.arena.slice(at, 1)[0]
+    plain = store._yield_disk
+    looks = iter(range(1_000_000))
+
+    def flip_then_restore() -> None:  # before chunk 1: change the byte; before chunk 2: put it back
+        look = next(looks)
+        if look in (1, 2):
+            store.arena.slice(at, 1)[0] = good ^ 1 if look == 1 else good
+        plain()
+
+    store._yield_disk = flip_then_restore  # type: ignore[method-assign]
+    assert store.copy_ahead()
+    s = store.stats()
+    assert where(store) == {"a": "ram"} and (s.copies_ahead, s.checksum_failures) == (0, 0)
+    assert blob_files(tmp_path) == []
+    assert store.copy_ahead() and where(store) == {"a": "ram+disk"}
+    assert read_back(store, "a")[0] == make_data("a")
+
+
+def test_a_copy_in_flight_ends_unpublished_when_the_arena_is_recreated(
+        store: TierStore, tmp_path: Path, small_chunks: None) -> None:
+    put(store, "a")
+
+    def recreate() -> None:
+        with store._lock:
+            store._recreate_arena("replaced by the test")
+
+    between_chunks(store, 1, recreate)
+    assert store.copy_ahead()
+    assert where(store) == {} and blob_files(tmp_path) == [] and store.stats().ram_states_lost == 1
+
+
+def test_a_spill_that_needs_the_room_of_a_copy_in_flight_takes_it(
+        tmp_path: Path, clock: Clock, io: CountingIO, small_chunks: None) -> None:
+    store = make(tmp_path, clock, io, ram=2, disk=1)
+    try:
+        put(store, "a", cls=AGENT)
+        clock.t += 1
+        put(store, "b", cls=AGENT)
+        clock.t += 1
+        read_back(store, "a")  # b leaves RAM first: the copy takes b
+
+        def pressure() -> None:
+            assert store._disk is not None and store._disk.free_bytes() == 0  # the copy holds the disk's room
+            put(store, "c", cls=AGENT)  # b goes down now: the copy of b is cancelled, its room is the spill's
+
+        between_chunks(store, 1, pressure)
+        assert store.copy_ahead()
+        assert where(store) == {"a": "ram", "b": "disk", "c": "ram"}
+        assert store._disk is not None and store._disk.staging_bytes == 0 and store.stats().copies_ahead == 0
+        store.check_integrity()
+    finally:
+        store.close()
+
+
+def test_cancel_copies_stops_the_copy_in_flight_and_starts_none(
+        store: TierStore, tmp_path: Path, small_chunks: None) -> None:
+    put(store, "a")
+    between_chunks(store, 1, store.cancel_copies)
+    assert store.copy_ahead()
+    assert where(store) == {"a": "ram"} and blob_files(tmp_path) == []
+    assert not store.copy_ahead()
+
+
+def test_a_ram_state_with_its_copy_does_not_lock_its_namespace(store: TierStore) -> None:
+    """Another layout replaces a registration with nothing on disk only; a copy of a RAM state does not
+    count (it goes with the state), or a squatter's state could lock the namespace's owner out."""
+    store.register(Registration(b"S" * 16, "squatter", 16, "layout-b", 1024, 0))
+    put(store, "s", ns=b"S" * 16)
+    assert store.copy_ahead() and where(store) == {"s": "ram+disk"}
+    store.register(Registration(b"S" * 16, "owner", 16, "layout-a", 1024, 0))  # accepted: s goes
+    assert where(store) == {}
+    put(store, "d", ns=b"S" * 16)
+    clock_spill(store)
+    assert where(store)["d"] == "disk"
+    with pytest.raises(FailedPrecondition):  # a state on disk only does lock it
+        store.register(Registration(b"S" * 16, "other", 16, "layout-c", 1024, 0))
+
+
+def clock_spill(store: TierStore) -> None:
+    """Fills RAM with other states until the oldest goes down."""
+    for i in range(3):
+        put(store, f"fill{i}")
+
+
+def test_a_staged_blob_whose_name_cannot_be_freed_is_removed(tmp_path: Path) -> None:
+    """A pending removal of the same name that the disk refuses to finish: the staged temp file goes."""
+    class FailingCommits(DiskIO):
+        failing = False
+
+        def commit(self, index, fn):  # type: ignore[no-untyped-def]
+            if self.failing:
+                raise OSError(30, "Read-only file system")
+            super().commit(index, fn)
+
+    io = FailingCommits()
+    disk = DiskTier(tmp_path / "kv", 10 * DISK_SLOT, io=io)
+    try:
+        from tierstore.state import StateInfo
+        data = make_data("a")
+        info = StateInfo.from_proto(h("a"), make_meta("a"), page_size=16, sliceable=False)
+        info = type(info)(**{**{f: getattr(info, f) for f in info.__slots__}, "checksum": _xxh(data)})  # type: ignore[attr-defined]
+        record = DiskRecord(info, 0.0, 0.0)
+        assert disk.put(record, data)
+        io.failing = True
+        disk.remove(h("a"))  # pending: the index refuses the delete
+        fd = os.open(tmp_path / "src", os.O_RDWR | os.O_CREAT, 0o600)
+        os.write(fd, data)
+        staged = disk.stage(record, FileRange(fd, 0))
+        os.close(fd)
+        assert staged.tmp.exists()
+        with pytest.raises(DiskFault):
+            disk.place_staged(staged)
+        assert not staged.tmp.exists()
+    finally:
+        disk.close()
+
+
+def _xxh(data: bytes) -> bytes:
+    from tierstore.state import checksum
+    return checksum(data)
 
 
 def test_a_state_scribbled_after_commit_is_caught_by_its_copy(store: TierStore, tmp_path: Path) -> None:

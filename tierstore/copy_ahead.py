@@ -36,8 +36,9 @@ class CopyAhead:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stops after the copy in flight (if any) is published or dropped."""
+        """Stops; a copy in flight stops at its next chunk (its temp file removed)."""
         self._stop.set()
+        self._store.cancel_copies()
         self._store.copy_wanted.set()
         self._thread.join(timeout)
 

@@ -115,7 +115,8 @@ class DiskIO:
                         pace: Callable[[], None] | None = None) -> bytes:
         """As `write_file`, the data read from ``source`` by pread, a chunk at a time: a file that shrinks
         meanwhile (an arena truncated under the store) is a short read, SourceShrank, where reading it
-        through a mapping would be SIGBUS. ``pace()`` runs before each chunk (it may wait)."""
+        through a mapping would be SIGBUS. ``pace()`` runs before each chunk (it may wait, or raise to
+        stop the copy); each chunk is flushed to the disk before the next."""
         buffer = memoryview(bytearray(min(_CHUNK, nbytes)))
 
         def chunks() -> Iterator[memoryview]:
@@ -131,9 +132,11 @@ class DiskIO:
                     got += n
                 yield chunk
 
-        return self._write(path, header, chunks())
+        return self._write(path, header, chunks(), sync_each=True)
 
-    def _write(self, path: Path, header: bytes, chunks: Iterable[memoryview]) -> bytes:
+    def _write(self, path: Path, header: bytes, chunks: Iterable[memoryview], sync_each: bool = False) -> bytes:
+        """sync_each: each chunk reaches the disk before the next is read (`pace` then sees the device's
+        time, not the page cache's)."""
         hasher = xxhash.xxh3_128()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -141,6 +144,8 @@ class DiskIO:
             for chunk in chunks:
                 hasher.update(chunk)
                 _write_all(fd, chunk)
+                if sync_each:
+                    os.fdatasync(fd)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -190,6 +195,7 @@ class DiskTier:
         self._namespaces: dict[bytes, bytes] = {}
         self._unsaved: set[bytes] = set()  # namespaces whose LMDB write failed
         self.used_bytes = 0
+        self.staging_bytes = 0  # budget held by staged writes in flight (copies ahead of need)
         self.checksum_failures = 0
         self.blobs_missing = 0
         self.errors = 0
@@ -263,7 +269,16 @@ class DiskTier:
         return self.states_with_pages([page_hash])[0]
 
     def free_bytes(self) -> int:
-        return self.budget - self.used_bytes
+        """Budget neither used nor held by a staged write in flight (`reserve_staging`)."""
+        return self.budget - self.used_bytes - self.staging_bytes
+
+    def reserve_staging(self, nbytes: int) -> None:
+        """Holds budget for a blob being staged (outside the store's lock) until `release_staging`."""
+        self.staging_bytes += nbytes
+
+    def release_staging(self, nbytes: int) -> None:
+        self.staging_bytes -= nbytes
+        assert self.staging_bytes >= 0, "staging room released twice: this is a bug"
 
     def cost(self, info: StateInfo, registration: bytes = b"") -> int:
         """The budget ``put(info's record, ..., registration)`` would take."""
@@ -304,7 +319,7 @@ class DiskTier:
         tmp = self._temp_path(record.info.hash, _COPY_TMP)
         try:
             digest = self._io.write_file_from(tmp, header, source, record.info.nbytes, pace)
-        except (OSError, SourceShrank):
+        except BaseException:  # an error, the source shrank, or the caller stopped it (pace raised)
             self._discard(tmp)
             raise
         return StagedBlob(placed, tmp, digest)
@@ -314,9 +329,15 @@ class DiskTier:
         return self._failed("writing a blob", exc)
 
     def place_staged(self, staged: StagedBlob) -> bool:
-        """Renames and indexes a staged blob (as `put` ends); False, the blob removed, if the state is on
-        disk already or the budget no longer has room. DataLoss / DiskFault as `put`."""
-        if staged.placed.info.hash in self._records or not self._room_for(staged.placed):
+        """Renames and indexes a staged blob (as `put` ends; its staging room released first); False, the
+        blob removed, if the state is on disk already or the budget has no room. DataLoss / DiskFault as
+        `put`, the blob removed too."""
+        try:
+            room = staged.placed.info.hash not in self._records and self._room_for(staged.placed)
+        except BaseException:  # a pending removal of the name that the disk refuses to finish
+            self._discard(staged.tmp)
+            raise
+        if not room:
             self._discard(staged.tmp)
             return False
         return self._place(staged)
@@ -327,7 +348,7 @@ class DiskTier:
     def _room_for(self, placed: DiskRecord) -> bool:
         if placed.info.hash in self._pending:  # its old blob must be gone before a new one takes the name
             self._finish(placed.info.hash)
-        return self.used_bytes + placed.blob_bytes <= self.budget
+        return self.used_bytes + self.staging_bytes + placed.blob_bytes <= self.budget
 
     def _place(self, staged: StagedBlob) -> bool:
         placed, tmp = staged.placed, staged.tmp

@@ -192,9 +192,10 @@ class _LeaseEntry:
     from_match: bool = False  # taken by a Match: its hit is counted when it is released as used
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class _CopyJob:
-    """A copy ahead of need in flight: which state, where its bytes were, what to write."""
+    """A copy ahead of need in flight: which state, where its bytes were, what to write, the disk room
+    it holds (counted as the disk's until the copy is published or given up)."""
 
     state: _State
     extent: Extent
@@ -202,6 +203,13 @@ class _CopyJob:
     record: DiskRecord
     registration: bytes
     source: FileRange  # the arena file by a descriptor of the job's own: closed when the copy ends
+    cost: int  # disk budget the blob takes, reserved while the copy runs
+    reserved: bool = True
+    cancelled: bool = False  # the state moved or went, the disk needs the room, or the store stops
+
+
+class CopyCancelled(Exception):
+    """A copy ahead of need stops between two chunks: it was cancelled (see _CopyJob.cancelled)."""
 
 
 @dataclass(slots=True)
@@ -244,7 +252,8 @@ class TierStore:
         self._lease_ids = itertools.count(1)
         self._busy: set[bytes] = set()  # states being restored: their disk copy must stay
         self._zombies: dict[int, _State] = {}  # dropped while pinned: their extents wait for the last unpin
-        self._copying: bytes | None = None  # the state a copy ahead of need is writing now
+        self._copy_job: _CopyJob | None = None  # the copy ahead of need in flight
+        self._copies_stopped = False  # cancel_copies: the service is stopping, no copy starts again
         self._disk_waits = 0  # disk reads and writes someone waits for now: a copy ahead of need pauses meanwhile
         self.copy_wanted = threading.Event()  # set by a Commit: a state may want its disk copy
         self._counters = _Counters()
@@ -269,7 +278,11 @@ class TierStore:
             return ArenaInfo(str(self.arena.path), self.arena.size, self.instance_id)
 
     def _on_disk(self, namespace: bytes) -> bool:
-        return self._disk is not None and any(r.info.namespace == namespace for r in self._disk.records())
+        """Whether a state of `namespace` lives on disk only (a RAM state's disk copy goes with it when
+        another layout replaces the registration: it locks nothing)."""
+        return self._disk is not None and any(
+            r.info.namespace == namespace and (s := self._states.get(r.info.hash)) is not None and s.extent is None
+            for r in self._disk.records())
 
     def match_anchored(self, namespace: bytes, page_hashes: Iterable[bytes], tail_hash: bytes | None = None,
                        anchored: bool = True, lease_seconds: float = 0.0) -> tuple[list[Hit], list[Hit]]:
@@ -578,23 +591,28 @@ class TierStore:
         if job is None:
             return False
         assert self._disk is not None
+        staged: StagedBlob | None = None
+        failed: OSError | None = None
         try:
-            staged = self._disk.stage(job.record, job.source, job.registration, pace=self._yield_disk)
+            staged = self._disk.stage(job.record, job.source, job.registration, pace=lambda: self._pace(job))
+        except CopyCancelled:
+            pass
         except SourceShrank as exc:  # the arena file was truncated: the next check recreates it
             log.warning("a copy ahead of need of state=%s stopped: %s", short(job.record.info.hash), exc)
-            with self._lock:
-                self._copying = None
-            return True
         except OSError as exc:
-            with self._lock:
-                self._copying = None
-                self._disk.failed_write(exc)
-            return True
-        finally:
+            failed = exc
+        finally:  # whatever stopped it (MemoryError included), the job ends and its room is given back
             os.close(job.source.fd)
-        with self._lock:
-            self._publish_copy(job, staged)
+            with self._lock:
+                self._end_copy(job, staged, failed)
         return True
+
+    def cancel_copies(self) -> None:
+        """Stops the copy ahead of need in flight at its next chunk, and starts none again (the service
+        is stopping)."""
+        with self._lock:
+            self._copies_stopped = True
+            self._cancel_copy()
 
     def check_integrity(self) -> None:
         """Arena, index and disk agree; raises AssertionError."""
@@ -625,6 +643,7 @@ class TierStore:
 
     def close(self) -> None:
         with self._lock:
+            self._cancel_copy()
             self.arena.close()
             if self._disk is not None:
                 self._disk.close()
@@ -736,6 +755,7 @@ class TierStore:
         disk = self._disk
         if disk is None:
             return False
+        self._cancel_copy(state)  # the spill writes it now: a copy of it in flight would be for nothing
         if state.info.hash not in disk:  # a restored state kept its disk copy: nothing to write
             if not disk.writable_now():  # failing: RAM carries on alone until a retry is due
                 return False
@@ -777,20 +797,32 @@ class TierStore:
         if need > disk.budget:
             return False
         if disk.free_bytes() < need:
-            self._drop_copies(need, incoming.info.hash, now)
-        held = ((self._states[r.info.hash], self._resident(self._states[r.info.hash]), r.blob_bytes)
-                for r in disk.records() if r.info.hash not in self._busy and r.info.hash != incoming.info.hash)
+            self._cancel_copy()  # a spill goes before a copy ahead of need: the copy's room is given back
+        if disk.free_bytes() >= need:
+            return True
+        # The disk copies of states also in RAM go first (nothing is lost); those that leave RAM last first,
+        # since the next to leave are the copies that save a write soon. Then what the policy drops.
+        copies = [s for s in self._states.values() if s.extent is not None and s.info.hash in disk
+                  and s.info.hash not in self._busy and s.info.hash != incoming.info.hash]
+        copies = self._order.order(copies, now, resident=self._resident)[::-1]
+        copy_bytes = sum(rec.blob_bytes for s in copies if (rec := disk.get(s.info.hash)) is not None)
+        held = ((state, self._resident(state), r.blob_bytes) for r in disk.records()
+                if (state := self._states[r.info.hash]).extent is None and r.info.hash not in self._busy
+                and r.info.hash != incoming.info.hash)
         victims = last_tier_room(self._order, self._resident(incoming), held, newcomer_interactive=newcomer_interactive,
-                                 free=disk.free_bytes(), need=need, now=now)
+                                 free=disk.free_bytes() + copy_bytes, need=need, now=now)
         if victims is None:
             return False  # keep everything that outranks the incoming state or the newcomer may not displace
-        for victim in victims:
-            if victim.extent is None:  # its last tier: the state is gone
-                self._counters.evictions += 1
-                log.info("evicted state=%s bytes=%d", short(victim.info.hash), victim.info.nbytes)
-                self._forget(victim)
-            else:  # still in RAM: only the disk copy goes
-                disk.remove(victim.info.hash)
+        for state in copies:
+            if disk.free_bytes() >= need or not disk.usable:
+                break
+            disk.remove(state.info.hash)
+        for victim in victims:  # on disk only: its last tier, the state is gone
+            if disk.free_bytes() >= need or not disk.usable:
+                break
+            self._counters.evictions += 1
+            log.info("evicted state=%s bytes=%d", short(victim.info.hash), victim.info.nbytes)
+            self._forget(victim)
         if disk.free_bytes() < need:
             if not disk.usable:
                 return False  # a removal the disk refused: its room stays counted until a retry frees it
@@ -816,54 +848,84 @@ class TierStore:
 
     def _next_copy(self) -> _CopyJob | None:
         disk = self._disk
-        if disk is None or not self.config.copy_ahead or self._copying is not None or not disk.writable_now() \
-                or not self._check_arena():
+        if disk is None or not self.config.copy_ahead or self._copies_stopped or self._copy_job is not None \
+                or not disk.writable_now() or not self._check_arena():
             return None
         uncopied = [s for s in self._states.values() if s.extent is not None and s.info.hash not in disk]
         now = self._clock()
         for state in self._order.order(uncopied, now, resident=self._resident):
             registration = self._registration(state.info.namespace)
-            if disk.cost(state.info, registration) > disk.free_bytes():
+            cost = disk.cost(state.info, registration)
+            if cost > disk.free_bytes():
                 continue  # a copy never drops anything: a smaller state may still fit
             assert state.extent is not None
-            self._copying = state.info.hash
-            return _CopyJob(state, state.extent, self._arena_generation,
-                            DiskRecord(state.info, state.last_used, state.protect_until), registration,
-                            FileRange(self.arena.reader(), state.extent.offset))
+            try:
+                source = FileRange(self.arena.reader(), state.extent.offset)
+            except OSError as exc:  # out of descriptors: try again at the next look
+                log.warning("no copy ahead of need now: %s", exc)
+                return None
+            disk.reserve_staging(cost)
+            self._copy_job = _CopyJob(state, state.extent, self._arena_generation,
+                                      DiskRecord(state.info, state.last_used, state.protect_until), registration,
+                                      source, cost)
+            return self._copy_job
         return None
 
-    def _publish_copy(self, job: _CopyJob, staged: StagedBlob) -> None:
-        assert self._disk is not None
-        self._copying = None
+    def _pace(self, job: _CopyJob) -> None:
+        """Between two chunks of a copy (no lock held): stop if cancelled; wait while a call waits on the disk."""
+        if job.cancelled:
+            raise CopyCancelled
+        self._yield_disk()
+        if job.cancelled:
+            raise CopyCancelled
+
+    def _cancel_copy(self, state: _State | None = None) -> None:
+        """Cancels the copy in flight (only if it copies `state`, when given) and gives its disk room back now."""
+        job = self._copy_job
+        if job is None or (state is not None and job.state is not state):
+            return
+        job.cancelled = True
+        self._release_copy_room(job)
+
+    def _release_copy_room(self, job: _CopyJob) -> None:
+        if job.reserved:
+            job.reserved = False
+            assert self._disk is not None
+            self._disk.release_staging(job.cost)
+
+    def _end_copy(self, job: _CopyJob, staged: StagedBlob | None, failed: OSError | None) -> None:
+        """The copy's writing is over (lock held): publish it if it is still the state's bytes, else drop it."""
+        disk = self._disk
+        assert disk is not None
+        self._copy_job = None
+        self._release_copy_room(job)  # place_staged counts the blob itself
+        if failed is not None:
+            disk.failed_write(failed)
+        if staged is None:
+            return
         state = job.state
         h = state.info.hash
-        if self._states.get(h) is not state or state.extent != job.extent \
-                or self._arena_generation != job.generation or h in self._disk:
-            self._disk.discard_staged(staged)  # dropped, moved down by a spill meanwhile, or its arena is gone
+        if job.cancelled or self._states.get(h) is not state or state.extent != job.extent \
+                or self._arena_generation != job.generation or h in disk:
+            disk.discard_staged(staged)  # dropped, moved down meanwhile, or its arena is gone
+            return
+        if staged.digest != state.info.checksum:
+            disk.discard_staged(staged)
+            # What was read does not match the state's checksum: the bytes in the arena changed after
+            # Commit, or changed under the read. Only the first is a loss, and the bytes tell which.
+            if self._check_arena() and checksum(self.arena.slice(job.extent.offset, state.info.nbytes)) \
+                    != state.info.checksum:
+                self._counters.checksum_failures += 1
+                log.error("state %s changed in the arena after commit; dropped", short(h))
+                self._forget(state)
             return
         try:
-            if not self._disk.place_staged(staged):
-                return  # the disk's free room went to a spill meanwhile
-        except DataLoss as exc:  # the arena copy was corrupted after commit: it must not be served either
-            log.error("%s", exc)
-            self._forget(state)
-            return
-        except DiskFault:  # counted and logged by the disk tier; the state stays in RAM
+            if not disk.place_staged(staged):
+                return  # the budget no longer has room (removals still pending)
+        except (DataLoss, DiskFault):  # counted and logged by the disk tier; the state stays in RAM
             return
         self._counters.copies_ahead += 1
         log.info("copied state=%s bytes=%d to disk ahead of need", short(h), state.info.nbytes)
-
-    def _drop_copies(self, need: int, keep: bytes, now: float) -> None:
-        """Frees disk room by removing the disk copies of states also in RAM (nothing is lost), the next
-        to leave RAM first, until `need` bytes are free."""
-        disk = self._disk
-        assert disk is not None
-        copies = [s for s in self._states.values() if s.extent is not None and s.info.hash in disk
-                  and s.info.hash not in self._busy and s.info.hash != keep]
-        for state in self._order.order(copies, now, resident=self._resident):
-            if disk.free_bytes() >= need:
-                return
-            disk.remove(state.info.hash)
 
     def _restore(self, state: _State, now: float, progress: Callable[[Extent, int], None] | None = None) -> bool:
         """Brings a disk state into the arena, checked; False if RAM has no room. DataLoss if the blob is bad.
@@ -901,6 +963,7 @@ class TierStore:
     def _forget(self, state: _State) -> None:
         """Removes a state from every tier; a pinned extent is freed at the last unpin."""
         h = state.info.hash
+        self._cancel_copy(state)
         if self._states.get(h) is state:
             del self._states[h]
             anchor = _anchor(state.info)
@@ -986,6 +1049,7 @@ class TierStore:
     def _abandon_arena(self) -> tuple[int, int]:
         """Forgets every extent of the current arena: leases, reservations, RAM copies (lock held)."""
         lost = kept = 0
+        self._cancel_copy()
         for state in list(self._states.values()):
             state.leases = state.reads = 0
             if state.extent is None:
