@@ -236,17 +236,20 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tierstore.disk, "_CHUNK", 4096)
 
 
-def between_chunks(store: TierStore, at: int, hook: Callable[[], None]) -> None:
-    """Runs `hook` before the copy's chunk number `at` (0 is the first), without the store's lock."""
-    calls = iter(range(1_000_000))
+def between_chunks(store: TierStore, at: int, hook: Callable[[], None]) -> list[int]:
+    """Runs `hook` before the copy's chunk number `at` (0 is the first), without the store's lock;
+    the list returned counts the looks before chunks that the copy went on to."""
+    looks = [0]
     plain = store._yield_disk
 
     def pace() -> None:
-        if next(calls) == at:
+        if looks[0] == at:
             hook()
         plain()
+        looks[0] += 1
 
     store._yield_disk = pace  # type: ignore[method-assign]
+    return looks
 
 
 def test_a_state_moved_down_mid_copy_cancels_the_copy(
@@ -254,8 +257,9 @@ def test_a_state_moved_down_mid_copy_cancels_the_copy(
     for name in ("a", "b", "c"):
         put(store, name, cls=AGENT)
         clock.t += 1
-    between_chunks(store, 1, lambda: put(store, "d", cls=AGENT))  # a is spilled after its first chunk
+    looks = between_chunks(store, 1, lambda: put(store, "d", cls=AGENT))  # a is spilled after its first chunk
     assert store.copy_ahead()
+    assert looks == [2]  # it stopped at the look after the spill, not after reading all three chunks
     assert where(store)["a"] == "disk" and blob_files(tmp_path) == [h("a").hex()]
     s = store.stats()
     assert (s.copies_ahead, s.checksum_failures, s.spills) == (0, 0, 1)
