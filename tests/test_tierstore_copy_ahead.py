@@ -314,6 +314,34 @@ def test_bytes_that_change_under_the_read_and_back_are_not_a_loss(
     assert read_back(store, "a")[0] == make_data("a")
 
 
+def test_a_mismatch_found_as_the_arena_is_replaced_is_not_counted_as_a_scribble(
+        store: TierStore, small_chunks: None) -> None:
+    """The copy read a changed byte, and the arena file was deleted meanwhile: checking the bytes again
+    recreates the arena (the state, only in RAM, is lost with it, counted as such), and is no checksum
+    failure."""
+    put(store, "a")
+    lease = store.acquire(h("a"))
+    assert lease is not None
+    at = lease.extent.offset + 4096 + 7
+    store.release(lease.lease_id)
+    good = store.arena.slice(at, 1)[0]
+    plain = store._yield_disk
+    looks = iter(range(1_000_000))
+
+    def flip_then_delete() -> None:
+        look = next(looks)
+        if look == 1:
+            store.arena.slice(at, 1)[0] = good ^ 1
+        elif look == 2:
+            os.unlink(store.arena.path)  # the copy reads on through its own descriptor
+        plain()
+
+    store._yield_disk = flip_then_delete  # type: ignore[method-assign]
+    assert store.copy_ahead()
+    s = store.stats()
+    assert (s.checksum_failures, s.arena_recreations, s.ram_states_lost) == (0, 1, 1) and where(store) == {}
+
+
 def test_a_copy_in_flight_ends_unpublished_when_the_arena_is_recreated(
         store: TierStore, tmp_path: Path, small_chunks: None) -> None:
     put(store, "a")

@@ -553,7 +553,8 @@ class TierStore:
                 disk_errors=disk.errors if disk is not None else 0,
                 blobs_missing=disk.blobs_missing if disk is not None else 0,
                 arena_recreations=c.arena_recreations, ram_states_lost=c.ram_states_lost,
-                copies_ahead=c.copies_ahead, arena_path=str(self.arena.path), instance_id=self.instance_id, arena_usable=self._arena_fault is None,
+                copies_ahead=c.copies_ahead, arena_path=str(self.arena.path), instance_id=self.instance_id,
+                arena_usable=self._arena_fault is None,
             )
 
     def list_states(self, namespaces: Iterable[bytes], offset: int = 0, limit: int = 100
@@ -912,9 +913,12 @@ class TierStore:
         if staged.digest != state.info.checksum:
             disk.discard_staged(staged)
             # What was read does not match the state's checksum: the bytes in the arena changed after
-            # Commit, or changed under the read. Only the first is a loss, and the bytes tell which.
-            if self._check_arena() and checksum(self.arena.slice(job.extent.offset, state.info.nbytes)) \
-                    != state.info.checksum:
+            # Commit, or changed under the read. Only the first is a loss, and the bytes tell which (if
+            # the arena is still the one read: checking it may recreate it, and lose the state anyway).
+            if not self._check_arena() or self._arena_generation != job.generation \
+                    or self._states.get(h) is not state:
+                return
+            if checksum(self.arena.slice(job.extent.offset, state.info.nbytes)) != state.info.checksum:
                 self._counters.checksum_failures += 1
                 log.error("state %s changed in the arena after commit; dropped", short(h))
                 self._forget(state)
