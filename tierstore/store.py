@@ -64,6 +64,11 @@ RAM, DISK = common_pb2.REUSE_TIER_RAM, common_pb2.REUSE_TIER_DISK
 MAX_CANDIDATES = 32  # anchored Match candidates returned (longest first)
 YIELD_POLL_SECONDS = 0.002  # a copy ahead of need looks this often whether the disk is free of waiting calls
 YIELD_LIMIT_SECONDS = 5.0  # and waits this long at most between two of its chunks
+# Copies ahead of need cover the RAM states that start leaving before this share of the arena has:
+# a state further back is not needed on disk soon, and when a spill needs disk room, the copies of
+# the states leaving last go first (copying hot states into the last free room only to drop them
+# again was a write per spill in bench.chaos).
+COPY_WINDOW = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -852,9 +857,15 @@ class TierStore:
         if disk is None or not self.config.copy_ahead or self._copies_stopped or self._copy_job is not None \
                 or not disk.writable_now() or not self._check_arena():
             return None
-        uncopied = [s for s in self._states.values() if s.extent is not None and s.info.hash not in disk]
+        in_ram = [s for s in self._states.values() if s.extent is not None]
         now = self._clock()
-        for state in self._order.order(uncopied, now, resident=self._resident):
+        ahead = 0  # bytes of the RAM states that leave before this one
+        for state in self._order.order(in_ram, now, resident=self._resident):
+            if ahead >= self.arena.size * COPY_WINDOW:
+                return None  # the rest leave RAM after half of it has: a copy now would likely be dropped first
+            ahead += state.info.nbytes
+            if state.info.hash in disk:
+                continue
             registration = self._registration(state.info.namespace)
             cost = disk.cost(state.info, registration)
             if cost > disk.free_bytes():
