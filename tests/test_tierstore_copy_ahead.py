@@ -8,20 +8,23 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+import tierstore.disk
 from tests import test_tierstore_faults as service_side
 from tests.services import start_tierstore
-from tests.test_tierstore_store import (AGENT, DISK_SLOT, NS, SIZE, Clock, h, make_data, make_meta, put,
-                                        read_back, where)
+from tests.test_tierstore_faults import FailingCommits
+from tests.test_tierstore_store import (AGENT, DISK_SLOT, NS, SIZE, Clock, arena_offset, flip_byte, h, make_data,
+                                        make_meta, put, read_back, where)
 from tierstore.client import TierStoreClient
 from tierstore.copy_ahead import CopyAhead
-import tierstore.disk
 from tierstore.disk import DiskFault, DiskIO, DiskRecord, DiskTier, FileRange
 from tierstore.errors import FailedPrecondition
 from tierstore.registry import Registration
+from tierstore.state import StateInfo, checksum
 from tierstore.store import DISK, StoreConfig, TierStore
 
 KiB = 1024
@@ -69,11 +72,47 @@ def make(tmp_path: Path, clock: Clock, io: DiskIO, *, ram: int = 3, disk: int = 
 
 
 @pytest.fixture
-def store(tmp_path: Path, clock: Clock, io: CountingIO) -> Iterator[TierStore]:
-    s = make(tmp_path, clock, io)
-    yield s
-    s.check_integrity()
-    s.close()
+def sized(tmp_path: Path, clock: Clock, io: CountingIO) -> Iterator[Callable[..., TierStore]]:
+    """make(...) with this test's folder, clock and disk IO; each store made is checked and closed after."""
+    made: list[TierStore] = []
+
+    def sized_store(**sizes: int) -> TierStore:
+        made.append(make(tmp_path, clock, io, **sizes))  # type: ignore[arg-type]
+        return made[-1]
+
+    yield sized_store
+    for s in made:
+        s.check_integrity()
+        s.close()
+
+
+@pytest.fixture
+def store(sized: Callable[..., TierStore]) -> TierStore:
+    return sized()
+
+
+def put_in_order(store: TierStore, clock: Clock, *names: str) -> None:
+    """Agent states, one a second: they leave RAM in this order."""
+    for name in names:
+        put(store, name, cls=AGENT)
+        clock.t += 1
+
+
+def at_looks(store: TierStore, hooks: dict[int, Callable[[], None]]) -> list[int]:
+    """Runs hooks[n] before the copy's chunk n (0 is the first), without the store's lock; the list
+    returned counts the looks before chunks that the copy went on to."""
+    looks = [0]
+    plain = store._yield_disk
+
+    def pace() -> None:
+        hook = hooks.get(looks[0])
+        if hook is not None:
+            hook()
+        plain()
+        looks[0] += 1
+
+    store._yield_disk = pace  # type: ignore[method-assign]
+    return looks
 
 
 def blob_files(tmp_path: Path) -> list[str]:
@@ -89,9 +128,7 @@ def copy_all(store: TierStore) -> int:
 
 def test_the_next_state_to_leave_is_copied_first_and_then_leaves_without_a_write(
         store: TierStore, clock: Clock, io: CountingIO) -> None:
-    for name in ("a", "b", "c"):
-        put(store, name, cls=AGENT)
-        clock.t += 1
+    put_in_order(store, clock, "a", "b", "c")
     read_back(store, "a")  # a is now the most recent: b leaves first, then c, then a
     assert store.copy_wanted.is_set()  # a Commit asks for a copy
     assert store.copy_ahead()
@@ -110,117 +147,82 @@ def test_the_next_state_to_leave_is_copied_first_and_then_leaves_without_a_write
 
 
 def test_only_the_states_leaving_before_half_the_arena_are_copied(
-        tmp_path: Path, clock: Clock, io: CountingIO) -> None:
-    store = make(tmp_path, clock, io, ram=4)
-    try:
-        for name in ("a", "b", "c", "d"):
-            put(store, name, cls=AGENT)
-            clock.t += 1
-        assert copy_all(store) == 2
-        assert where(store) == {"a": "ram+disk", "b": "ram+disk", "c": "ram", "d": "ram"}
-        clock.t += 1
-        put(store, "e", cls=AGENT)  # a leaves (no write); now b, c, d, e: c enters the window
-        assert copy_all(store) == 1 and where(store)["c"] == "ram+disk" and where(store)["d"] == "ram"
-        store.check_integrity()
-    finally:
-        store.close()
+        sized: Callable[..., TierStore], clock: Clock, io: CountingIO) -> None:
+    store = sized(ram=4)
+    put_in_order(store, clock, "a", "b", "c", "d")
+    assert copy_all(store) == 2
+    assert where(store) == {"a": "ram+disk", "b": "ram+disk", "c": "ram", "d": "ram"}
+    clock.t += 1
+    put(store, "e", cls=AGENT)  # a leaves (no write); now b, c, d, e: c enters the window
+    assert copy_all(store) == 1 and where(store)["c"] == "ram+disk" and where(store)["d"] == "ram"
 
 
-def test_without_copy_ahead_nothing_is_copied(tmp_path: Path, clock: Clock, io: CountingIO) -> None:
-    store = make(tmp_path, clock, io, copy_ahead=False)
-    try:
-        put(store, "a")
-        assert not store.copy_ahead() and where(store) == {"a": "ram"} and not io.writes
-    finally:
-        store.close()
+def test_without_copy_ahead_nothing_is_copied(sized: Callable[..., TierStore], clock: Clock, io: CountingIO) -> None:
+    store = sized(copy_ahead=False)
+    put(store, "a")
+    assert not store.copy_ahead() and where(store) == {"a": "ram"} and not io.writes
 
 
-def test_a_copy_only_takes_free_disk_room(tmp_path: Path, clock: Clock, io: CountingIO) -> None:
-    store = make(tmp_path, clock, io, ram=2, disk=1)
-    try:
-        put(store, "a", cls=AGENT)
-        clock.t += 1
-        put(store, "b", cls=AGENT)
-        clock.t += 1
-        put(store, "c", cls=AGENT)  # a goes down and fills the disk
-        assert where(store) == {"a": "disk", "b": "ram", "c": "ram"}
-        assert not store.copy_ahead()  # no free room: a is never dropped for a copy
-        assert where(store) == {"a": "disk", "b": "ram", "c": "ram"} and store.stats().evictions == 0
-        store.check_integrity()
-    finally:
-        store.close()
+def test_a_copy_only_takes_free_disk_room(sized: Callable[..., TierStore], clock: Clock, io: CountingIO) -> None:
+    store = sized(ram=2, disk=1)
+    put_in_order(store, clock, "a", "b", "c")  # a goes down and fills the disk
+    assert where(store) == {"a": "disk", "b": "ram", "c": "ram"}
+    assert not store.copy_ahead()  # no free room: a is never dropped for a copy
+    assert where(store) == {"a": "disk", "b": "ram", "c": "ram"} and store.stats().evictions == 0
 
 
 def test_disk_room_is_taken_from_redundant_copies_before_any_state_is_dropped(
-        tmp_path: Path, clock: Clock, io: CountingIO) -> None:
-    store = make(tmp_path, clock, io, ram=2, disk=2)
-    try:
-        put(store, "a", cls=AGENT)
-        clock.t += 1
-        put(store, "b", cls=AGENT)
-        clock.t += 1
-        put(store, "c", cls=AGENT)  # a down to disk
-        assert copy_all(store) == 1  # b's copy fills the disk; c's does not fit
-        assert where(store) == {"a": "disk", "b": "ram+disk", "c": "ram"}
-        clock.t += 1
-        read_back(store, "b")  # b is now the most recent: c leaves RAM next
-        clock.t += 1
-        put(store, "d", cls=AGENT)  # c goes down: the disk needs room, and b's copy is the one that goes
-        assert where(store) == {"a": "disk", "b": "ram", "c": "disk", "d": "ram"}
-        s = store.stats()
-        assert (s.evictions, s.disk_bytes_used) == (0, 2 * DISK_SLOT)
-        store.check_integrity()
-    finally:
-        store.close()
+        sized: Callable[..., TierStore], clock: Clock, io: CountingIO) -> None:
+    store = sized(ram=2, disk=2)
+    put_in_order(store, clock, "a", "b", "c")  # a down to disk
+    assert copy_all(store) == 1  # b's copy fills the disk; c's does not fit
+    assert where(store) == {"a": "disk", "b": "ram+disk", "c": "ram"}
+    clock.t += 1
+    read_back(store, "b")  # b is now the most recent: c leaves RAM next
+    clock.t += 1
+    put(store, "d", cls=AGENT)  # c goes down: the disk needs room, and b's copy is the one that goes
+    assert where(store) == {"a": "disk", "b": "ram", "c": "disk", "d": "ram"}
+    s = store.stats()
+    assert (s.evictions, s.disk_bytes_used) == (0, 2 * DISK_SLOT)
 
 
 def test_of_two_copies_the_one_of_the_state_leaving_ram_last_makes_room_first(
-        tmp_path: Path, clock: Clock, io: CountingIO) -> None:
-    store = make(tmp_path, clock, io, ram=3, disk=2)
-    try:
-        for name in ("a", "b", "c"):
-            put(store, name, cls=AGENT)
-            clock.t += 1
-        assert copy_all(store) == 2 and where(store) == {"a": "ram+disk", "b": "ram+disk", "c": "ram"}
-        read_back(store, "a")
-        clock.t += 1
-        read_back(store, "b")  # RAM leaves in the order c, a, b
-        clock.t += 1
-        put(store, "d", cls=AGENT)  # c goes down and needs disk room: b's copy goes, a's (next to leave) stays
-        assert where(store) == {"a": "ram+disk", "b": "ram", "c": "disk", "d": "ram"}
-        writes = len(io.writes)
-        clock.t += 1
-        put(store, "e", cls=AGENT)  # a leaves RAM, without a write
-        assert where(store)["a"] == "disk" and len(io.writes) == writes
-        assert store.stats().evictions == 0
-        store.check_integrity()
-    finally:
-        store.close()
+        sized: Callable[..., TierStore], clock: Clock, io: CountingIO) -> None:
+    store = sized(ram=3, disk=2)
+    put_in_order(store, clock, "a", "b", "c")
+    assert copy_all(store) == 2 and where(store) == {"a": "ram+disk", "b": "ram+disk", "c": "ram"}
+    read_back(store, "a")
+    clock.t += 1
+    read_back(store, "b")  # RAM leaves in the order c, a, b
+    clock.t += 1
+    put(store, "d", cls=AGENT)  # c goes down and needs disk room: b's copy goes, a's (next to leave) stays
+    assert where(store) == {"a": "ram+disk", "b": "ram", "c": "disk", "d": "ram"}
+    writes = len(io.writes)
+    clock.t += 1
+    put(store, "e", cls=AGENT)  # a leaves RAM, without a write
+    assert where(store)["a"] == "disk" and len(io.writes) == writes
+    assert store.stats().evictions == 0
 
 
-def test_a_spill_that_cannot_happen_drops_no_copy(tmp_path: Path, clock: Clock, io: CountingIO) -> None:
+def test_a_spill_that_cannot_happen_drops_no_copy(sized: Callable[..., TierStore], clock: Clock, io: CountingIO) -> None:
     """A big state comes down where even the copies' room would not do: the disk state beside them ranks
     above it, so the disk refuses it, and the copy stays."""
-    store = make(tmp_path, clock, io, ram=6, disk=2)
-    try:
-        extent = store.reserve(h("big"), 2 * SIZE, AGENT)  # the oldest: it leaves first
-        assert extent is not None
-        store.arena.slice(extent.offset, 2 * SIZE)[:] = make_data("big", 2 * SIZE)
-        store.commit(h("big"), make_meta("big", nbytes=2 * SIZE))
-        clock.t += 1
-        put(store, "p", cls=AGENT)
-        with store._lock:
-            assert store._move_down(store._states[h("p")], clock.t, None)  # p is on disk only
-        clock.t += 1
-        put(store, "q", cls=AGENT)
-        assert store.copy_ahead()  # big does not fit beside p; q does
-        assert where(store) == {"big": "ram", "p": "disk", "q": "ram+disk"}
-        with store._lock:
-            assert not store._make_disk_room(store._states[h("big")], clock.t, None, b"")
-        assert where(store) == {"big": "ram", "p": "disk", "q": "ram+disk"}
-        store.check_integrity()
-    finally:
-        store.close()
+    store = sized(ram=6, disk=2)
+    extent = store.reserve(h("big"), 2 * SIZE, AGENT)  # the oldest: it leaves first
+    assert extent is not None
+    store.arena.slice(extent.offset, 2 * SIZE)[:] = make_data("big", 2 * SIZE)
+    store.commit(h("big"), make_meta("big", nbytes=2 * SIZE))
+    clock.t += 1
+    put(store, "p", cls=AGENT)
+    with store._lock:
+        assert store._move_down(store._states[h("p")], clock.t, None)  # p is on disk only
+    clock.t += 1
+    put(store, "q", cls=AGENT)
+    assert store.copy_ahead()  # big does not fit beside p; q does
+    assert where(store) == {"big": "ram", "p": "disk", "q": "ram+disk"}
+    with store._lock:
+        assert not store._make_disk_room(store._states[h("big")], clock.t, None, b"")
+    assert where(store) == {"big": "ram", "p": "disk", "q": "ram+disk"}
 
 
 def test_a_state_dropped_during_its_copy_is_not_published(store: TierStore, tmp_path: Path, io: CountingIO) -> None:
@@ -232,9 +234,7 @@ def test_a_state_dropped_during_its_copy_is_not_published(store: TierStore, tmp_
 
 def test_a_state_moved_down_during_its_copy_keeps_the_spill_and_drops_the_copy(
         store: TierStore, clock: Clock, tmp_path: Path, io: CountingIO) -> None:
-    for name in ("a", "b", "c"):
-        put(store, name, cls=AGENT)
-        clock.t += 1
+    put_in_order(store, clock, "a", "b", "c")
 
     def pressure() -> None:  # RAM pressure while a's copy is being written: a is spilled by the Reserve itself
         put(store, "d", cls=AGENT)
@@ -254,28 +254,10 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tierstore.disk, "_CHUNK", 4096)
 
 
-def between_chunks(store: TierStore, at: int, hook: Callable[[], None]) -> list[int]:
-    """Runs `hook` before the copy's chunk number `at` (0 is the first), without the store's lock;
-    the list returned counts the looks before chunks that the copy went on to."""
-    looks = [0]
-    plain = store._yield_disk
-
-    def pace() -> None:
-        if looks[0] == at:
-            hook()
-        plain()
-        looks[0] += 1
-
-    store._yield_disk = pace  # type: ignore[method-assign]
-    return looks
-
-
 def test_a_state_moved_down_mid_copy_cancels_the_copy(
         store: TierStore, clock: Clock, tmp_path: Path, io: CountingIO, small_chunks: None) -> None:
-    for name in ("a", "b", "c"):
-        put(store, name, cls=AGENT)
-        clock.t += 1
-    looks = between_chunks(store, 1, lambda: put(store, "d", cls=AGENT))  # a is spilled after its first chunk
+    put_in_order(store, clock, "a", "b", "c")
+    looks = at_looks(store, {1: lambda: put(store, "d", cls=AGENT)})  # a is spilled after its first chunk
     assert store.copy_ahead()
     assert looks == [2]  # it stopped at the look after the spill, not after reading all three chunks
     assert where(store)["a"] == "disk" and blob_files(tmp_path) == [h("a").hex()]
@@ -288,16 +270,14 @@ def test_moved_down_and_restored_to_the_same_place_mid_copy_loses_nothing(
         store: TierStore, clock: Clock, io: CountingIO, small_chunks: None) -> None:
     """The review's case: the bytes under the copy change and come back; the state must not be taken for
     scribbled (it is cancelled at the move), and its bytes are served as they were."""
-    for name in ("a", "b", "c"):
-        put(store, name, cls=AGENT)
-        clock.t += 1
+    put_in_order(store, clock, "a", "b", "c")
 
     def churn() -> None:
         put(store, "d", cls=AGENT)  # a goes down: d takes its extent
         store.drop(h("d"))
         read_back(store, "a")  # a comes back, into the extent it had
 
-    between_chunks(store, 1, churn)
+    at_looks(store, {1: churn})
     assert store.copy_ahead()
     assert "a" in where(store) and store.stats().checksum_failures == 0
     assert read_back(store, "a")[0] == make_data("a")
@@ -309,21 +289,8 @@ def test_bytes_that_change_under_the_read_and_back_are_not_a_loss(
     digest does not match, but the arena does, so the copy is dropped and the state kept (and copied
     again whole), not taken for scribbled."""
     put(store, "a")
-    lease = store.acquire(h("a"))
-    assert lease is not None
-    at = lease.extent.offset + 4096 + 7  # in the second chunk
-    store.release(lease.lease_id)
-    good = store.arena.slice(at, 1)[0]
-    plain = store._yield_disk
-    looks = iter(range(1_000_000))
-
-    def flip_then_restore() -> None:  # before chunk 1: change the byte; before chunk 2: put it back
-        look = next(looks)
-        if look in (1, 2):
-            store.arena.slice(at, 1)[0] = good ^ 1 if look == 1 else good
-        plain()
-
-    store._yield_disk = flip_then_restore  # type: ignore[method-assign]
+    at = arena_offset(store, "a") + 4096 + 7  # in the second chunk
+    at_looks(store, {1: lambda: flip_byte(store, at), 2: lambda: flip_byte(store, at)})  # changed, then back
     assert store.copy_ahead()
     s = store.stats()
     assert where(store) == {"a": "ram"} and (s.copies_ahead, s.checksum_failures) == (0, 0)
@@ -338,23 +305,9 @@ def test_a_mismatch_found_as_the_arena_is_replaced_is_not_counted_as_a_scribble(
     recreates the arena (the state, only in RAM, is lost with it, counted as such), and is no checksum
     failure."""
     put(store, "a")
-    lease = store.acquire(h("a"))
-    assert lease is not None
-    at = lease.extent.offset + 4096 + 7
-    store.release(lease.lease_id)
-    good = store.arena.slice(at, 1)[0]
-    plain = store._yield_disk
-    looks = iter(range(1_000_000))
-
-    def flip_then_delete() -> None:
-        look = next(looks)
-        if look == 1:
-            store.arena.slice(at, 1)[0] = good ^ 1
-        elif look == 2:
-            os.unlink(store.arena.path)  # the copy reads on through its own descriptor
-        plain()
-
-    store._yield_disk = flip_then_delete  # type: ignore[method-assign]
+    at = arena_offset(store, "a") + 4096 + 7
+    # The byte changes before chunk 1; before chunk 2 the file goes (the copy reads on through its own fd).
+    at_looks(store, {1: lambda: flip_byte(store, at), 2: lambda: os.unlink(store.arena.path)})
     assert store.copy_ahead()
     s = store.stats()
     assert (s.checksum_failures, s.arena_recreations, s.ram_states_lost) == (0, 1, 1) and where(store) == {}
@@ -368,38 +321,31 @@ def test_a_copy_in_flight_ends_unpublished_when_the_arena_is_recreated(
         with store._lock:
             store._recreate_arena("replaced by the test")
 
-    between_chunks(store, 1, recreate)
+    at_looks(store, {1: recreate})
     assert store.copy_ahead()
     assert where(store) == {} and blob_files(tmp_path) == [] and store.stats().ram_states_lost == 1
 
 
 def test_a_spill_that_needs_the_room_of_a_copy_in_flight_takes_it(
-        tmp_path: Path, clock: Clock, io: CountingIO, small_chunks: None) -> None:
-    store = make(tmp_path, clock, io, ram=2, disk=1)
-    try:
-        put(store, "a", cls=AGENT)
-        clock.t += 1
-        put(store, "b", cls=AGENT)
-        clock.t += 1
-        read_back(store, "a")  # b leaves RAM first: the copy takes b
+        sized: Callable[..., TierStore], clock: Clock, io: CountingIO, small_chunks: None) -> None:
+    store = sized(ram=2, disk=1)
+    put_in_order(store, clock, "a", "b")
+    read_back(store, "a")  # b leaves RAM first: the copy takes b
 
-        def pressure() -> None:
-            assert store._disk is not None and store._disk.free_bytes() == 0  # the copy holds the disk's room
-            put(store, "c", cls=AGENT)  # b goes down now: the copy of b is cancelled, its room is the spill's
+    def pressure() -> None:
+        assert store._disk is not None and store._disk.free_bytes() == 0  # the copy holds the disk's room
+        put(store, "c", cls=AGENT)  # b goes down now: the copy of b is cancelled, its room is the spill's
 
-        between_chunks(store, 1, pressure)
-        assert store.copy_ahead()
-        assert where(store) == {"a": "ram", "b": "disk", "c": "ram"}
-        assert store._disk is not None and store._disk.staging_bytes == 0 and store.stats().copies_ahead == 0
-        store.check_integrity()
-    finally:
-        store.close()
+    at_looks(store, {1: pressure})
+    assert store.copy_ahead()
+    assert where(store) == {"a": "ram", "b": "disk", "c": "ram"}
+    assert store._disk is not None and store._disk.staging_bytes == 0 and store.stats().copies_ahead == 0
 
 
 def test_cancel_copies_stops_the_copy_in_flight_and_starts_none(
         store: TierStore, tmp_path: Path, small_chunks: None) -> None:
     put(store, "a")
-    between_chunks(store, 1, store.cancel_copies)
+    at_looks(store, {1: store.cancel_copies})
     assert store.copy_ahead()
     assert where(store) == {"a": "ram"} and blob_files(tmp_path) == []
     assert not store.copy_ahead()
@@ -414,36 +360,21 @@ def test_a_ram_state_with_its_copy_does_not_lock_its_namespace(store: TierStore)
     store.register(Registration(b"S" * 16, "owner", 16, "layout-a", 1024, 0))  # accepted: s goes
     assert where(store) == {}
     put(store, "d", ns=b"S" * 16)
-    clock_spill(store)
+    for i in range(3):  # fills RAM until d, the oldest, goes down
+        put(store, f"fill{i}")
     assert where(store)["d"] == "disk"
     with pytest.raises(FailedPrecondition):  # a state on disk only does lock it
         store.register(Registration(b"S" * 16, "other", 16, "layout-c", 1024, 0))
 
 
-def clock_spill(store: TierStore) -> None:
-    """Fills RAM with other states until the oldest goes down."""
-    for i in range(3):
-        put(store, f"fill{i}")
-
-
 def test_a_staged_blob_whose_name_cannot_be_freed_is_removed(tmp_path: Path) -> None:
     """A pending removal of the same name that the disk refuses to finish: the staged temp file goes."""
-    class FailingCommits(DiskIO):
-        failing = False
-
-        def commit(self, index, fn):  # type: ignore[no-untyped-def]
-            if self.failing:
-                raise OSError(30, "Read-only file system")
-            super().commit(index, fn)
-
     io = FailingCommits()
     disk = DiskTier(tmp_path / "kv", 10 * DISK_SLOT, io=io)
     try:
-        from tierstore.state import StateInfo
         data = make_data("a")
         info = StateInfo.from_proto(h("a"), make_meta("a"), page_size=16, sliceable=False)
-        info = type(info)(**{**{f: getattr(info, f) for f in info.__slots__}, "checksum": _xxh(data)})  # type: ignore[attr-defined]
-        record = DiskRecord(info, 0.0, 0.0)
+        record = DiskRecord(replace(info, checksum=checksum(data)), 0.0, 0.0)
         assert disk.put(record, data)
         io.failing = True
         disk.remove(h("a"))  # pending: the index refuses the delete
@@ -459,17 +390,9 @@ def test_a_staged_blob_whose_name_cannot_be_freed_is_removed(tmp_path: Path) -> 
         disk.close()
 
 
-def _xxh(data: bytes) -> bytes:
-    from tierstore.state import checksum
-    return checksum(data)
-
-
 def test_a_state_scribbled_after_commit_is_caught_by_its_copy(store: TierStore, tmp_path: Path) -> None:
     put(store, "a")
-    lease = store.acquire(h("a"))
-    assert lease is not None
-    store.arena.slice(lease.extent.offset, 1)[:] = b"\xff" if make_data("a")[0] != 0xFF else b"\x00"
-    store.release(lease.lease_id)
+    flip_byte(store, arena_offset(store, "a"))
     assert store.copy_ahead()
     assert where(store) == {} and blob_files(tmp_path) == []  # never served, never persisted
     s = store.stats()

@@ -558,12 +558,23 @@ def test_restart_serves_what_reached_disk(tmp_path: Path, clock: Clock) -> None:
         again.close()
 
 
+def arena_offset(store: TierStore, name: str) -> int:
+    """Where the state's bytes start in the arena now (an Acquire's lease, released)."""
+    lease = store.acquire(h(name))
+    assert lease is not None
+    store.release(lease.lease_id)
+    return lease.extent.offset
+
+
+def flip_byte(store: TierStore, at: int) -> None:
+    """Scribbles over one committed byte of the arena (what a misbehaving engine could do)."""
+    view = store.arena.slice(at, 1)
+    view[0] ^= 0xFF
+
+
 def test_a_scribbled_arena_is_caught_before_it_reaches_disk(store: TierStore, clock: Clock) -> None:
     put(store, "a")
-    lease = store.acquire(h("a"))
-    assert lease is not None
-    store.arena.slice(lease.extent.offset, 1)[:] = b"\xff" if make_data("a")[0] != 0xFF else b"\x00"
-    store.release(lease.lease_id)
+    flip_byte(store, arena_offset(store, "a"))
     for name in ("b", "c", "d"):
         clock.t += 1
         put(store, name)

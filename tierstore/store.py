@@ -589,9 +589,10 @@ class TierStore:
 
         The blob is written outside the lock, from the committed bytes (read from the arena file, not its
         mapping: a file truncated meanwhile stops the copy instead of SIGBUS); it is published only if the state
-        is still where it was (not dropped, moved or in a recreated arena) and the bytes still match
-        their checksum (else, as a spill would, the state is dropped: it changed after Commit). The
-        service calls this from one thread of its own (tierstore/copy_ahead.py)."""
+        is still where it was (not dropped, moved or in a recreated arena) and the bytes read match its
+        checksum. A mismatch drops the state, as a spill would, only if its arena bytes still fail the
+        checksum (they changed after Commit); else they changed under the read only, and the copy goes.
+        The service calls this from one thread of its own (tierstore/copy_ahead.py)."""
         with self._lock:
             job = self._next_copy()
         if job is None:
@@ -935,9 +936,9 @@ class TierStore:
                 self._forget(state)
             return
         try:
-            if not disk.place_staged(staged):
+            if not disk.place_staged(staged):  # its digest is the state's checksum: checked above
                 return  # the budget no longer has room (removals still pending)
-        except (DataLoss, DiskFault):  # counted and logged by the disk tier; the state stays in RAM
+        except DiskFault:  # counted and logged by the disk tier; the state stays in RAM
             return
         self._counters.copies_ahead += 1
         log.info("copied state=%s bytes=%d to disk ahead of need", short(h), state.info.nbytes)
