@@ -33,7 +33,7 @@ from engine.output_processor import Deltas, LiveRequest, OutputProcessor, Reques
 from engine.outputs import EngineStats, RequestUpdate
 from engine.request import EngineRequest, EngineSequence, FinishReason, SeqStatus
 from engine.runner import ModelRunner
-from engine.sampling.sampler import RequestSampler, sample
+from engine.sampling.sampler import RequestSampler, SampleOutput, sample
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.state_listing import EngineSnapshot, take_snapshot
 from engine.text.detokenizer import TextStream
@@ -41,6 +41,8 @@ from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("ignis.engine")
 
+# What takes a round's sampled tokens: OutputProcessor.append_sampled, or .decoded on the decode road.
+Appender = Callable[[list[EngineSequence], SampleOutput, Deltas, dict[str, str]], None]
 _MAX_NAMESPACES = 4096  # memoised cache_salt namespaces (keyed by the salt's digest: bounded in bytes too)
 
 
@@ -301,6 +303,7 @@ class EngineCore:
         for seq in (first, *first.unforked):
             seq.name_pages(namespace, list(hashes))
         live.seqs = [first, *first.unforked]
+        self.outputs.add(live)
         self.totals.prompt_tokens += len(request.prompt_ids)
         self.scheduler.add(first)
 
@@ -364,16 +367,14 @@ class EngineCore:
         self._finish_step(deltas, failed)
 
     def _decoded(self, seqs: list[EngineSequence], logits: torch.Tensor) -> None:
-        """After a decode-only step: each sequence computed its one token; sample them all."""
-        after_compute = self.reuse.after_compute
+        """After a decode-only step: each sequence computed its one pending token; sample them all."""
         for seq in seqs:
-            seq.mark_computed(1)
-            # No logits: each is past its prompt's last token, where the only capture that keeps
-            # logits is made (and a row view a sequence, from unbind, cost ~1.2 us each).
-            after_compute(seq, None)
+            seq.num_computed += 1  # mark_computed(1), whose check the plan already made (one pending each)
+        # No logits: each is past its prompt's last token, where the only capture that keeps logits is made.
+        self.reuse.after_decodes(seqs)
         deltas: Deltas = {}
         failed: dict[str, str] = {}
-        self._sample(seqs, logits, deltas, failed)
+        self._sample(seqs, logits, deltas, failed, self.outputs.decoded)
         self._finish_step(deltas, failed)
 
     def _finish_step(self, deltas: Deltas, failed: dict[str, str]) -> None:
@@ -383,9 +384,10 @@ class EngineCore:
         self.outputs.emit(self._live, deltas)
 
     def _sample(self, seqs: list[EngineSequence], logits: torch.Tensor, deltas: Deltas,
-                failed: dict[str, str]) -> None:
-        """Sample the batch (logits [B, V], row i for seqs[i]) in one call; if that raises, sample each
-        sequence alone so that one request's failure ends that request only (`failed`: request id -> why)."""
+                failed: dict[str, str], handle: Appender | None = None) -> None:
+        """Sample the batch (logits [B, V], row i for seqs[i]) in one call and hand the tokens to `handle`
+        (append_sampled unless told); if sampling raises, sample each sequence alone so that one request's
+        failure ends that request only (`failed`: request id -> why)."""
         # What raises in sampling does so before any draw (the checks and logit processing come
         # first, and capped logits keep the probabilities finite), so a retry draws what the batch
         # would have: no generator state needs saving on every step.
@@ -400,4 +402,4 @@ class EngineCore:
             for i, seq in enumerate(seqs):
                 self._sample([seq], logits[i : i + 1], deltas, failed)
             return
-        self.outputs.append_sampled(seqs, out, deltas, failed)
+        (handle or self.outputs.append_sampled)(seqs, out, deltas, failed)

@@ -14,7 +14,8 @@ Every name is listed in docs/metrics.md.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections import Counter as Tally
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,30 +80,27 @@ class EngineMetrics:
         self._ttft = {c: ttft.labels(class_name(c)) for c in RequestClass}
         self._itl = {c: itl.labels(class_name(c)) for c in RequestClass}
         self._duration = {c.name.lower(): duration.labels(class_name(c)) for c in RequestClass}
-        self._last_token: dict[int, float] = {}  # seq_id -> time of its latest token (engine thread only)
         r.register(EngineCollector(stats, tiers))
 
-    def on_tokens(self, seqs: Iterable[EngineSequence]) -> None:
+    def on_tokens(self, seqs: Sequence[EngineSequence]) -> None:
         """After a sampling round (engine thread): each sequence got one token just now."""
         now = time.monotonic()
-        # Sequences that took their previous token in the same step share one gap: observed once, counted n.
-        gaps: dict[tuple[RequestClass, float], int] = {}
+        # Sequences that took their previous token in the same step share one gap: observed once, counted n
+        # (counted in C: a decode step's 64 sequences are one or two keys).
+        keys = [(seq.request.request_class, seq.last_token_time) for seq in seqs]
         for seq in seqs:
-            cls = seq.request.request_class
-            last = self._last_token.get(seq.seq_id)
+            seq.last_token_time = now
+        for (cls, last), times in Tally(keys).items():
             if last is not None:
-                key = (cls, last)
-                gaps[key] = gaps.get(key, 0) + 1
-            elif seq.choice == 0 and seq.first_token_time is not None:  # the request's first token
-                self._ttft[cls].observe(seq.first_token_time - seq.request.arrival)
-            self._last_token[seq.seq_id] = now
-        for (cls, last), times in gaps.items():
-            observe_times(self._itl[cls], now - last, times)
+                observe_times(self._itl[cls], now - last, times)
+            else:  # their first tokens: the request's first is its time to first token
+                for seq, (_, was) in zip(seqs, keys):
+                    if was is None and seq.choice == 0 and seq.first_token_time is not None \
+                            and seq.request.request_class is cls:
+                        self._ttft[cls].observe(seq.first_token_time - seq.request.arrival)
 
-    def on_done(self, done: FinishedRequest, seq_ids: Iterable[int]) -> None:
+    def on_done(self, done: FinishedRequest) -> None:
         """Once per request, when it is over (engine thread)."""
-        for seq_id in seq_ids:
-            self._last_token.pop(seq_id, None)
         self._requests.labels(done.request_class, done.finish_reason).inc()
         self._cached.inc(done.cached_tokens)
         child = self._duration.get(done.request_class)

@@ -46,6 +46,20 @@ class LiveRequest:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class PlainDecode:
+    """What the decode road needs to hand on a plain choice's token, looked up once when its request
+    arrives. Plain: the only choice of its request, with no logprobs, stop strings, stop token ids,
+    grammar or echo; so a token that does not end it (`ends`, `limit`) is appended, detokenized and
+    sent with nothing else to check (OutputProcessor.decoded)."""
+
+    request_id: str
+    sink: Sink
+    push: Callable[[int], str]  # the token's text: its stream's detokenizer (it holds nothing back)
+    ends: frozenset[int]  # tokens that end it: EOS, unless ignore_eos
+    limit: int  # its length when max_tokens or the model's context ends it
+
+
 @dataclass(slots=True)
 class RequestTotals:
     finished: int = 0
@@ -64,10 +78,57 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.totals = totals
+        # The plain choices of the requests in flight (see add; engine thread only).
+        self.plain: dict[EngineSequence, PlainDecode] = {}
         # (wall time it finished, its ignis.request.done fields); engine thread only, copied by the listing.
         self.recent: deque[tuple[float, FinishedRequest]] = deque(maxlen=RECENT_REQUESTS)
 
+    def add(self, live: LiveRequest) -> None:
+        """A request reached the engine thread: note whether its choice is plain (its PlainDecode)."""
+        plain = self.plain_decode(live, live.seqs[0])
+        if plain is not None:
+            self.plain[live.seqs[0]] = plain
+
+    def plain_decode(self, live: LiveRequest, seq: EngineSequence) -> PlainDecode | None:
+        """`seq`'s PlainDecode, if its request makes it a plain choice."""
+        request, params = live.request, live.request.params
+        if params.n != 1 or params.logprobs or params.stop_token_ids or request.guided is not None \
+                or request.echo or seq.stream.has_stops:
+            return None
+        ends = frozenset() if params.ignore_eos else self.eos_ids
+        limit = min(seq.num_prompt + params.max_tokens, self.max_model_len)
+        return PlainDecode(request.request_id, live.sink, seq.stream.push_plain, ends, limit)
+
     # --- per step -------------------------------------------------------------------------
+    def decoded(self, seqs: list[EngineSequence], out: SampleOutput, deltas: Deltas, failed: dict[str, str]) -> None:
+        """append_sampled for a decode-only step, the steady state. A plain choice whose token does not end
+        it is appended, detokenized and sent to its owner here, in one pass and without a delta to collect;
+        any other choice, and one that ends, goes the general way into `deltas` (sent once the step's
+        failures are known). A sequence whose handling raises is recorded in `failed`; the others go on."""
+        general: list[int] = []
+        plains = self.plain
+        for i, (seq, token) in enumerate(zip(seqs, out.token_ids)):
+            plain, ids = plains.get(seq), seq.token_ids
+            if plain is None or token in plain.ends or len(ids) + 1 >= plain.limit:
+                general.append(i)
+                continue
+            try:
+                ids.append(token)
+                seq.sampler.output_token_ids.append(token)  # RequestSampler.observe, for a choice without a grammar
+                plain.sink(RequestUpdate(plain.request_id, (ChoiceDelta(0, (token,), plain.push(token)),)))
+            except Exception:
+                log.exception("handling the token of request %s failed", seq.request.request_id)
+                failed.setdefault(seq.request.request_id, "internal error on this request (see the engine log)")
+        self.totals.generated_tokens += len(seqs) - len(general)
+        for i in general:
+            seq = seqs[i]
+            try:
+                self._append(seq, out, i, deltas)
+            except Exception:
+                log.exception("handling the token of request %s failed", seq.request.request_id)
+                failed.setdefault(seq.request.request_id, "internal error on this request (see the engine log)")
+        self.metrics.on_tokens(seqs)
+
     def collect_prompt_logprobs(self, live: LiveRequest, res: ChunkLogits) -> None:
         """Echo with logprobs: the logprob of each prompt token, from the chunk's logits."""
         seq = res.seq
@@ -176,6 +237,8 @@ class OutputProcessor:
 
     def request_done(self, live: LiveRequest, usage: Usage, finish_reason: str) -> None:
         """The request is over: its ignis.request.done line, metrics and trace spans (before its owner is told)."""
+        for seq in live.seqs:
+            self.plain.pop(seq, None)
         emit_request_spans(live.request, live.seqs, finish_reason)
         done = FinishedRequest(
             request_id=live.request.request_id, request_class=class_name(live.request.request_class),
@@ -184,4 +247,4 @@ class OutputProcessor:
             finish_reason=finish_reason, duration_ms=(time.monotonic() - live.request.arrival) * 1000)
         log_event(events, "ignis.request.done", **done.event_fields())
         self.recent.append((time.time(), done))
-        self.metrics.on_done(done, (s.seq_id for s in live.seqs))
+        self.metrics.on_done(done)

@@ -119,6 +119,7 @@ class EngineSequence:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None  # matched stop string or stop token id
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None  # of its latest token (the inter-token latency metric)
         self.preemptions = 0
         self.times = SeqTimes()
         self.unforked: list[EngineSequence] = []  # choices 1..n-1, forked from this one after its prompt

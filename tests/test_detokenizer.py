@@ -37,6 +37,12 @@ class FakeTokenizer:
     def token_bytes(self, i: int) -> bytes:
         return self.pieces[i]
 
+    def token_text(self, i: int) -> str | None:
+        try:
+            return self.pieces[i].decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+
 
 def make_fake(*pieces: bytes | str, special: frozenset[int] = frozenset()) -> FakeTokenizer:
     return FakeTokenizer([p.encode() if isinstance(p, str) else p for p in pieces], special)

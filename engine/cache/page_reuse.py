@@ -97,6 +97,14 @@ class PageReuse(TieredReuse):
             self.pages.register(seq.page_table[i], seq.page_hashes[i])
         seq.mark_registered(full)
 
+    def after_decodes(self, seqs: list[EngineSequence]) -> None:
+        """Only a sequence whose computed tokens now fill a page it has not published can have one to
+        publish: one step in page_size of each."""
+        page_size = self.page_size
+        for seq in seqs:
+            if seq.num_computed // page_size > seq.num_registered:
+                self.after_compute(seq, None)
+
     def on_finish(self, seq: EngineSequence) -> None:
         if self.chains is not None and seq.request.publishes and seq.num_registered:
             self.chains.add(PageChain(seq.namespace, tuple(seq.page_hashes[:seq.num_registered]),

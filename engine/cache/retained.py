@@ -231,6 +231,10 @@ class RetainedStateReuse(TieredReuse):
         elif m == seq.num_prompt and seq.num_output == 0:
             self._capture(seq, m, ReuseKind.CHECKPOINT, next_logits)
 
+    def after_decodes(self, seqs: list[EngineSequence]) -> None:
+        """Nothing: captures are made inside the prompt and at its end, and a decode-only step's sequences
+        are each past their prompt's end (each has a generated token), so after_compute would make none."""
+
     def on_finish(self, seq: EngineSequence) -> None:
         if seq.request.publishes and seq.request.commit is CommitPolicy.INCLUDING_GENERATED_TOKENS \
                 and seq.num_computed > seq.num_prompt:

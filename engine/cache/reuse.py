@@ -123,6 +123,12 @@ class PromptReuse(ABC):
         where the step computed the prompt's last token (a checkpoint there keeps them); None on
         the decode road (engine/core.py `_decoded`), whose sequences are all past that token."""
 
+    def after_decodes(self, seqs: list[EngineSequence]) -> None:
+        """after_compute(seq, None) for each sequence of a decode-only step, which computed one generated
+        token of each; a strategy with nothing to do for most of them says so once a step, not once each."""
+        for seq in seqs:
+            self.after_compute(seq, None)
+
     def on_finish(self, seq: EngineSequence) -> None:
         """Called when `seq` finishes normally, before its pages and slot are released."""
 
@@ -184,6 +190,9 @@ class PromptReuse(ABC):
 class NoReuse(PromptReuse):
     def match(self, seq: EngineSequence) -> Claim | None:
         return None
+
+    def after_decodes(self, seqs: list[EngineSequence]) -> None:
+        pass
 
     def apply(self, seq: EngineSequence, claim: Claim) -> None:
         raise RuntimeError("NoReuse never claims: this is a bug")

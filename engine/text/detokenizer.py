@@ -10,7 +10,7 @@ exactly as `bytes.decode(errors="replace")` would.
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 
@@ -22,6 +22,10 @@ class TokenSource(Protocol):
 
     def token_bytes(self, i: int) -> bytes: ...
 
+    def token_text(self, i: int) -> str | None:
+        """token_bytes(i) decoded, when they are whole UTF-8 characters on their own; else None."""
+        ...
+
 
 class IncrementalDetokenizer:
     """Turns ids into text deltas; never emits half a UTF-8 character."""
@@ -30,7 +34,8 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._token_bytes, self._decode = tokenizer.token_bytes, self._utf8.decode  # bound once: every token
+        # Bound once: every token.
+        self._token_bytes, self._token_text, self._decode = tokenizer.token_bytes, tokenizer.token_text, self._utf8.decode
 
     def push(self, ids: Iterable[int]) -> str:
         """Append ids; return the text they complete (possibly ""): the incremental decoder holds an
@@ -41,6 +46,10 @@ class IncrementalDetokenizer:
         """push([token]), without the iteration (one token a step is the common case)."""
         if token in self._skip:
             return ""
+        if not self._utf8.buffer:  # no character left unfinished: a token of whole characters is its own text
+            text = self._token_text(token)
+            if text is not None:
+                return text
         data = self._token_bytes(token)
         return self._decode(data, False) if data else ""
 
@@ -80,6 +89,18 @@ class TextStream:
     def done(self) -> bool:
         """True once a stop string matched or finish() ran; later pushes are ignored."""
         return self._finished or self.stopped_on is not None
+
+    @property
+    def has_stops(self) -> bool:
+        return bool(self._stops)
+
+    @property
+    def push_plain(self) -> Callable[[int], str]:
+        """A token's text for a stream without stop strings: nothing is ever held back there, so this is
+        what push_token's text would be, without the tuple and the checks (the decode road, per token)."""
+        if self._stops:
+            raise ValueError("a stream with stop strings holds text back: use push_token")
+        return self._detok.push_token
 
     def push(self, ids: Iterable[int]) -> tuple[str, str | None]:
         """Append ids; return (text safe to emit now, the stop string matched or None)."""

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from engine.text.chat_template import ChatTemplate
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_UNSET = object()  # a token text not looked up yet (None is an answer: not whole characters)
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -132,6 +133,7 @@ class Tokenizer:
         self._byte_fallback = "ByteFallback" in kinds
         self._metaspace = bool(kinds & {"Metaspace", "Replace"})
         self._bytes_cache: list[bytes | None] = [None] * self.vocab_size
+        self._text_cache: list[str | None | object] = [_UNSET] * self.vocab_size
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -196,6 +198,21 @@ class Tokenizer:
             cached = self._compute_token_bytes(i)
             self._bytes_cache[i] = cached
         return cached
+
+    def token_text(self, i: int) -> str | None:
+        """token_bytes(i) as text when those bytes are whole UTF-8 characters on their own; None when
+        they end inside a character or are not UTF-8 (then only the bytes around them say what they
+        are). What the detokenizer takes when it holds no unfinished character: most tokens."""
+        if not 0 <= i < self.vocab_size:
+            return ""
+        cached = self._text_cache[i]
+        if cached is _UNSET:
+            try:
+                cached = self.token_bytes(i).decode("utf-8")
+            except UnicodeDecodeError:
+                cached = None
+            self._text_cache[i] = cached
+        return cached  # type: ignore[return-value]
 
     def _compute_token_bytes(self, i: int) -> bytes:
         token = self._tk.id_to_token(i)
