@@ -82,9 +82,11 @@ def attention_step(loaded: LoadedModel, cache: DeviceCache, batch: ForwardBatch,
     layers = cfg.state_shape().attention_layers
     scale = cfg.head_dim**-0.5
 
+    pages, offsets, valid = gather.positional()
+
     def run() -> None:
         for layer in layers:
-            kernel(q, cache.k_cache(layer), cache.v_cache(layer), gather.pages, gather.offsets, gather.valid, scale)
+            kernel(q, cache.k_cache(layer), cache.v_cache(layer), pages, offsets, valid, scale)
     return run
 
 

@@ -72,6 +72,16 @@ def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return out.reshape(heads, dim)
 
 
+def positional(table: torch.Tensor, lengths: torch.Tensor, page_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """paged_decode_attention's pages/offsets/valid [B, L] from each sequence's page table [B, W]
+    and context length [B] (L: the longest length; padding points where the table's padding does)."""
+    positions = torch.arange(int(lengths.max()) if lengths.numel() else 0, device=table.device)
+    pages = table[:, positions // page_size]
+    offsets = (positions % page_size).expand(table.shape[0], -1)
+    return pages, offsets, positions[None, :] < lengths[:, None]
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

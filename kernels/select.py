@@ -68,6 +68,10 @@ class Kernels:
     # paged_decode_attention reads pages in place, so one batched call costs nothing per padded
     # position and wins at any context length (engine/model/batch.py asks, to batch the decodes).
     decode_in_place: bool = False
+    # paged_decode_attention over each sequence's page table [B, W] and context length [B] instead of
+    # pages/offsets/valid [B, L] (kernels/cpu/paged_decode.py: q, k, v, table, lengths, page_size, scale,
+    # window); None: the [B, L] form runs. The decode-only batch then builds no [B, L] tensors.
+    paged_decode_from_table: Callable[..., torch.Tensor] | None = None
     # The CPU's fused GDN decode step (conv taps + delta rule in one C call per layer,
     # kernels/cpu/gdn_decode.py); None: causal_conv1d and gated_delta_decode_step_ run.
     gdn_decode_fused: Callable[..., torch.Tensor] | None = None
@@ -105,6 +109,7 @@ def cpu_kernels() -> Kernels:
     if decode is None:
         return references
     return dataclasses.replace(references, name="cpu", paged_decode_attention=decode, decode_in_place=True,
+                               paged_decode_from_table=paged_decode.load_from_table(),
                                gdn_decode_fused=gdn_decode.load(), rms_norm=rms_norm.load(),
                                rope_and_cache=rope_cache.load(), argmax_rows=argmax.load(),
                                argmax_rows_capped=argmax.load_capped(),

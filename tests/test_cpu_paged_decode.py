@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from engine.kv.device_cache import CacheGeometry, DeviceCache, StateShape
 from kernels.cpu import paged_decode
 from kernels.paged_attention import paged_decode_attention as reference
+from kernels.paged_attention import positional
 from kernels.select import cpu_kernels, kernels_for
 from cpu_kernels import built_kernel
 
@@ -57,14 +58,21 @@ def make_inputs(lengths: list[int], heads: int, kv_heads: int, dim: int, dtype: 
 
 def check(kernel: paged_decode.DecodeFn, lengths: list[int], heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
           page: int = 16, window: int | None = None) -> None:
+    """Both forms of the kernel against the reference: positions [B, L], and each sequence's page
+    table [B, W] with its length (the form a decode-only engine step passes)."""
     q, k, v, pages, offsets, valid = make_inputs(lengths, heads, kv_heads, dim, dtype, page)
     assert k.dtype == dtype and not k.is_contiguous()  # the pool's strided view, read in place
     scale = dim**-0.5
-    ours = kernel(q, k, v, pages, offsets, valid, scale, window)
     ref = reference(q, k, v, pages, offsets, valid, scale, window)
-    assert ours.shape == ref.shape == q.shape and ours.dtype == q.dtype
-    diff = (ours - ref).abs().max().item()
-    assert diff < TOLERANCE, f"lengths {lengths} H {heads} Hkv {kv_heads} D {dim} {dtype} window {window}: {diff:.2e}"
+    table, context = pages[:, ::page].contiguous(), torch.tensor(lengths)
+    assert torch.equal(torch.stack(positional(table, context, page)), torch.stack((pages, offsets, valid)))
+    tabled = built_kernel(paged_decode.load_from_table)
+    for form, ours in (("positions", kernel(q, k, v, pages, offsets, valid, scale, window)),
+                       ("table", tabled(q, k, v, table, context, page, scale, window))):
+        assert ours.shape == ref.shape == q.shape and ours.dtype == q.dtype
+        diff = (ours - ref).abs().max().item()
+        assert diff < TOLERANCE, \
+            f"{form}: lengths {lengths} H {heads} Hkv {kv_heads} D {dim} {dtype} window {window}: {diff:.2e}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
@@ -115,7 +123,10 @@ def test_bf16_queries_come_back_bf16(kernel: paged_decode.DecodeFn) -> None:
 def test_shapes_it_does_not_take_run_the_reference(kernel: paged_decode.DecodeFn) -> None:
     q, k, v, pages, offsets, valid = make_inputs([20, 9], 128, 1, 64, torch.float32)  # 128 query heads per KV head
     assert not paged_decode.supports(q, k)
-    assert torch.equal(kernel(q, k, v, pages, offsets, valid, 0.125), reference(q, k, v, pages, offsets, valid, 0.125))
+    expected = reference(q, k, v, pages, offsets, valid, 0.125)
+    assert torch.equal(kernel(q, k, v, pages, offsets, valid, 0.125), expected)
+    tabled = built_kernel(paged_decode.load_from_table)
+    assert torch.equal(tabled(q, k, v, pages[:, ::16].contiguous(), torch.tensor([20, 9]), 16, 0.125), expected)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -131,7 +142,7 @@ def test_random_shapes_match_reference(kernel: paged_decode.DecodeFn, lengths: l
 def test_the_cpu_selects_it(kernel: paged_decode.DecodeFn) -> None:
     ops = kernels_for(CPU)
     assert ops.name == "cpu" and ops.decode_in_place
-    assert isinstance(ops.paged_decode_attention, type(kernel))
+    assert isinstance(ops.paged_decode_attention, type(kernel)) and ops.paged_decode_from_table is not None
 
 
 def test_a_missing_library_falls_back_with_a_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -144,6 +155,7 @@ def test_reference_kernels_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IGNIS_CPU_KERNELS", "reference")
     ops = cpu_kernels()
     assert ops.name == "torch" and not ops.decode_in_place and ops.paged_decode_attention is reference
+    assert ops.paged_decode_from_table is None  # so decode batches hold the [B, L] form the reference takes
 
 
 def test_the_bench_runs_both_kernels_in_each_dtype(kernel: paged_decode.DecodeFn, tmp_path: Path) -> None:

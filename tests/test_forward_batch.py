@@ -34,10 +34,10 @@ def _same(a: object, b: object) -> None:
         assert isinstance(b, SeqView)
         assert (a.offset, a.length, a.start, a.state_slot) == (b.offset, b.length, b.start, b.state_slot)
         _same(a.page_table, b.page_table)
-    elif isinstance(a, DecodeGather):
-        assert isinstance(b, DecodeGather)
-        for f in dataclasses.fields(DecodeGather):
-            _same(getattr(a, f.name), getattr(b, f.name))
+    elif isinstance(a, DecodeGather):  # the same positions, whether held as [B, L] or as page tables
+        assert isinstance(b, DecodeGather) and a.every_row == b.every_row
+        _same(a.rows, b.rows)
+        _same(a.positional(), b.positional())
     elif isinstance(a, (tuple, DecodeViews)):  # a decode-only batch's views are made when asked
         assert isinstance(b, (tuple, DecodeViews)) and len(a) == len(b)
         for x, y in zip(a, b):
@@ -57,6 +57,22 @@ def test_the_decode_only_batch_is_the_general_one(chunks: list[SequenceChunk]) -
             _same(getattr(fast, f.name), getattr(general, f.name))
     assert fast.decodes_only and not general.decodes_only
     assert len(fast.decodes) == len(chunks) and fast.others == ()
+    assert fast.decode is not None and fast.decode.table is not None  # the CPU kernel reads the tables
+    assert general.decode is not None and general.decode.table is None
+
+
+def test_without_the_table_kernel_a_decode_only_batch_holds_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference kernels take only [B, L]: the fast path then builds those, as the general one does."""
+    from engine.model import batch
+
+    cpu = torch.device("cpu")
+    chosen = batch.kernels_for
+    monkeypatch.setattr(batch, "kernels_for", lambda device: dataclasses.replace(
+        chosen(device), paged_decode_from_table=None))
+    chunks = [SequenceChunk([7], 40, [1, 2, 3], 5), SequenceChunk([8], 3, [9], 6)]
+    fast = ForwardBatch.build(chunks, PAGE, cpu)
+    assert fast.decode is not None and fast.decode.table is None and fast.decode.pages is not None
+    _same(fast.decode, ForwardBatch._any(chunks, PAGE, cpu).decode)
 
 
 def test_a_short_page_table_is_refused_on_both_paths() -> None:

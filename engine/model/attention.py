@@ -78,13 +78,17 @@ class Attention(nn.Module):
         # All single-token decodes in one call (K/V may be in another dtype, engine.kv_dtype: the kernels
         # read it as it is and return q's dtype). On the CPU it reads the pages in place (kernels/cpu/).
         if gather is not None and gather.every_row:  # a decode-only step: its output is the layer's
-            out = ops.paged_decode_attention(q, k_cache, v_cache, gather.pages, gather.offsets, gather.valid,
-                                             self.scale, self.window).to(q.dtype)
-            return self.o_proj(self._gated(out.reshape(t, -1), gate))
+            from_table = ops.paged_decode_from_table
+            if gather.table is not None and from_table is not None:
+                out = from_table(q, k_cache, v_cache, gather.table, gather.lengths, gather.page_size, self.scale,
+                                 self.window)
+            else:
+                out = ops.paged_decode_attention(q, k_cache, v_cache, *gather.positional(), self.scale, self.window)
+            return self.o_proj(self._gated(out.to(q.dtype).reshape(t, -1), gate))
         out = torch.empty_like(q)  # [T, H, D]
         if gather is not None:
             out[gather.rows] = ops.paged_decode_attention(
-                q[gather.rows], k_cache, v_cache, gather.pages, gather.offsets, gather.valid, self.scale, self.window
+                q[gather.rows], k_cache, v_cache, *gather.positional(), self.scale, self.window
             ).to(out.dtype)
         for seq in (batch.others if gather is not None else batch.seqs):  # the decodes ran above
             rows = slice(seq.offset, seq.offset + seq.length)

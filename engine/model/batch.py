@@ -15,6 +15,7 @@ from typing import Sequence, overload
 
 import torch
 
+from kernels.paged_attention import positional
 from kernels.select import kernels_for
 
 
@@ -100,13 +101,24 @@ class DecodeViews(abc.Sequence[SeqView]):
 
 @dataclass(frozen=True, slots=True)
 class DecodeGather:
-    """Single-token decodes of a step, padded so attention runs once for all of them."""
+    """Single-token decodes of a step, padded so attention runs once for all of them: as pages/offsets/
+    valid [B, L], or (a decode-only step whose kernels take it) as each one's page table and length."""
 
     rows: torch.Tensor  # [B] rows of the flat token run
-    pages: torch.Tensor  # [B, L] page id of each context position (padding: any valid page)
-    offsets: torch.Tensor  # [B, L] offset inside the page
-    valid: torch.Tensor  # [B, L] bool: position < context length
+    pages: torch.Tensor | None  # [B, L] page id of each context position (padding: any valid page)
+    offsets: torch.Tensor | None  # [B, L] offset inside the page
+    valid: torch.Tensor | None  # [B, L] bool: position < context length
     every_row: bool = False  # rows are all the step's rows, in order (a decode-only step): no picking
+    table: torch.Tensor | None = None  # [B, W] each one's page table, padded (then pages/offsets/valid are None)
+    lengths: torch.Tensor | None = None  # [B] each one's context length
+    page_size: int = 0
+
+    def positional(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pages, offsets, valid) [B, L], made from the table when that is the form held."""
+        if self.pages is not None and self.offsets is not None and self.valid is not None:
+            return self.pages, self.offsets, self.valid
+        assert self.table is not None and self.lengths is not None
+        return positional(self.table, self.lengths, self.page_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +185,10 @@ class ForwardBatch:
         views = DecodeViews(starts, needed, slots, padded, widest)
         every = _position_tables(count, page_size, device)[0]  # the logits rows and decode rows: all of them
         decode = None
-        if _pad_decodes(views, device):
+        if kernels_for(device).paged_decode_from_table is not None:  # attention reads the tables as they are
+            decode = DecodeGather(rows=every, pages=None, offsets=None, valid=None, every_row=True,
+                                  table=padded.view(count, widest), lengths=rows[4], page_size=page_size)
+        elif _pad_decodes(views, device):
             positions, page_of, offset_of = _position_tables(max(starts) + 1, page_size, device)
             decode = DecodeGather(
                 rows=every,

@@ -5,6 +5,9 @@
  *   q    [B, H, D] fp32, contiguous          out [B, H, D] fp32, contiguous
  *   k, v [num_pages, P, Hkv, D] fp32/bf16/fp16 (strided views of the engine's pool)
  *   pages, offsets [B, L] int64 (position -> page, offset in it); lengths [B] int64
+ *   or, with page_size > 0, pages [B, W] int64 each sequence's page table (position t is at
+ *   offset t % page_size of page pages[t / page_size]; offsets is not read): the form the
+ *   engine's decode batch has, so its step builds no [B, L] tensors
  * Query head h reads KV head h / (H / Hkv) (grouped-query attention): the G query heads of
  * one KV head are done together, so each K/V row comes from memory once per step and serves
  * all G (converted to fp32 as it is loaded, for four query heads at a time). Softmax is online
@@ -246,9 +249,16 @@ static inline void prefetch_row(const void *base, int64_t idx, int elem, int row
     for (int off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
+/* Element index of position t's row in a K/V pool with page stride sp and offset stride so. */
+static inline int64_t row_at(const int64_t *pages, const int64_t *offsets, int64_t p_sl, int64_t o_sl,
+                             int64_t psize, int64_t t, int64_t sp, int64_t so) {
+    if (psize > 0) return pages[(t / psize) * p_sl] * sp + (t % psize) * so;
+    return pages[t * p_sl] * sp + offsets[t * o_sl] * so;
+}
+
 static void one_head(int dtype, const float *q, const void *k, const void *v,
                      int64_t k_sp, int64_t k_so, int64_t v_sp, int64_t v_so, int64_t k_head, int64_t v_head,
-                     const int64_t *pages, const int64_t *offsets, int64_t p_sl, int64_t o_sl,
+                     const int64_t *pages, const int64_t *offsets, int64_t p_sl, int64_t o_sl, int64_t psize,
                      int64_t start, int64_t end, int group, int dim, float scale, float *out) {
     float qs[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM];  /* [G, D] each */
     float s[MAX_GROUP][BLOCK], m[MAX_GROUP], l[MAX_GROUP];
@@ -267,11 +277,11 @@ static void one_head(int dtype, const float *q, const void *k, const void *v,
         for (int j = 0; j < n; j++) {  /* scores of this block: s[g][j] = q_g . k_t */
             int64_t t = t0 + j;
             if (t + AHEAD < end)
-                prefetch_row(k, pages[(t + AHEAD) * p_sl] * k_sp + offsets[(t + AHEAD) * o_sl] * k_so + k_head,
+                prefetch_row(k, row_at(pages, offsets, p_sl, o_sl, psize, t + AHEAD, k_sp, k_so) + k_head,
                              elem, row_bytes);
-            vrows[j] = (const char *)v + (pages[t * p_sl] * v_sp + offsets[t * o_sl] * v_so + v_head) * elem;
+            vrows[j] = (const char *)v + (row_at(pages, offsets, p_sl, o_sl, psize, t, v_sp, v_so) + v_head) * elem;
             if (vector_pv) prefetch_row(vrows[j], 0, elem, row_bytes);  /* read once the block's scores are done */
-            int64_t kidx = pages[t * p_sl] * k_sp + offsets[t * o_sl] * k_so + k_head;
+            int64_t kidx = row_at(pages, offsets, p_sl, o_sl, psize, t, k_sp, k_so) + k_head;
 #if defined(__AVX512F__)
             if (vector_pv) {
                 scores_row(dtype, qs, (const char *)k + kidx * elem, group, dim, s, j);
@@ -297,9 +307,9 @@ static void one_head(int dtype, const float *q, const void *k, const void *v,
         for (int j = 0; j < n; j++) {
             int64_t t = t0 + j;
             if (t + AHEAD < end)
-                prefetch_row(v, pages[(t + AHEAD) * p_sl] * v_sp + offsets[(t + AHEAD) * o_sl] * v_so + v_head,
+                prefetch_row(v, row_at(pages, offsets, p_sl, o_sl, psize, t + AHEAD, v_sp, v_so) + v_head,
                              elem, row_bytes);
-            const float *vr = row_f32(dtype, v, pages[t * p_sl] * v_sp + offsets[t * o_sl] * v_so + v_head, dim, buf);
+            const float *vr = row_f32(dtype, v, row_at(pages, offsets, p_sl, o_sl, psize, t, v_sp, v_so) + v_head, dim, buf);
             accumulate(acc, &s[0][j], BLOCK, vr, group, dim);
         }
     }
@@ -316,7 +326,7 @@ int paged_decode_attention(int dtype, const float *q, const void *k, const void 
                            const int64_t *pages, int64_t p_sb, int64_t p_sl,
                            const int64_t *offsets, int64_t o_sb, int64_t o_sl,
                            const int64_t *lengths, float *out, int64_t batch, int heads, int kv_heads, int dim,
-                           float scale, int64_t window) {
+                           float scale, int64_t window, int64_t page_size) {
     if (kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP || dim > MAX_DIM) return -1;
     int group = heads / kv_heads;
     #pragma omp parallel for collapse(2) schedule(dynamic, 1)
@@ -326,7 +336,8 @@ int paged_decode_attention(int dtype, const float *q, const void *k, const void 
             int64_t start = window > 0 && end > window ? end - window : 0;
             int64_t row = (b * heads + (int64_t)h * group) * dim;
             one_head(dtype, q + row, k, v, k_sp, k_so, v_sp, v_so, h * k_sh, h * v_sh,
-                     pages + b * p_sb, offsets + b * o_sb, p_sl, o_sl, start, end, group, dim, scale, out + row);
+                     pages + b * p_sb, offsets + b * o_sb, p_sl, o_sl, page_size, start, end, group, dim, scale,
+                     out + row);
         }
     }
     return 0;
