@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv.host_copy import host_row_copier
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -131,6 +132,9 @@ class DeviceCache:
         self._k_views = {layer: self.kv[:, i, 0] for layer, i in self._attn_index.items()}
         self._v_views = {layer: self.kv[:, i, 1] for layer, i in self._attn_index.items()}
         self._linear_index = {layer: i for i, layer in enumerate(shape.linear_layers)}
+        # On the CPU a page or slot row of at most 2 MiB is cloned by one memmove (engine/kv/host_copy.py).
+        self._page_copy = host_row_copier(self.kv)
+        self._slot_copy = host_row_copier(self.state_rows)
 
     def k_cache(self, layer: int) -> torch.Tensor:
         return self._k_views[layer]  # [num_pages, P, Hkv, D] (strided view)
@@ -143,17 +147,21 @@ class DeviceCache:
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Clone one sequence's recurrent state and conv taps: one copy of its row, all layers."""
-        if self.copy_rows is not None:
+        if self._slot_copy is not None:
+            self._slot_copy(src, dst)
+        elif self.copy_rows is not None:
             self.copy_rows(self.state_rows, *self._rows(src, dst))
-            return
-        self.state_rows[dst].copy_(self.state_rows[src])
+        else:
+            self.state_rows[dst].copy_(self.state_rows[src])
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy one KV page (all attention layers): a partial last page a fork or a claim makes private."""
-        if self.copy_rows is not None:
+        if self._page_copy is not None:
+            self._page_copy(src, dst)
+        elif self.copy_rows is not None:
             self.copy_rows(self.kv, *self._rows(src, dst))
-            return
-        self.kv[dst].copy_(self.kv[src])
+        else:
+            self.kv[dst].copy_(self.kv[src])
 
     def _rows(self, src: int, dst: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor([src, dst], dtype=torch.int64).to(self.kv.device, non_blocking=True)
