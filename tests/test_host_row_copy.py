@@ -66,3 +66,19 @@ def test_a_large_slot_row_still_copies_through_torch() -> None:
     assert cache.state_rows[0].numel() > MAX_BYTES and cache._slot_copy is None
     cache.copy_slot(0, 1)
     assert torch.equal(cache.state_rows[1], cache.state_rows[0])
+
+
+def test_a_row_copy_kernel_given_is_the_one_used() -> None:
+    """A cache given a row-copy kernel (Triton's, which tests run on the CPU interpreted) copies with it,
+    not by address, so those tests check that kernel."""
+    calls: list[tuple[int, int]] = []
+
+    def copy_rows(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        calls.append((int(src), int(dst)))
+        pool[dst] = pool[src]
+
+    cache = DeviceCache(HYBRID, CacheGeometry(8, 6, 4, torch.float32), CPU, copy_rows=copy_rows)
+    assert cache._page_copy is None and cache._slot_copy is None
+    cache.copy_page(4, 1)
+    cache.copy_slot(0, 3)
+    assert calls == [(4, 1), (0, 3)]

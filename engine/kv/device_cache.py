@@ -101,7 +101,8 @@ class DeviceCache:
     def __init__(self, shape: StateShape, geometry: CacheGeometry, device: torch.device,
                  copy_rows: RowCopier | None = None) -> None:
         """`copy_rows(pool, src, dst)`: the row-copy kernel state clones use (the Triton one on CUDA,
-        chosen by engine/model/state_copy.py); None: plain tensor copies."""
+        chosen by engine/model/state_copy.py); None: the cache's own copies (by address on the CPU,
+        else plain tensor copies)."""
         self.copy_rows = copy_rows
         self.shape = shape
         self.geometry = geometry
@@ -132,9 +133,11 @@ class DeviceCache:
         self._k_views = {layer: self.kv[:, i, 0] for layer, i in self._attn_index.items()}
         self._v_views = {layer: self.kv[:, i, 1] for layer, i in self._attn_index.items()}
         self._linear_index = {layer: i for i, layer in enumerate(shape.linear_layers)}
-        # On the CPU a page or slot row of at most 2 MiB is cloned by one memmove (engine/kv/host_copy.py).
-        self._page_copy = host_row_copier(self.kv)
-        self._slot_copy = host_row_copier(self.state_rows)
+        # Given no row-copy kernel, a page or slot row of at most 2 MiB on the CPU is cloned by one memmove
+        # (engine/kv/host_copy.py); a kernel given is always the one used (tests run Triton's on the CPU).
+        by_address = copy_rows is None
+        self._page_copy = host_row_copier(self.kv) if by_address else None
+        self._slot_copy = host_row_copier(self.state_rows) if by_address else None
 
     def k_cache(self, layer: int) -> torch.Tensor:
         return self._k_views[layer]  # [num_pages, P, Hkv, D] (strided view)

@@ -1,8 +1,9 @@
 """The row-copy kernel the device cache clones states with, picked with every other kernel.
 
 On CUDA a retained-state claim, a capture and an n>1 fork copy their slot and
-partial page with the Triton row copy (kernels/triton_state_copy.py); elsewhere a
-plain tensor copy is that copy already, so the cache is given none.
+partial page with the Triton row copy (kernels/triton_state_copy.py); elsewhere the
+cache is given none and copies by itself (a row of at most 2 MiB on the CPU by one
+memmove, engine/kv/host_copy.py; larger rows by a plain tensor copy).
 """
 
 from __future__ import annotations

@@ -51,17 +51,14 @@ def _run(fn: Callable[..., int], q: torch.Tensor, k_cache: torch.Tensor, v_cache
          ) -> torch.Tensor:
     """q: [B, H, D]; k_cache/v_cache: [num_pages, P, Hkv, D]; pages/offsets/valid: [B, L] (valid a prefix
     of each row). Returns [B, H, D] in q's dtype, accumulated in fp32."""
-    if not supports(q, k_cache) or v_cache.dtype != k_cache.dtype or v_cache.stride(-1) != 1:
+    if not _takes(q, k_cache, v_cache):
         return reference(q, k_cache, v_cache, pages, offsets, valid, scale, sliding_window)
-    batch, heads, dim = q.shape
-    assert k_cache.shape[-1] == dim and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape, v_cache.shape)
-    assert pages.shape == offsets.shape == valid.shape and pages.shape[0] == batch, (pages.shape, valid.shape)
+    assert pages.shape == offsets.shape == valid.shape and pages.shape[0] == q.shape[0], (pages.shape, valid.shape)
     # Checked in Python: no-op torch calls cost a dispatch each, in every attention layer of every step.
-    qf = q if q.dtype == torch.float32 and q.is_contiguous() else q.to(torch.float32).contiguous()  # [B, H, D]
     if pages.dtype != torch.int64 or offsets.dtype != torch.int64:
         pages, offsets = pages.to(torch.int64), offsets.to(torch.int64)
     lengths = valid.sum(dim=1, dtype=torch.int64)  # [B]: valid is a prefix
-    return _call(fn, qf, q.dtype, k_cache, v_cache, pages, offsets, lengths, scale, sliding_window, 0)
+    return _call(fn, q, k_cache, v_cache, pages, offsets, lengths, scale, sliding_window, 0)
 
 
 def _run_from_table(fn: Callable[..., int], q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -70,20 +67,25 @@ def _run_from_table(fn: Callable[..., int], q: torch.Tensor, k_cache: torch.Tens
     """q: [B, H, D]; table: [B, W] int64, each sequence's page table (padded); lengths: [B] int64, each
     one's context length (page_size * W at most). What _run computes over `positional(table, lengths,
     page_size)`, without building those [B, L] tensors (nor summing a mask) in every attention layer."""
-    if not supports(q, k_cache) or v_cache.dtype != k_cache.dtype or v_cache.stride(-1) != 1:
+    if not _takes(q, k_cache, v_cache):
         return reference(q, k_cache, v_cache, *positional(table, lengths, page_size), scale, sliding_window)
     assert table.dtype == lengths.dtype == torch.int64 and table.shape[0] == lengths.shape[0] == q.shape[0], \
         (table.shape, lengths.shape, q.shape)
     assert lengths.is_contiguous() and page_size > 0, (lengths.stride(), page_size)
-    assert k_cache.shape[-1] == q.shape[2] and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape, v_cache.shape)
+    return _call(fn, q, k_cache, v_cache, table, table, lengths, scale, sliding_window, page_size)
+
+
+def _takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return supports(q, k_cache) and v_cache.dtype == k_cache.dtype and v_cache.stride(-1) == 1
+
+
+def _call(fn: Callable[..., int], q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
+          offsets: torch.Tensor, lengths: torch.Tensor, scale: float, sliding_window: int | None, page_size: int
+          ) -> torch.Tensor:
+    """The C call (page_size 0: `pages`/`offsets` are [B, L]; > 0: `pages` is [B, W] page tables)."""
+    batch, heads, dim = q.shape
+    assert k_cache.shape[-1] == dim and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape, v_cache.shape)
     qf = q if q.dtype == torch.float32 and q.is_contiguous() else q.to(torch.float32).contiguous()  # [B, H, D]
-    return _call(fn, qf, q.dtype, k_cache, v_cache, table, table, lengths, scale, sliding_window, page_size)
-
-
-def _call(fn: Callable[..., int], qf: torch.Tensor, dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor,
-          pages: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor, scale: float, sliding_window: int | None,
-          page_size: int) -> torch.Tensor:
-    batch, heads, dim = qf.shape
     out = torch.empty(batch, heads, dim, dtype=torch.float32)
     ks, vs = k_cache.stride(), v_cache.stride()
     status = fn(KV_DTYPE_CODES[k_cache.dtype], qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -92,6 +94,6 @@ def _call(fn: Callable[..., int], qf: torch.Tensor, dtype: torch.dtype, k_cache:
                 offsets.stride(1), lengths.data_ptr(), out.data_ptr(), batch, heads, k_cache.shape[2], dim,
                 scale, sliding_window or 0, page_size)
     if status != 0:
-        raise RuntimeError(f"paged_decode_attention refused q {tuple(qf.shape)}, k {tuple(k_cache.shape)}: "
+        raise RuntimeError(f"paged_decode_attention refused q {tuple(q.shape)}, k {tuple(k_cache.shape)}: "
                            "this is a bug")
-    return out if dtype == torch.float32 else out.to(dtype)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
