@@ -17,6 +17,7 @@ import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from operator import is_
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -60,6 +61,15 @@ class FinishedRequest:
                 "finish_reason": self.finish_reason, "duration_ms": round(self.duration_ms, 3)}
 
 
+@dataclass(slots=True)
+class _Round:
+    """The sequences of the latest sampling round, when they got their tokens, and how many of each class."""
+
+    seqs: list[EngineSequence]
+    time: float
+    classes: list[tuple[RequestClass, int]]
+
+
 class EngineMetrics:
     """The engine's registry: observed latencies plus an `EngineCollector` over its counters."""
 
@@ -81,23 +91,37 @@ class EngineMetrics:
         self._itl = {c: itl.labels(class_name(c)) for c in RequestClass}
         self._duration = {c.name.lower(): duration.labels(class_name(c)) for c in RequestClass}
         r.register(EngineCollector(stats, tiers))
+        self._round: _Round | None = None  # engine thread only
 
     def on_tokens(self, seqs: Sequence[EngineSequence]) -> None:
         """After a sampling round (engine thread): each sequence got one token just now."""
         now = time.monotonic()
+        last = self._round
+        if last is not None:
+            if len(seqs) == len(last.seqs) and all(map(is_, seqs, last.seqs)):
+                # The last round's sequences again (a decode step's steady state): each one's previous token is
+                # that round's, so they share its gap, once per class; their last_token_time is written when
+                # the batch changes, not every round.
+                for cls, times in last.classes:
+                    observe_times(self._itl[cls], now - last.time, times)
+                last.time = now
+                return
+            for seq in last.seqs:  # what the rounds of the same sequences did not write
+                seq.last_token_time = last.time
         # Sequences that took their previous token in the same step share one gap: observed once, counted n
         # (counted in C: a decode step's 64 sequences are one or two keys).
         keys = [(seq.request.request_class, seq.last_token_time) for seq in seqs]
         for seq in seqs:
             seq.last_token_time = now
-        for (cls, last), times in Tally(keys).items():
-            if last is not None:
-                observe_times(self._itl[cls], now - last, times)
+        for (cls, last_time), times in Tally(keys).items():
+            if last_time is not None:
+                observe_times(self._itl[cls], now - last_time, times)
             else:  # their first tokens: the request's first is its time to first token
                 for seq, (_, was) in zip(seqs, keys):
                     if was is None and seq.choice == 0 and seq.first_token_time is not None \
                             and seq.request.request_class is cls:
                         self._ttft[cls].observe(seq.first_token_time - seq.request.arrival)
+        self._round = _Round(list(seqs), now, list(Tally(cls for cls, _ in keys).items()))
 
     def on_done(self, done: FinishedRequest) -> None:
         """Once per request, when it is over (engine thread)."""

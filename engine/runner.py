@@ -9,6 +9,7 @@ import torch
 
 from engine.kv.device_cache import DeviceCache
 from engine.model.batch import ForwardBatch, LogitsWanted, SequenceChunk
+from engine.model.decode_tables import DecodeTables
 from engine.model.decoder import CausalLM
 from engine.request import EngineSequence
 from engine.scheduler import ScheduledChunk
@@ -27,6 +28,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.page_size = cache.page_size
+        self.decode_tables = DecodeTables(model.device)  # the padded page tables, from one decode step to the next
 
     def run(self, chunks: list[ScheduledChunk]) -> list[ChunkLogits]:
         # A sequence that claimed a state together with its next-token logits computes nothing.
@@ -75,7 +77,7 @@ class ModelRunner:
         logits. Returns logits [B, V], row i sequence i's, from a batch built without a chunk per sequence."""
         batch = ForwardBatch.for_decodes([s.token_ids[-1] for s in seqs], [s.num_computed for s in seqs],
                                          [s.page_table for s in seqs], [s.slot for s in seqs], self.page_size,
-                                         self.model.device)
+                                         self.model.device, self.decode_tables)
         return self.model(batch, self.cache)
 
     def fork_state(self, parent: EngineSequence, child: EngineSequence, new_last_page: int | None) -> None:

@@ -204,3 +204,61 @@ def test_observe_times_is_that_many_observes(amount: float, times: int) -> None:
     assert by_metric["one"].keys() == by_metric["many"].keys()
     for key, value in by_metric["one"].items():
         assert by_metric["many"][key] == pytest.approx(value, rel=1e-12), key
+
+
+@dataclass
+class _Req:
+    request_class: Any
+    arrival: float
+
+
+@dataclass(eq=False)
+class _Seq:
+    """What EngineMetrics.on_tokens reads of a sequence."""
+
+    request: _Req
+    choice: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+def test_rounds_of_the_same_sequences_observe_each_tokens_own_gap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rounds of the same sequences share one gap without a write per sequence; when the batch changes
+    (a sequence leaves, joins, or sits a round out) each one's gap is still the time since its own last
+    token: the same histogram as observing every sequence's every gap one by one."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram
+
+    import engine.metrics
+    from engine.facts import RequestClass
+    from engine.metrics import _ITL_BUCKETS, EngineMetrics
+
+    clock = [100.0]
+    monkeypatch.setattr(engine.metrics.time, "monotonic", lambda: clock[0])
+    metrics = EngineMetrics(lambda: None, lambda: None)  # type: ignore[arg-type,return-value]
+    reference = Histogram("itl", "each gap observed alone", ["class"], buckets=_ITL_BUCKETS,
+                          registry=CollectorRegistry())
+    rng = random.Random(5)
+    pool = [_Seq(_Req(rng.choice(list(RequestClass)), 0.0)) for _ in range(8)]
+    last_token: dict[int, float] = {}
+    batch = pool[:4]
+    for round_ in range(60):
+        if round_ % 7 == 3:  # the batch changes: one leaves for a while, one (new or back) joins
+            batch = [s for s in batch if s is not rng.choice(batch)] + [rng.choice(pool)]
+            batch = list(dict.fromkeys(batch))
+        clock[0] += rng.choice([0.001, 0.003, 0.02, 0.07])
+        metrics.on_tokens(batch)  # type: ignore[arg-type]
+        for seq in batch:
+            if id(seq) in last_token:
+                reference.labels(seq.request.request_class.name.lower()).observe(clock[0] - last_token[id(seq)])
+            last_token[id(seq)] = clock[0]
+
+    def counts(child: Any) -> tuple[float, list[float]]:  # the counters observe_times writes (checked above)
+        return child._sum.get(), [bucket.get() for bucket in child._buckets]
+
+    assert sum(sum(counts(reference.labels(c.name.lower()))[1]) for c in RequestClass) > 100
+    for cls in RequestClass:
+        got_sum, got_buckets = counts(metrics._itl[cls])
+        want_sum, want_buckets = counts(reference.labels(cls.name.lower()))
+        assert got_buckets == want_buckets and got_sum == pytest.approx(want_sum, rel=1e-9), cls

@@ -15,6 +15,7 @@ from typing import Sequence, overload
 
 import torch
 
+from engine.model.decode_tables import DecodeTables, pad_tables, zero_pages
 from kernels.paged_attention import positional
 from kernels.select import kernels_for
 
@@ -154,45 +155,41 @@ class ForwardBatch:
 
     @classmethod
     def for_decodes(cls, tokens: list[int], starts: list[int], tables: Sequence[Sequence[int]],
-                    slots: list[int | None], page_size: int, device: torch.device) -> "ForwardBatch":
+                    slots: list[int | None], page_size: int, device: torch.device,
+                    kept: DecodeTables | None = None) -> "ForwardBatch":
         """A step of single-token decodes only (the steady state): sequence i decodes `tokens[i]` at
         position `starts[i]` (> 0) over its page table, and wants its logits. The batch `_any` builds
-        (tests/test_forward_batch.py), from one host-to-device copy and a few torch calls instead of
-        work per sequence."""
+        (tests/test_forward_batch.py), from a few host-to-device copies and torch calls instead of
+        work per sequence; with `kept` (the runner's, from step to step) the padded page tables are
+        last step's, with the pages taken since written in."""
         count = len(tokens)
         needed = [start // page_size + 1 for start in starts]
         widest = max(needed)
-        # Everything the step needs from the host, in one buffer and one copy: the page tables padded
-        # to one width (each sequence's view of its table is a slice of its row), then the ids,
-        # positions, the pages and offsets the new K/V go to, and the context lengths.
-        values = array("q")
-        last_pages: list[int] = []
-        for table, n, start in zip(tables, needed, starts):
-            if len(table) < n:
-                raise ValueError(f"page table has {len(table)} pages but {start + 1} tokens need {n}")
-            values.extend(table if len(table) == n else table[:n])
-            if n < widest:
-                values.extend(_zeros(widest - n))
-            last_pages.append(table[n - 1])
-        values.extend(tokens)
+        if kept is not None:
+            padded = kept.padded(tables if isinstance(tables, list) else list(tables), needed, widest)
+        else:
+            padded = pad_tables(tables, needed, widest, device)
+        width = padded.shape[1]
+        # The rest the step needs from the host, in one buffer and one copy: the ids, positions, the
+        # pages and offsets the new K/V go to (pad_tables checked each table is long enough), and the
+        # context lengths.
+        values = array("q", tokens)
         values.extend(starts)
-        values.extend(last_pages)
+        values.extend([table[n - 1] for table, n in zip(tables, needed)])
         values.extend([start % page_size for start in starts])
         values.extend([start + 1 for start in starts])
-        on_device = int64_tensor(values, device)
-        padded = on_device[: count * widest]
-        rows = on_device[count * widest :].view(5, count)
-        views = DecodeViews(starts, needed, slots, padded, widest)
+        rows = int64_tensor(values, device).view(5, count)
+        views = DecodeViews(starts, needed, slots, padded.view(-1), width)
         every = _position_tables(count, page_size, device)[0]  # the logits rows and decode rows: all of them
         decode = None
         if kernels_for(device).paged_decode_from_table is not None:  # attention reads the tables as they are
             decode = DecodeGather(rows=every, pages=None, offsets=None, valid=None, every_row=True,
-                                  table=padded.view(count, widest), lengths=rows[4], page_size=page_size)
+                                  table=padded, lengths=rows[4], page_size=page_size)
         elif _pad_decodes(views, device):
             positions, page_of, offset_of = _position_tables(max(starts) + 1, page_size, device)
             decode = DecodeGather(
                 rows=every,
-                pages=padded.view(count, widest)[:, page_of],
+                pages=padded[:, page_of],
                 offsets=offset_of.expand(count, -1),
                 valid=positions[None, :] < rows[4][:, None],
                 every_row=True,
@@ -309,7 +306,7 @@ def _decode_gather(seqs: list[SeqView], tables: list[Sequence[int]], page_size: 
     flat = array("q")
     for t in tables:
         flat.extend(t[:max_pages])
-        flat.extend(_zeros(max_pages - len(t)))
+        flat.extend(zero_pages(max_pages - len(t)))
     table = int64_tensor(flat, device).view(len(tables), max_pages)
     positions, page_of, offset_of = _position_tables(longest, page_size, device)
     lengths = int64_tensor([s.end for s in seqs], device)
@@ -330,13 +327,6 @@ def int64_tensor(values: Sequence[int] | array, device: torch.device) -> torch.T
         return torch.empty(0, dtype=torch.int64, device=device)
     host = torch.frombuffer(buffer, dtype=torch.int64)
     return host if device.type == "cpu" else host.to(device)
-
-
-_ZEROS = array("q", bytes(8 * 4096))  # padding for page tables
-
-
-def _zeros(count: int) -> array:
-    return _ZEROS[:count] if count <= len(_ZEROS) else array("q", bytes(8 * count))
 
 
 _POSITIONS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
