@@ -87,10 +87,14 @@ def measure(path: Path, batch: int, steps: int, prompt: int = 16) -> dict[str, A
         core.scheduler.schedule = timed.wrap("schedule", core.scheduler.schedule)  # type: ignore[method-assign]
         model = core.runner.model  # nn.Module.__call__ finds an instance attribute `forward` first
         model.forward = timed.wrap("model forward", model.forward)  # type: ignore[method-assign]
-        batch_class = engine.runner.ForwardBatch
-        builders = {name: getattr(batch_class, name) for name in ("for_decodes", "_any")}  # the two leaves of build
-        for name, build in builders.items():
-            setattr(batch_class, name, timed.wrap("build batch", build))
+        # The leaves of building a batch: the decode road's (built from the sequences, or the kept one moved
+        # on) and the general one's.
+        builders = [(engine.runner.KeptDecodes, "build"), (engine.runner.KeptDecodes, "advance"),
+                    (engine.runner.ForwardBatch, "_any")]
+        originals = [vars(owner)[name] for owner, name in builders]
+        for (owner, name), build in zip(builders, originals):
+            wrapped = timed.wrap("build batch", build.__func__ if isinstance(build, classmethod) else build)
+            setattr(owner, name, classmethod(wrapped) if isinstance(build, classmethod) else wrapped)
         # The sampler's own call only: what EngineCore._sample does with its tokens (appending them, the
         # detokenizer, stop checks) is the engine's Python, in the rest of the step.
         sampler = engine.core.sample
@@ -102,8 +106,8 @@ def measure(path: Path, batch: int, steps: int, prompt: int = 16) -> dict[str, A
                 core.step()
                 step_times.append(time.perf_counter() - started)
         finally:
-            for name, build in builders.items():
-                setattr(batch_class, name, build)
+            for (owner, name), build in zip(builders, originals):
+                setattr(owner, name, build)
             engine.core.sample = sampler
             del model.forward
     core.stop()

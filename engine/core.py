@@ -337,8 +337,8 @@ class EngineCore:
         if plan.empty:
             return
         if plan.decodes_only:
-            seqs = [c.seq for c in plan.chunks]
-            self._decoded(seqs, self.runner.run_decodes(seqs))
+            seqs = plan.decode_seqs
+            self._decoded(seqs, self.runner.run_decodes(seqs, plan.steady))
             return
         results = self.runner.run(plan.chunks)
         to_sample: list[tuple[EngineSequence, torch.Tensor]] = []

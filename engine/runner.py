@@ -3,13 +3,14 @@ returns the logits each sequence asked for."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.kv.device_cache import DeviceCache
 from engine.model.batch import ForwardBatch, LogitsWanted, SequenceChunk
-from engine.model.decode_tables import DecodeTables
+from engine.model.kept_decodes import KeptDecodes
 from engine.model.decoder import CausalLM
 from engine.request import EngineSequence
 from engine.scheduler import ScheduledChunk
@@ -28,9 +29,10 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.page_size = cache.page_size
-        self.decode_tables = DecodeTables(model.device)  # the padded page tables, from one decode step to the next
+        self.kept = KeptDecodes(cache.page_size, model.device)  # the steady state's batch, from step to step
 
-    def run(self, chunks: list[ScheduledChunk]) -> list[ChunkLogits]:
+    def run(self, chunks: Sequence[ScheduledChunk]) -> list[ChunkLogits]:
+        self.kept.forget()  # a step off the decode road: the next decode batch is built from the sequences
         # A sequence that claimed a state together with its next-token logits computes nothing.
         ready = [ChunkLogits(c.seq, 0, c.seq.pending_logits, None) for c in chunks if c.num_tokens == 0]
         chunks = [c for c in chunks if c.num_tokens > 0]
@@ -72,12 +74,17 @@ class ModelRunner:
             )
         return out
 
-    def run_decodes(self, seqs: list[EngineSequence]) -> torch.Tensor:
-        """The steady state: each sequence decodes its one pending token and wants its next-token
-        logits. Returns logits [B, V], row i sequence i's, from a batch built without a chunk per sequence."""
-        batch = ForwardBatch.for_decodes([s.token_ids[-1] for s in seqs], [s.num_computed for s in seqs],
-                                         [s.page_table for s in seqs], [s.slot for s in seqs], self.page_size,
-                                         self.model.device, self.decode_tables)
+    def run_decodes(self, seqs: list[EngineSequence], steady: bool = False) -> torch.Tensor:
+        """The decode road: each sequence decodes its one pending token and wants its next-token logits.
+        Returns logits [B, V], row i sequence i's, from a batch built without a chunk per sequence.
+        `steady`: the scheduler planned the same list of sequences as the last step, each one token on,
+        so the batch kept from that step moves on (KeptDecodes.advance) instead of being built again."""
+        kept = self.kept
+        if steady and kept.holds(seqs):
+            batch = kept.advance([s.token_ids[-1] for s in seqs], lambda i: seqs[i].page_table)
+        else:
+            batch = kept.build(seqs, [s.token_ids[-1] for s in seqs], [s.num_computed for s in seqs],
+                               [s.page_table for s in seqs], [s.slot for s in seqs])
         return self.model(batch, self.cache)
 
     def fork_state(self, parent: EngineSequence, child: EngineSequence, new_last_page: int | None) -> None:

@@ -10,16 +10,18 @@ slot pool, the running list, and the forks of an n > 1 request's choices.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import abc, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import overload
 
 from engine.cache.reuse import Claim, NoReuse, PromptReuse
 from engine.facts import RequestClass
 from engine.kv.page_pool import PagePool, SlotPool
 from engine.live_moves import LiveMoves
 from engine.request import EngineSequence, MovedState, SeqStatus
+from engine.steady_decodes import SteadyDecodes
 from engine.tracing import admission_stage
 
 _RANK = attrgetter("rank_key")
@@ -33,14 +35,40 @@ class ScheduledChunk:
     num_tokens: int  # tokens of seq.token_ids[seq.num_computed:] that run this step
 
 
+class DecodeChunks(abc.Sequence[ScheduledChunk]):
+    """A steady plan's chunks (each sequence, one token), made when asked: the engine reads the sequences."""
+
+    __slots__ = ("_seqs",)
+
+    def __init__(self, seqs: list[EngineSequence]) -> None:
+        self._seqs = seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    @overload
+    def __getitem__(self, i: int) -> ScheduledChunk: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[ScheduledChunk]: ...
+
+    def __getitem__(self, i: int | slice) -> ScheduledChunk | list[ScheduledChunk]:
+        if isinstance(i, slice):
+            return [ScheduledChunk(seq, 1) for seq in self._seqs[i]]
+        return ScheduledChunk(self._seqs[i], 1)
+
+
 @dataclass(slots=True)
 class StepPlan:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
+    chunks: list[ScheduledChunk] | DecodeChunks = field(default_factory=list)
     preempted: list[EngineSequence] = field(default_factory=list)  # lost their state: recomputed later
     moving: list[EngineSequence] = field(default_factory=list)  # started moving down a tier this step
     # Every chunk is one sequence decoding its one pending token, past its first (the steady state: the
     # runner's fast path; a first token may fork, echo prompt logprobs or end at max_tokens=0).
     decodes_only: bool = False
+    decode_seqs: list[EngineSequence] = field(default_factory=list)  # a decodes_only plan's sequences, in order
+    # The same list of sequences as the last step's plan (decode_seqs is that list), each one token on.
+    steady: bool = False
 
     @property
     def empty(self) -> bool:
@@ -70,6 +98,7 @@ class Scheduler:
         self.mover = mover
         self.waiting: dict[RequestClass, deque[EngineSequence]] = {c: deque() for c in RequestClass}
         self.running: list[EngineSequence] = []
+        self._steady: SteadyDecodes | None = None  # the last plan, while it is the steady state
 
     # --- queues -------------------------------------------------------------
     def add(self, seq: EngineSequence) -> None:
@@ -166,6 +195,15 @@ class Scheduler:
         self._admit(plan)
         budget = self.limits.step_token_budget
         page_size = self.limits.page_size
+        steady, self._steady = self._steady, None
+        if steady is not None and not plan.preempted and not plan.moving and steady.holds(self.running) \
+                and len(steady.seqs) <= budget and self._grow_each(steady.next_step()):
+            plan.chunks, plan.decode_seqs = DecodeChunks(steady.seqs), steady.seqs
+            plan.decodes_only = plan.steady = True
+            self._steady = steady
+            return plan
+        chunks: list[ScheduledChunk] = []
+        plan.chunks = chunks
         decoding: list[EngineSequence] = []
         prefilling: list[EngineSequence] = []
         first_tokens = False  # a decode of its first token: forks, prompt logprobs or max_tokens=0 may follow
@@ -182,7 +220,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if seq.num_pending == 0:  # claimed a state with its next-token logits: nothing to compute
-                plan.chunks.append(ScheduledChunk(seq, 0))
+                chunks.append(ScheduledChunk(seq, 0))
                 plan.decodes_only = False
                 continue
             waits = False
@@ -197,7 +235,7 @@ class Scheduler:
                     if victim is seq:
                         break
             if seq.status is SeqStatus.RUNNING and budget > 0 and not waits:
-                plan.chunks.append(ScheduledChunk(seq, 1))
+                chunks.append(ScheduledChunk(seq, 1))
                 budget -= 1
         # Prefills by class, then shortest remaining first: a short prompt that arrives
         # during a 16k-token prefill gets its first token without waiting for all of it.
@@ -210,9 +248,23 @@ class Scheduler:
                 n = min(n, cut - seq.num_computed)  # end the chunk where state is captured
             if not self._grow(seq, seq.num_computed + n):
                 continue  # pages were reserved at admission; only a fork's growth can get here
-            plan.chunks.append(ScheduledChunk(seq, n))
+            chunks.append(ScheduledChunk(seq, n))
             budget -= n
+        if plan.decodes_only:
+            plan.decode_seqs = [c.seq for c in chunks]
+            if plan.decode_seqs and not plan.preempted and not plan.moving \
+                    and len(plan.decode_seqs) == len(self.running):
+                self._steady = SteadyDecodes.of(self.running, plan.decode_seqs, page_size)
         return plan
+
+    def _grow_each(self, entering: list[EngineSequence]) -> bool:
+        """A page for each of a steady plan's sequences whose new position starts one, unless it has it;
+        False if one cannot have it now (the general plan then makes room or waits)."""
+        page_size = self.limits.page_size
+        for seq in entering:
+            if seq.num_computed >= len(seq.page_table) * page_size and not self._grow(seq, seq.num_computed + 1):
+                return False
+        return True
 
     def _admit(self, plan: StepPlan) -> None:
         """Admit waiting sequences whose whole prompt fits: interactive first, FIFO within a class.

@@ -15,7 +15,6 @@ from typing import Sequence, overload
 
 import torch
 
-from engine.model.decode_tables import DecodeTables, pad_tables, zero_pages
 from kernels.paged_attention import positional
 from kernels.select import kernels_for
 
@@ -76,9 +75,9 @@ class DecodeViews(abc.Sequence[SeqView]):
 
     __slots__ = ("_starts", "_needed", "_slots", "_pages", "_width")
 
-    def __init__(self, starts: list[int], needed: list[int], slots: list[int | None], pages: torch.Tensor,
-                 width: int) -> None:
-        """pages: every sequence's page table padded to `width`, one after another."""
+    def __init__(self, starts: Sequence[int], needed: Sequence[int], slots: Sequence[int | None],
+                 pages: torch.Tensor, width: int) -> None:
+        """pages: [B, width], every sequence's page table padded to `width`."""
         self._starts, self._needed, self._slots, self._pages, self._width = starts, needed, slots, pages, width
 
     def __len__(self) -> int:
@@ -97,7 +96,7 @@ class DecodeViews(abc.Sequence[SeqView]):
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
-        return SeqView(i, 1, self._starts[i], self._pages, i * self._width, self._needed[i], self._slots[i])
+        return SeqView(i, 1, self._starts[i], self._pages.view(-1), i * self._width, self._needed[i], self._slots[i])
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,21 +154,13 @@ class ForwardBatch:
 
     @classmethod
     def for_decodes(cls, tokens: list[int], starts: list[int], tables: Sequence[Sequence[int]],
-                    slots: list[int | None], page_size: int, device: torch.device,
-                    kept: DecodeTables | None = None) -> "ForwardBatch":
+                    slots: list[int | None], page_size: int, device: torch.device) -> "ForwardBatch":
         """A step of single-token decodes only (the steady state): sequence i decodes `tokens[i]` at
         position `starts[i]` (> 0) over its page table, and wants its logits. The batch `_any` builds
-        (tests/test_forward_batch.py), from a few host-to-device copies and torch calls instead of
-        work per sequence; with `kept` (the runner's, from step to step) the padded page tables are
-        last step's, with the pages taken since written in."""
-        count = len(tokens)
+        (tests/test_forward_batch.py), from two host-to-device copies and a few torch calls instead of
+        work per sequence (engine/model/kept_decodes.py moves one on to the next step)."""
         needed = [start // page_size + 1 for start in starts]
-        widest = max(needed)
-        if kept is not None:
-            padded = kept.padded(tables if isinstance(tables, list) else list(tables), needed, widest)
-        else:
-            padded = pad_tables(tables, needed, widest, device)
-        width = padded.shape[1]
+        padded = pad_tables(tables, needed, max(needed), device)
         # The rest the step needs from the host, in one buffer and one copy: the ids, positions, the
         # pages and offsets the new K/V go to (pad_tables checked each table is long enough), and the
         # context lengths.
@@ -178,27 +169,8 @@ class ForwardBatch:
         values.extend([table[n - 1] for table, n in zip(tables, needed)])
         values.extend([start % page_size for start in starts])
         values.extend([start + 1 for start in starts])
-        rows = int64_tensor(values, device).view(5, count)
-        views = DecodeViews(starts, needed, slots, padded.view(-1), width)
-        every = _position_tables(count, page_size, device)[0]  # the logits rows and decode rows: all of them
-        decode = None
-        if kernels_for(device).paged_decode_from_table is not None:  # attention reads the tables as they are
-            decode = DecodeGather(rows=every, pages=None, offsets=None, valid=None, every_row=True,
-                                  table=padded, lengths=rows[4], page_size=page_size)
-        elif _pad_decodes(views, device):
-            positions, page_of, offset_of = _position_tables(max(starts) + 1, page_size, device)
-            decode = DecodeGather(
-                rows=every,
-                pages=padded[:, page_of],
-                offsets=offset_of.expand(count, -1),
-                valid=positions[None, :] < rows[4][:, None],
-                every_row=True,
-            )
-        return cls(
-            input_ids=rows[0], positions=rows[1], kv_pages=rows[2], kv_offsets=rows[3], seqs=views,
-            logits_rows=every, logits_counts=(1,) * count, decodes=views, others=(), decode=decode,
-            decodes_only=True, decode_slots=tuple(slots),
-        )
+        rows = int64_tensor(values, device).view(5, len(tokens))
+        return decode_only_batch(rows, starts, needed, tuple(slots), padded, page_size, device)
 
     @classmethod
     def _any(cls, chunks: Sequence[SequenceChunk], page_size: int, device: torch.device) -> "ForwardBatch":
@@ -268,6 +240,51 @@ class ForwardBatch:
         )
 
 
+def decode_only_batch(rows: torch.Tensor, starts: Sequence[int], needed: Sequence[int],
+                      slots: tuple[int | None, ...], padded: torch.Tensor, page_size: int,
+                      device: torch.device) -> ForwardBatch:
+    """A decode-only ForwardBatch from its parts: rows [5, B] (ids, positions, K/V pages, K/V offsets,
+    context lengths), each sequence's position and page count, its state slot, and the page tables
+    padded to [B, W] (W at least the widest's need)."""
+    count = rows.shape[1]
+    ids, positions, kv_pages, kv_offsets, lengths = rows.unbind(0)  # one call for the five rows
+    views = DecodeViews(starts, needed, slots, padded, padded.shape[1])
+    every = every_row(count, device)  # the logits rows and decode rows: all of them
+    decode = None
+    if kernels_for(device).paged_decode_from_table is not None:  # attention reads the tables as they are
+        decode = DecodeGather(rows=every, pages=None, offsets=None, valid=None, every_row=True,
+                              table=padded, lengths=lengths, page_size=page_size)
+    elif _pad_decodes(views, device):
+        at, page_of, offset_of = _position_tables(max(starts) + 1, page_size, device)
+        decode = DecodeGather(
+            rows=every,
+            pages=padded[:, page_of],
+            offsets=offset_of.expand(count, -1),
+            valid=at[None, :] < lengths[:, None],
+            every_row=True,
+        )
+    return ForwardBatch(
+        input_ids=ids, positions=positions, kv_pages=kv_pages, kv_offsets=kv_offsets, seqs=views,
+        logits_rows=every, logits_counts=(1,) * count, decodes=views, others=(), decode=decode,
+        decodes_only=True, decode_slots=slots,
+    )
+
+
+def pad_tables(tables: Sequence[Sequence[int]], needed: Sequence[int], widest: int,
+               device: torch.device) -> torch.Tensor:
+    """[B, widest] int64, row i tables[i][:needed[i]] then zeros, from one buffer and one copy (a row
+    assignment per sequence was ~3 µs each). Raises ValueError for a table shorter than its need."""
+    values = array("q")
+    for table, n in zip(tables, needed):
+        if len(table) < n:
+            raise ValueError(f"page table has {len(table)} pages but its tokens need {n}")
+        values.extend(table if len(table) == n else table[:n])
+        if n < widest:
+            values.extend(zero_pages(widest - n))
+    host = torch.frombuffer(values, dtype=torch.int64).view(len(needed), widest)
+    return host if device.type == "cpu" else host.to(device)
+
+
 def _seq_views(views: Sequence[tuple[int, int, int, int | None]], tables: Sequence[Sequence[int]],
                flat: list[int], device: torch.device) -> list[SeqView]:
     """Each sequence's view, from its (offset, length, start, slot) and page table; every page table is a
@@ -319,6 +336,13 @@ def _decode_gather(seqs: list[SeqView], tables: list[Sequence[int]], page_size: 
     )
 
 
+_ZERO_PAGES = array("q", bytes(8 * 4096))  # padding for page tables
+
+
+def zero_pages(count: int) -> array:
+    return _ZERO_PAGES[:count] if count <= len(_ZERO_PAGES) else array("q", bytes(8 * count))
+
+
 def int64_tensor(values: Sequence[int] | array, device: torch.device) -> torch.Tensor:
     """`torch.tensor(values, dtype=torch.int64, device=device)`, 4-5x faster for a list of ints: the
     list goes into an `array` (the tensor shares its memory) instead of through torch's element loop."""
@@ -327,6 +351,19 @@ def int64_tensor(values: Sequence[int] | array, device: torch.device) -> torch.T
         return torch.empty(0, dtype=torch.int64, device=device)
     host = torch.frombuffer(buffer, dtype=torch.int64)
     return host if device.type == "cpu" else host.to(device)
+
+
+_EVERY_ROW: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def every_row(count: int, device: torch.device) -> torch.Tensor:
+    """arange(count) as int64 on `device`, kept per count (a decode batch's logits and decode rows: one
+    slice a step fewer; the counts are batch sizes, at most max_num_seqs of them)."""
+    key = (device, count)
+    rows = _EVERY_ROW.get(key)
+    if rows is None:
+        rows = _EVERY_ROW[key] = torch.arange(count, dtype=torch.int64, device=device)
+    return rows
 
 
 _POSITIONS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
