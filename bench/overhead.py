@@ -97,8 +97,8 @@ def measure(path: Path, batch: int, steps: int, prompt: int = 16) -> dict[str, A
             setattr(owner, name, classmethod(wrapped) if isinstance(build, classmethod) else wrapped)
         # The sampler's own call only: what EngineCore._sample does with its tokens (appending them, the
         # detokenizer, stop checks) is the engine's Python, in the rest of the step.
-        sampler = engine.core.sample
-        engine.core.sample = timed.wrap("sample", sampler)
+        sampler = engine.core.sample_rows
+        engine.core.sample_rows = timed.wrap("sample", sampler)
         step_times = []
         try:
             for _ in range(steps):
@@ -108,7 +108,7 @@ def measure(path: Path, batch: int, steps: int, prompt: int = 16) -> dict[str, A
         finally:
             for (owner, name), build in zip(builders, originals):
                 setattr(owner, name, build)
-            engine.core.sample = sampler
+            engine.core.sample_rows = sampler
             del model.forward
     core.stop()
     total = sum(step_times)

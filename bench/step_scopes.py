@@ -50,12 +50,12 @@ def _patch(owner: Any, name: str, label: str, undo: list[Callable[[], None]]) ->
 
 
 # (owner, attribute, scope). Functions the model modules imported by name are patched where they
-# are looked up (engine.core.sample, not engine.sampling.sampler.sample).
+# are looked up (engine.core.sample_rows, not engine.sampling.sampler.sample_rows).
 CLASS_SCOPES: list[tuple[Any, str, str]] = [
     (EngineCore, "step", "ignis.step"),
     (Scheduler, "schedule", "ignis.scheduler"),
     (ForwardBatch, "build", "ignis.batch_build"),
-    (engine.core, "sample", "ignis.sampling"),
+    (engine.core, "sample_rows", "ignis.sampling"),
     (CausalLM, "forward", "ignis.forward"),
     (Attention, "forward", "ignis.attention"),
     (GatedDeltaNet, "forward", "ignis.gdn"),
@@ -154,7 +154,7 @@ FORWARD_PARTS = [
 ENGINE_PARTS = [
     ("scheduler (Scheduler.schedule)", "ignis.scheduler"),
     ("batch building (ForwardBatch.build)", "ignis.batch_build"),
-    ("sampling (sample)", "ignis.sampling"),
+    ("sampling (sample_rows)", "ignis.sampling"),
     ("rest of the step (runner, bookkeeping, detokenize, sinks)", "ignis.step"),
 ]
 

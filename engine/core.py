@@ -33,7 +33,7 @@ from engine.output_processor import Deltas, LiveRequest, OutputProcessor, Reques
 from engine.outputs import EngineStats, RequestUpdate
 from engine.request import EngineRequest, EngineSequence, FinishReason, SeqStatus
 from engine.runner import ModelRunner
-from engine.sampling.sampler import RequestSampler, SampleOutput, sample
+from engine.sampling.sampler import RequestSampler, SampleOutput, SamplerRows, sample_rows
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.state_listing import EngineSnapshot, take_snapshot
 from engine.text.detokenizer import TextStream
@@ -85,6 +85,7 @@ class EngineCore:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._next_seq = 0
+        self._last_rows: tuple[list[EngineSequence], SamplerRows] | None = None  # see _sampler_rows
 
     # --- public, any thread -------------------------------------------------------
     def start(self) -> None:
@@ -383,6 +384,15 @@ class EngineCore:
             self._fail(rid, message)
         self.outputs.emit(self._live, deltas)
 
+    def _sampler_rows(self, seqs: list[EngineSequence], device: torch.device) -> SamplerRows:
+        """The samplers of `seqs`: the last step's again when it is the same list (the steady state's)."""
+        last = self._last_rows
+        if last is not None and last[0] is seqs:
+            return last[1]
+        rows = SamplerRows.of([s.sampler for s in seqs], device)
+        self._last_rows = (seqs, rows)  # held: the list is not freed (and its id reused) while compared
+        return rows
+
     def _sample(self, seqs: list[EngineSequence], logits: torch.Tensor, deltas: Deltas,
                 failed: dict[str, str], handle: Appender | None = None) -> None:
         """Sample the batch (logits [B, V], row i for seqs[i]) in one call and hand the tokens to `handle`
@@ -392,7 +402,8 @@ class EngineCore:
         # first, and capped logits keep the probabilities finite), so a retry draws what the batch
         # would have: no generator state needs saving on every step.
         try:
-            out = sample(logits, [s.sampler for s in seqs], self.eos_ids, [s.num_output for s in seqs])
+            out = sample_rows(logits, self._sampler_rows(seqs, logits.device), self.eos_ids,
+                              lambda: [s.num_output for s in seqs])
         except Exception:
             if len(seqs) == 1:
                 log.exception("sampling failed for request %s", seqs[0].request.request_id)

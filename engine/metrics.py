@@ -65,7 +65,7 @@ class FinishedRequest:
 class _Round:
     """The sequences of the latest sampling round, when they got their tokens, and how many of each class."""
 
-    seqs: list[EngineSequence]
+    seqs: Sequence[EngineSequence]
     time: float
     classes: list[tuple[RequestClass, int]]
 
@@ -98,7 +98,7 @@ class EngineMetrics:
         now = time.monotonic()
         last = self._round
         if last is not None:
-            if len(seqs) == len(last.seqs) and all(map(is_, seqs, last.seqs)):
+            if seqs is last.seqs or (len(seqs) == len(last.seqs) and all(map(is_, seqs, last.seqs))):
                 # The last round's sequences again (a decode step's steady state): each one's previous token is
                 # that round's, so they share its gap, once per class; their last_token_time is written when
                 # the batch changes, not every round.
@@ -121,7 +121,7 @@ class EngineMetrics:
                     if was is None and seq.choice == 0 and seq.first_token_time is not None \
                             and seq.request.request_class is cls:
                         self._ttft[cls].observe(seq.first_token_time - seq.request.arrival)
-        self._round = _Round(list(seqs), now, list(Tally(cls for cls, _ in keys).items()))
+        self._round = _Round(seqs, now, list(Tally(cls for cls, _ in keys).items()))  # callers never change seqs after
 
     def on_done(self, done: FinishedRequest) -> None:
         """Once per request, when it is over (engine thread)."""

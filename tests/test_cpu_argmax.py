@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from engine.sampling import sampler
 from engine.sampling.params import SamplingParams
-from engine.sampling.sampler import RequestSampler, sample
+from engine.sampling.sampler import RequestSampler, SamplerRows, sample, sample_rows
 from kernels.cpu import argmax
 from kernels.select import kernels_for
 from cpu_kernels import built_kernel
@@ -157,3 +157,30 @@ def test_a_plain_greedy_batch_reads_the_raw_logits(capped: argmax.CappedArgmaxRo
         samplers = [RequestSampler(plain) for _ in range(5)] + [RequestSampler(other)]
         sample(logits, samplers, frozenset(), [0] * 6)
         assert calls == [], other
+
+
+def test_sample_rows_is_sample_and_asks_for_step_counts_only_where_read(capped: argmax.CappedArgmaxRows) -> None:
+    """SamplerRows made once for a batch: a plain greedy one takes the capped argmax without the step
+    counts; any other, or one the kernel does not take, is sample() with them, token for token."""
+    logits = torch.randn(4, 101)
+    plain = SamplingParams(temperature=0, max_tokens=4)
+    asked: list[int] = []
+
+    def counts() -> list[int]:
+        asked.append(1)
+        return [1] * 4
+
+    rows = SamplerRows.of([RequestSampler(plain) for _ in range(4)], torch.device("cpu"))
+    assert rows.plain_greedy
+    assert sample_rows(logits, rows, frozenset(), counts).token_ids == torch.argmax(logits, dim=-1).tolist()
+    assert not asked
+    assert sample_rows(logits.double(), rows, frozenset(), counts).token_ids == torch.argmax(logits, -1).tolist()
+    assert asked == [1]  # float64 rows: the kernel declines, the general path reads the counts
+    penalised = SamplingParams(temperature=0, max_tokens=4, min_tokens=3)
+    rows = SamplerRows.of([RequestSampler(plain)] * 3 + [RequestSampler(penalised)], torch.device("cpu"))
+    assert not rows.plain_greedy
+    eos = frozenset({int(torch.argmax(logits[3]))})  # min_tokens masks it in the last row
+    want = sample(logits, rows.samplers, eos, [1] * 4).token_ids
+    assert sample_rows(logits, rows, eos, counts).token_ids == want and asked == [1, 1]
+    with pytest.raises(ValueError, match="logits have 4 rows but got 3 samplers"):
+        sample_rows(logits, SamplerRows.of([RequestSampler(plain)] * 3, torch.device("cpu")), frozenset(), counts)

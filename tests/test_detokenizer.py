@@ -33,15 +33,21 @@ class FakeTokenizer:
     def __init__(self, pieces: list[bytes], special: frozenset[int] = frozenset()) -> None:
         self.pieces = pieces
         self.special_token_ids = special
+        self.table: list[object] = [None] * len(pieces)  # filled by token_text, as Tokenizer's
 
     def token_bytes(self, i: int) -> bytes:
         return self.pieces[i]
 
     def token_text(self, i: int) -> str | None:
         try:
-            return self.pieces[i].decode("utf-8")
+            text: str | None = self.pieces[i].decode("utf-8")
         except UnicodeDecodeError:
-            return None
+            text = None
+        self.table[i] = text
+        return text
+
+    def text_table(self) -> list[object]:
+        return self.table
 
 
 def make_fake(*pieces: bytes | str, special: frozenset[int] = frozenset()) -> FakeTokenizer:
@@ -192,3 +198,21 @@ def test_one_token_at_a_time_is_push_of_one(tok: Tokenizer, stop: tuple[str, ...
         for token in ids:
             assert single.push_token(token) == listed.push([token])
         assert single.finish() == listed.finish()
+
+
+def test_the_table_read_gives_what_the_lookups_give(tok: Tokenizer) -> None:
+    """Token by token, twice over the same ids (the first pass fills the tokenizer's table, the second
+    reads it): special tokens skipped or kept, ids past the vocabulary dropped, split characters held."""
+    rng = random.Random(3)
+    ids = [i for text in TEXTS for i in tok.encode(text)]
+    special = sorted(tok.special_token_ids)
+    for _ in range(30):
+        picked = [rng.choice(ids) for _ in range(rng.randint(1, 40))]
+        picked.insert(rng.randrange(len(picked) + 1), rng.choice(special))
+        picked.insert(rng.randrange(len(picked) + 1), tok.vocab_size + rng.randrange(5))  # a padded embedding's id
+        valid = [i for i in picked if i < tok.vocab_size]
+        for skip in (True, False):
+            for _ in range(2):
+                detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+                text = "".join(detok.push_token(i) for i in picked) + detok.finish()
+                assert text == tok.decode(valid, skip_special_tokens=skip)

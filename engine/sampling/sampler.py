@@ -18,7 +18,7 @@ the same tokens alone or in any batch, at any position.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -186,6 +186,40 @@ def process_logits(
     return x.nan_to_num_(nan=float("-inf"), posinf=LOGIT_CEILING, neginf=float("-inf")).clamp_(max=LOGIT_CEILING)
 
 
+@dataclass(frozen=True, slots=True)
+class SamplerRows:
+    """A batch's samplers, row by row, and whether each is plain greedy where the capped argmax kernel runs
+    (then sampling reads nothing else of the batch); the engine makes it once for the steady state's list
+    of sequences, not every step."""
+
+    samplers: list[RequestSampler]
+    plain_greedy: bool
+
+    @classmethod
+    def of(cls, samplers: list[RequestSampler], device: torch.device) -> SamplerRows:
+        fast = kernels_for(device).argmax_rows_capped is not None
+        return cls(samplers, fast and all(s.plain_greedy for s in samplers))
+
+
+def sample_rows(logits: torch.Tensor, rows: SamplerRows, eos_token_ids: frozenset[int],
+                step_counts: Callable[[], list[int]]) -> SampleOutput:
+    """sample(logits, rows.samplers, eos_token_ids, step_counts()), the counts asked for only where read."""
+    if not rows.plain_greedy:
+        return sample(logits, rows.samplers, eos_token_ids, step_counts())
+    if logits.shape[0] != len(rows.samplers):
+        raise ValueError(f"logits have {logits.shape[0]} rows but got {len(rows.samplers)} samplers")
+    fast = kernels_for(logits.device).argmax_rows_capped
+    picked = fast(logits, LOGIT_CEILING) if fast is not None else None
+    if picked is None:  # logits the kernel does not take: the general path gives the same
+        return sample(logits, rows.samplers, eos_token_ids, step_counts())
+    return _plain_output(picked, len(rows.samplers))
+
+
+def _plain_output(tokens: torch.Tensor, batch: int) -> SampleOutput:
+    # One empty list shared by every row: nobody writes a row's top logprobs, and none are asked for here.
+    return SampleOutput(token_ids=tokens.tolist(), logprobs=[None] * batch, top_logprobs=[[]] * batch)
+
+
 def sample(
     logits: torch.Tensor,
     samplers: list[RequestSampler],
@@ -197,8 +231,7 @@ def sample(
     _check_batch(logits, samplers, step_counts)
     plain = _plain_greedy(logits, samplers)
     if plain is not None:
-        return SampleOutput(token_ids=plain.tolist(), logprobs=[None] * len(samplers),
-                            top_logprobs=[[] for _ in samplers])
+        return _plain_output(plain, len(samplers))
     x = process_logits(logits, samplers, eos_token_ids, step_counts)  # [B, V]
     batch = x.shape[0]
     token_ids = [0] * batch

@@ -10,7 +10,7 @@ exactly as `bytes.decode(errors="replace")` would.
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 
@@ -26,16 +26,27 @@ class TokenSource(Protocol):
         """token_bytes(i) decoded, when they are whole UTF-8 characters on their own; else None."""
         ...
 
+    def text_table(self) -> Sequence[object]:
+        """What token_text reads and fills: entry i is token i's text (a str) once looked up, anything
+        else where it is not whole characters or not looked up yet (it may be shorter than the vocabulary)."""
+        ...
+
 
 class IncrementalDetokenizer:
     """Turns ids into text deltas; never emits half a UTF-8 character."""
 
+    # Slots, and a token's text read straight off the tokenizer's table while no character is
+    # unfinished: one call a token on the decode road (two calls and a dict were ~1 µs a token there).
+    __slots__ = ("_skip", "_utf8", "_token_bytes", "_token_text", "_decode", "_texts", "_known", "_unfinished")
+
     def __init__(self, tokenizer: TokenSource, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
         self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         # Bound once: every token.
         self._token_bytes, self._token_text, self._decode = tokenizer.token_bytes, tokenizer.token_text, self._utf8.decode
+        self._texts = tokenizer.text_table()
+        self._known = len(self._texts)  # ids the table covers
+        self._unfinished = False  # the decoder holds the first bytes of a character
 
     def push(self, ids: Iterable[int]) -> str:
         """Append ids; return the text they complete (possibly ""): the incremental decoder holds an
@@ -44,17 +55,29 @@ class IncrementalDetokenizer:
 
     def push_token(self, token: int) -> str:
         """push([token]), without the iteration (one token a step is the common case)."""
+        if not self._unfinished and 0 <= token < self._known:
+            text = self._texts[token]
+            if text.__class__ is str and token not in self._skip:  # whole characters, looked up before
+                return text
+        return self._push_looked_up(token)
+
+    def _push_looked_up(self, token: int) -> str:
         if token in self._skip:
             return ""
-        if not self._utf8.buffer:  # no character left unfinished: a token of whole characters is its own text
+        if not self._unfinished:  # no character left unfinished: a token of whole characters is its own text
             text = self._token_text(token)
             if text is not None:
                 return text
         data = self._token_bytes(token)
-        return self._decode(data, False) if data else ""
+        if not data:
+            return ""
+        text = self._decode(data, False)
+        self._unfinished = bool(self._utf8.buffer)
+        return text
 
     def finish(self) -> str:
         """Flush: bytes of a character that never completed become U+FFFD."""
+        self._unfinished = False
         return self._utf8.decode(b"", final=True)
 
 

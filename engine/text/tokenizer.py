@@ -199,6 +199,11 @@ class Tokenizer:
             self._bytes_cache[i] = cached
         return cached
 
+    def text_table(self) -> list[object]:
+        """The list token_text fills: entry i is token i's text (a str) once looked up; None where its
+        bytes are not whole characters, a sentinel where not looked up yet (the detokenizer reads it)."""
+        return self._text_cache
+
     def token_text(self, i: int) -> str | None:
         """token_bytes(i) as text when those bytes are whole UTF-8 characters on their own; None when
         they end inside a character or are not UTF-8 (then only the bytes around them say what they
