@@ -83,6 +83,15 @@ class DecodeViews(abc.Sequence[SeqView]):
     def __len__(self) -> int:
         return len(self._starts)
 
+    @property
+    def slots(self) -> tuple[int | None, ...]:
+        return tuple(self._slots)
+
+    @property
+    def furthest(self) -> int:
+        """The furthest position any of them decodes."""
+        return max(self._starts)
+
     @overload
     def __getitem__(self, i: int) -> SeqView: ...
 
@@ -170,7 +179,8 @@ class ForwardBatch:
         values.extend([start % page_size for start in starts])
         values.extend([start + 1 for start in starts])
         rows = int64_tensor(values, device).view(5, len(tokens))
-        return decode_only_batch(rows, starts, needed, tuple(slots), padded, page_size, device)
+        views = DecodeViews(starts, needed, tuple(slots), padded, padded.shape[1])
+        return decode_only_batch(rows, views, padded, page_size, device)
 
     @classmethod
     def _any(cls, chunks: Sequence[SequenceChunk], page_size: int, device: torch.device) -> "ForwardBatch":
@@ -240,22 +250,20 @@ class ForwardBatch:
         )
 
 
-def decode_only_batch(rows: torch.Tensor, starts: Sequence[int], needed: Sequence[int],
-                      slots: tuple[int | None, ...], padded: torch.Tensor, page_size: int,
+def decode_only_batch(rows: torch.Tensor, views: DecodeViews, padded: torch.Tensor, page_size: int,
                       device: torch.device) -> ForwardBatch:
     """A decode-only ForwardBatch from its parts: rows [5, B] (ids, positions, K/V pages, K/V offsets,
-    context lengths), each sequence's position and page count, its state slot, and the page tables
-    padded to [B, W] (W at least the widest's need)."""
+    context lengths), the sequences' views, and the page tables padded to [B, W] (W at least the
+    widest's need)."""
     count = rows.shape[1]
     ids, positions, kv_pages, kv_offsets, lengths = rows.unbind(0)  # one call for the five rows
-    views = DecodeViews(starts, needed, slots, padded, padded.shape[1])
     every = every_row(count, device)  # the logits rows and decode rows: all of them
     decode = None
     if kernels_for(device).paged_decode_from_table is not None:  # attention reads the tables as they are
         decode = DecodeGather(rows=every, pages=None, offsets=None, valid=None, every_row=True,
                               table=padded, lengths=lengths, page_size=page_size)
     elif _pad_decodes(views, device):
-        at, page_of, offset_of = _position_tables(max(starts) + 1, page_size, device)
+        at, page_of, offset_of = _position_tables(views.furthest + 1, page_size, device)
         decode = DecodeGather(
             rows=every,
             pages=padded[:, page_of],
@@ -266,7 +274,17 @@ def decode_only_batch(rows: torch.Tensor, starts: Sequence[int], needed: Sequenc
     return ForwardBatch(
         input_ids=ids, positions=positions, kv_pages=kv_pages, kv_offsets=kv_offsets, seqs=views,
         logits_rows=every, logits_counts=(1,) * count, decodes=views, others=(), decode=decode,
-        decodes_only=True, decode_slots=slots,
+        decodes_only=True, decode_slots=views.slots,
+    )
+
+
+def with_views(batch: ForwardBatch, views: DecodeViews) -> ForwardBatch:
+    """`batch` (decode-only) with the tensors it holds, for sequences seen through `views`: a kept batch whose
+    rows were written in place (engine/model/kept_decodes.py)."""
+    return ForwardBatch(
+        input_ids=batch.input_ids, positions=batch.positions, kv_pages=batch.kv_pages, kv_offsets=batch.kv_offsets,
+        seqs=views, logits_rows=batch.logits_rows, logits_counts=batch.logits_counts, decodes=views, others=(),
+        decode=batch.decode, decodes_only=True, decode_slots=views.slots,
     )
 
 

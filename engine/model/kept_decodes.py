@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.model.batch import ForwardBatch, decode_only_batch, int64_tensor, pad_tables
+from engine.model.batch import DecodeViews, ForwardBatch, decode_only_batch, int64_tensor, pad_tables, with_views
 
 # Row i's page table, for the sequences whose new position starts a page (the caller's lists, read
 # only for those rows).
@@ -40,13 +40,15 @@ class KeptDecodes:
         self._last_pages: list[int] = []  # the page of its position
         self._slots: tuple[int | None, ...] = ()
         self._padded: torch.Tensor | None = None  # [B, W] int64 on the device
+        self._host: array | None = None  # on the CPU, the buffer the last batch's rows are
+        self._last: ForwardBatch | None = None  # the last batch, when its attention reads the tables
         self.builds = 0  # batches built from the sequences (tests: the steady state builds none)
 
     def holds(self, owner: object) -> bool:
         return self._padded is not None and owner is self.owner
 
     def forget(self) -> None:
-        self.owner, self._padded = None, None
+        self.owner, self._padded, self._host, self._last = None, None, None, None
 
     def build(self, owner: object, tokens: list[int], starts: list[int], tables: Sequence[Sequence[int]],
               slots: list[int | None]) -> ForwardBatch:
@@ -55,13 +57,15 @@ class KeptDecodes:
         needed = [start // page_size + 1 for start in starts]
         padded = pad_tables(tables, needed, max(needed), self.device)
         self.owner, self._padded, self._slots, self._needed = owner, padded, tuple(slots), needed
+        self._host, self._last = None, None
         self._last_pages = [table[n - 1] for table, n in zip(tables, needed)]
         self.builds += 1
         return self._batch(tokens, starts, [start % page_size for start in starts])
 
     def advance(self, tokens: list[int], table_of: TableOf) -> ForwardBatch:
         """The kept batch's rows again, each at the next position, decoding `tokens` (row by row). Raises
-        ValueError where a row's new position needs a page its table does not have."""
+        ValueError where a row's new position needs a page its table does not have. On the CPU the last
+        batch's tensors are rewritten for this one: a batch is good for its own step only."""
         assert self._padded is not None, "advance without a kept batch: this is a bug"
         starts, page_size = self._lengths, self.page_size
         offsets = [start % page_size for start in starts]
@@ -117,7 +121,18 @@ class KeptDecodes:
         values.extend(offsets)
         values.extend(lengths)
         self._lengths = lengths
-        assert self._padded is not None
+        padded, last = self._padded, self._last
+        assert padded is not None
         # The views read positions and page counts when asked: the lists are this step's (the next makes new ones).
-        return decode_only_batch(int64_tensor(values, self.device).view(5, count), starts, list(self._needed),
-                                 self._slots, self._padded, self.page_size, self.device)
+        views = DecodeViews(starts, list(self._needed), self._slots, padded, padded.shape[1])
+        if last is not None and last.decode is not None and last.decode.table is padded and self._host is not None:
+            # On the CPU the rows are the host buffer itself: written in place, the last batch's tensors (and
+            # its attention gather over the same tables) are this one's, with no torch call made.
+            self._host[:] = values  # the same length: the buffer is never resized under its tensors
+            batch = with_views(last, views)
+        else:
+            rows = int64_tensor(values, self.device).view(5, count)
+            self._host = values if self.device.type == "cpu" else None
+            batch = decode_only_batch(rows, views, padded, self.page_size, self.device)
+        self._last = batch if batch.decode is not None and batch.decode.table is not None else None
+        return batch
