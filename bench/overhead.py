@@ -1,5 +1,6 @@
 """The engine's own Python around the model (issue 18): where a decode step's time goes at 64 and
-256 sequences on a tiny checkpoint, where the model is cheap and the engine's share is largest.
+256 sequences on a tiny checkpoint, where the model is cheap and the engine's share is largest; with
+the same sequences decoding (the steady state) and under churn (requests ending and replaced).
 
 Each decode step is cut into the scheduler's plan, building the forward batch, the model's
 forward pass, sampling, and the rest of the step (token handling, stop strings, emitting), each
@@ -34,6 +35,7 @@ from engine.core import EngineCore
 from engine.model.loader import load_model
 from engine.outputs import RequestUpdate
 from engine.request import EngineRequest
+from engine.scheduler import StepPlan
 from engine.sampling.params import SamplingParams
 from engine.text.tokenizer import Tokenizer
 
@@ -56,35 +58,51 @@ class Timed:
         return timed
 
 
-def measure(path: Path, batch: int, steps: int, prompt: int = 16) -> dict[str, Any]:
+def measure(path: Path, batch: int, steps: int, prompt: int = 16, churn: bool = False) -> dict[str, Any]:
+    """`churn`: requests of 8 to 40 tokens, each replaced by a new one as it ends, so the batch changes
+    every step or two (a prefill joins it, a sequence leaves) instead of decoding the same sequences."""
     loaded, tokenizer = load_model(path, onednn_linears=True), Tokenizer.from_dir(path)  # as the engine service
-    max_tokens = steps + 8
-    pages = batch * -(-(prompt + max_tokens) // 16) + 16
+    longest = 40 if churn else steps + 8
+    pages = (batch + 1) * -(-(prompt + longest) // 16) + 16
     page_bytes = loaded.config.state_shape().kv_bytes_per_page(16, loaded.model.dtype) or 1
     core = EngineCore(loaded, tokenizer, EngineConfig(
         page_size=16, kv_cache_bytes=pages * page_bytes, max_num_seqs=batch, max_queue=batch + 1,
         prefill_chunk_tokens=max(2048, batch * prompt), reuse_prompt=False))
-    done: set[str] = set()
+    submitted = [0]
+
+    def submit() -> None:
+        i = submitted[0]
+        submitted[0] += 1
+        max_tokens = 8 + (i * 13) % 33 if churn else longest
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        core.submit(EngineRequest(f"r{i}", random_prompt(prompt, i), params), sink_for(f"r{i}"))
 
     def sink_for(rid: str) -> Callable[[RequestUpdate], None]:
         def sink(update: RequestUpdate) -> None:
             if update.error:
                 raise RuntimeError(f"{rid} failed: {update.error}")
-            if update.done:
-                done.add(rid)
+            if update.done and churn:
+                submit()  # queued: the next step takes it in
         return sink
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for i in range(batch):
-        core.submit(EngineRequest(f"r{i}", random_prompt(prompt, i), params), sink_for(f"r{i}"))
+    for _ in range(batch):
+        submit()
     core.drain_inbox()
     with torch.no_grad():
-        for _ in range(4):  # prefill, then a few decode steps out of the figures
+        for _ in range(4 if not churn else 48):  # prefill, then decode steps (churn: till lengths mix) out of the figures
+            core.drain_inbox()
             core.step()
-        if len(core.scheduler.running) != batch:
+        if not churn and len(core.scheduler.running) != batch:
             raise RuntimeError(f"{len(core.scheduler.running)} of {batch} sequences are decoding")
         timed = Timed()
-        core.scheduler.schedule = timed.wrap("schedule", core.scheduler.schedule)  # type: ignore[method-assign]
+        schedule = core.scheduler.schedule
+        steady: list[bool] = []
+
+        def noting() -> StepPlan:
+            plan = schedule()
+            steady.append(plan.steady)
+            return plan
+        core.scheduler.schedule = timed.wrap("schedule", noting)  # type: ignore[method-assign]
         model = core.runner.model  # nn.Module.__call__ finds an instance attribute `forward` first
         model.forward = timed.wrap("model forward", model.forward)  # type: ignore[method-assign]
         # The leaves of building a batch: the decode road's (built from the sequences, or the kept one moved
@@ -103,6 +121,7 @@ def measure(path: Path, batch: int, steps: int, prompt: int = 16) -> dict[str, A
         try:
             for _ in range(steps):
                 started = time.perf_counter()
+                core.drain_inbox()
                 core.step()
                 step_times.append(time.perf_counter() - started)
         finally:
@@ -114,7 +133,8 @@ def measure(path: Path, batch: int, steps: int, prompt: int = 16) -> dict[str, A
     total = sum(step_times)
     parts = {k: timed.seconds[k] for k in PARTS[:-1]}
     parts["rest of the step"] = total - sum(parts.values())
-    return {"batch": batch, "steps": steps, "step_ms_p50": statistics.median(step_times) * 1000,
+    return {"batch": batch, "traffic": "churn" if churn else "steady", "steps": steps,
+            "step_ms_p50": statistics.median(step_times) * 1000, "steady_steps": sum(steady),
             "ms_per_step": {k: v / steps * 1000 for k, v in parts.items()}, "total_ms_per_step": total / steps * 1000}
 
 
@@ -123,12 +143,13 @@ def rows(results: list[dict[str, Any]]) -> list[list[Any]]:
     for r in results:
         ms, total = r["ms_per_step"], r["total_ms_per_step"]
         engine_ms = ms["schedule"] + ms["build batch"] + ms["rest of the step"]
-        out.append([r["kind"], r["batch"], f"{total:.2f}", *(f"{ms[k]:.3f}" for k in PARTS),
+        out.append([r["kind"], r["batch"], r.get("traffic", "steady"), f"{100 * r.get('steady_steps', 0) / r['steps']:.0f}",
+                    f"{total:.2f}", *(f"{ms[k]:.3f}" for k in PARTS),
                     f"{100 * engine_ms / total:.1f}", f"{100 * (engine_ms + ms['sample']) / total:.1f}"])
     return out
 
 
-HEADERS = ["model", "sequences", "step ms", *(f"{p} ms" for p in PARTS), "engine Python % (no sampler)",
+HEADERS = ["model", "sequences", "traffic", "steady steps %", "step ms", *(f"{p} ms" for p in PARTS), "engine Python % (no sampler)",
            "outside the forward %"]
 
 
@@ -146,14 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     for kind in ("dense", "hybrid"):
         path = ensure_geometry(kind, a.hidden, a.layers, root=a.models)
         for batch in (int(b) for b in a.batches.split(",")):
-            print(f"overhead: {kind}, {batch} sequences", flush=True)
-            results.append({"kind": kind, **measure(path, batch, a.steps)})
+            for churn in (False, True):
+                print(f"overhead: {kind}, {batch} sequences{', churn' if churn else ''}", flush=True)
+                results.append({"kind": kind, **measure(path, batch, a.steps, churn=churn)})
     text = "\n\n".join([
         f"### The engine's Python around the model (issue 18): h{a.hidden}, {a.layers} layers, CPU fp32, "
         f"{torch.get_num_threads()} threads",
         table.markdown(HEADERS, rows(results)),
-        f"Decode steps only ({a.steps} measured after the prefill and 3 warm steps), greedy, 16-token prompts, "
-        "reuse off. *Engine Python*: the scheduler's plan, building the forward batch and the rest of the step "
+        f"{a.steps} steps measured, greedy, 16-token prompts, reuse off. *Steady* traffic: the same sequences "
+        "decoding, after their prefill and 3 warm steps (the steady state, engine/steady_decodes.py, from the second "
+        "decode on). *Churn*: requests of 8 to 40 tokens, each replaced as it ends (after 48 warm steps), so sequences "
+        "leave and prefills join every step or two; *steady steps*: the share planned as the steady state. *Engine Python*: the scheduler's plan, building the forward batch and the rest of the step "
         "(appending each sampled token, the detokenizer, stop checks, emitting updates) as a share of the step; "
         "*outside the forward* adds the sampler's call (one batched torch call). A tiny model makes the forward cheap, so these shares are the "
         f"largest the engine's Python ever is. 1-minute load average {load:.2f} → {os.getloadavg()[0]:.2f}.",

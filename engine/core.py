@@ -341,10 +341,13 @@ class EngineCore:
             seqs = plan.decode_seqs
             self._decoded(seqs, self.runner.run_decodes(seqs, plan.steady))
             return
-        results = self.runner.run(plan.chunks)
+        step = self.runner.run(plan.chunks)
         to_sample: list[tuple[EngineSequence, torch.Tensor]] = []
         deltas: Deltas = {}
-        for res in results:
+        failed: dict[str, str] = {}
+        if step.decode_logits is not None:  # the decodes beside the prefills take the decode road
+            self._decode_road(step.decodes, step.decode_logits, deltas, failed)
+        for res in step.chunks:
             seq = res.seq
             if res.prompt_logits is not None:
                 live = self._live.get(seq.request.request_id)
@@ -362,21 +365,26 @@ class EngineCore:
             to_sample.append((seq, res.next_token_logits))
             for child in self.scheduler.fork_children(seq):
                 to_sample.append((child, res.next_token_logits))
-        failed: dict[str, str] = {}
         if to_sample:
             self._sample([seq for seq, _ in to_sample], torch.stack([row for _, row in to_sample]), deltas, failed)
         self._finish_step(deltas, failed)
 
     def _decoded(self, seqs: list[EngineSequence], logits: torch.Tensor) -> None:
         """After a decode-only step: each sequence computed its one pending token; sample them all."""
+        deltas: Deltas = {}
+        failed: dict[str, str] = {}
+        self._decode_road(seqs, logits, deltas, failed)
+        self._finish_step(deltas, failed)
+
+    def _decode_road(self, seqs: list[EngineSequence], logits: torch.Tensor, deltas: Deltas,
+                     failed: dict[str, str]) -> None:
+        """Sequences past their first token that each computed their one pending token (logits [B, V], row i
+        seqs[i]'s): sampled in one call, a plain choice's token handed on at once (OutputProcessor.decoded)."""
         for seq in seqs:
             seq.num_computed += 1  # mark_computed(1), whose check the plan already made (one pending each)
         # No logits: each is past its prompt's last token, where the only capture that keeps logits is made.
         self.reuse.after_decodes(seqs)
-        deltas: Deltas = {}
-        failed: dict[str, str] = {}
         self._sample(seqs, logits, deltas, failed, self.outputs.decoded)
-        self._finish_step(deltas, failed)
 
     def _finish_step(self, deltas: Deltas, failed: dict[str, str]) -> None:
         for rid, message in failed.items():

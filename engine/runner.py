@@ -24,6 +24,16 @@ class ChunkLogits:
     prompt_logits: torch.Tensor | None  # [n, V] for echo with logprobs: logits at each chunk position
 
 
+@dataclass(slots=True)
+class StepLogits:
+    """What a step's forward pass gives: the leading decodes past their first token as one block of logits
+    (the decode road's, also in a step with prefills), and each other chunk's logits."""
+
+    decodes: list[EngineSequence]
+    decode_logits: torch.Tensor | None  # [D, V]: row i is decodes[i]'s next-token logits
+    chunks: list[ChunkLogits]
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: DeviceCache) -> None:
         self.model = model
@@ -31,13 +41,22 @@ class ModelRunner:
         self.page_size = cache.page_size
         self.kept = KeptDecodes(cache.page_size, model.device)  # the steady state's batch, from step to step
 
-    def run(self, chunks: Sequence[ScheduledChunk]) -> list[ChunkLogits]:
+    def run(self, chunks: Sequence[ScheduledChunk]) -> StepLogits:
         self.kept.forget()  # a step off the decode road: the next decode batch is built from the sequences
         # A sequence that claimed a state together with its next-token logits computes nothing.
         ready = [ChunkLogits(c.seq, 0, c.seq.pending_logits, None) for c in chunks if c.num_tokens == 0]
         chunks = [c for c in chunks if c.num_tokens > 0]
         if not chunks:
-            return ready
+            return StepLogits([], None, ready)
+        # The plan lists decodes first: those past their first token (each one token, completing what is
+        # pending) have the first logits rows, one each, and go on as one block (the decode road's).
+        lead = 0
+        for item in chunks:
+            seq = item.seq
+            if item.num_tokens != 1 or seq.num_computed == 0 or seq.num_computed + 1 != len(seq.token_ids) \
+                    or len(seq.token_ids) <= seq.num_prompt:
+                break
+            lead += 1
         specs = []
         for item in chunks:
             seq, n = item.seq, item.num_tokens
@@ -55,12 +74,14 @@ class ModelRunner:
             )
         batch = ForwardBatch.build(specs, self.page_size, self.model.device)
         logits = self.model(batch, self.cache)  # [R, V]
-        out: list[ChunkLogits] = ready
+        step = StepLogits([item.seq for item in chunks[:lead]], logits[:lead] if lead else None, ready)
+        out = step.chunks
         if batch.decodes_only:  # one logits row per sequence, in order
-            out.extend(ChunkLogits(item.seq, item.num_tokens, row, None) for item, row in zip(chunks, logits.unbind(0)))
-            return out
-        row = 0
-        for item, spec, count in zip(chunks, specs, batch.logits_counts):
+            out.extend(ChunkLogits(item.seq, item.num_tokens, row, None)
+                       for item, row in zip(chunks[lead:], logits[lead:].unbind(0)))
+            return step
+        row = lead
+        for item, spec, count in zip(chunks[lead:], specs[lead:], batch.logits_counts[lead:]):
             rows = logits[row : row + count]
             row += count
             completes = item.seq.num_computed + item.num_tokens == len(item.seq.token_ids)
@@ -72,7 +93,7 @@ class ModelRunner:
                     prompt_logits=rows if spec.logits is LogitsWanted.ALL else None,
                 )
             )
-        return out
+        return step
 
     def run_decodes(self, seqs: list[EngineSequence], steady: bool = False) -> torch.Tensor:
         """The decode road: each sequence decodes its one pending token and wants its next-token logits.

@@ -198,3 +198,48 @@ def test_token_text_is_the_token_bytes_when_they_are_whole_characters(tiny: Tiny
         assert tokenizer.token_text(i) == expected
     assert partial > 0  # the tiny vocabulary has byte tokens that are parts of characters
     assert tokenizer.token_text(tokenizer.vocab_size + 5) == ""  # past the vocabulary, as token_bytes
+
+
+def test_decodes_beside_prefills_take_the_decode_road(tiny: Tiny) -> None:
+    """Requests arriving while others decode, so most steps prefill one and decode the rest: the decodes
+    of those steps go the decode road as one block (ModelRunner.run's StepLogits), plain or not, and each
+    request gets what it gets alone (greedy, seeded with penalties, logprobs, a stop string, n=2)."""
+    kinds: list[dict[str, object]] = [{}, {"logprobs": True, "top_logprobs": 2}, {"stop": ("a",)},
+                                      {"temperature": 0.9, "seed": 5, "presence_penalty": 0.7}, {"n": 2, "seed": 3,
+                                                                                                 "temperature": 0.8}]
+    requests = [ask(f"r{i}", make_prompt(6 + 5 * i, seed=60 + i), 14 + i, **kinds[i % len(kinds)]) for i in range(10)]
+
+    def updates(out: Collector, rid: str) -> list[tuple[object, ...]]:
+        return [(d.choice, d.token_ids, d.text, d.finish_reason, d.stop_reason) for u in out.updates[rid] for d in u.deltas]
+
+    def logprobs(out: Collector, rid: str) -> list[tuple[int, float | None]]:  # another batch: float noise
+        return [(lp.token_id, lp.logprob) for u in out.updates[rid] for d in u.deltas for lp in d.logprobs]
+
+    core = make_core(tiny, pages=96)
+    blocks: list[int] = []
+    run = core.runner.run
+
+    def noting(chunks):  # type: ignore[no-untyped-def]
+        step = run(chunks)
+        blocks.append(len(step.decodes))
+        return step
+    core.runner.run = noting  # type: ignore[method-assign]
+    out = Collector()
+    out.expected = len(requests)
+    for request in requests:  # one arrives each step: its prefill runs beside the others' decodes
+        core.submit(request, out.sink)
+        core.drain_inbox()
+        core.step()
+    while core.scheduler.has_work():
+        core.step()
+    assert sum(1 for b in blocks if b) >= 5  # steps with a prefill whose decodes went as one block
+    core.check_integrity()
+    for request in requests:
+        alone = run_all(make_core(tiny, pages=96), [request])
+        assert updates(out, request.request_id) == updates(alone, request.request_id), request.request_id
+        mixed, solo = logprobs(out, request.request_id), logprobs(alone, request.request_id)
+        assert [t for t, _ in mixed] == [t for t, _ in solo]
+        assert [lp for _, lp in mixed] == pytest.approx([lp for _, lp in solo], abs=1e-4)
+        mine, theirs = out.updates[request.request_id][-1].usage, alone.updates[request.request_id][-1].usage
+        assert mine is not None and theirs is not None
+        assert (mine.prompt_tokens, mine.completion_tokens) == (theirs.prompt_tokens, theirs.completion_tokens)

@@ -86,10 +86,16 @@ class Attention(nn.Module):
                 out = ops.paged_decode_attention(q, k_cache, v_cache, *gather.positional(), self.scale, self.window)
             return self.o_proj(self._gated(out.to(q.dtype).reshape(t, -1), gate))
         out = torch.empty_like(q)  # [T, H, D]
-        if gather is not None:
-            out[gather.rows] = ops.paged_decode_attention(
-                q[gather.rows], k_cache, v_cache, *gather.positional(), self.scale, self.window
-            ).to(out.dtype)
+        if gather is not None:  # the decodes beside prefills: their rows picked out, in one call
+            from_table = ops.paged_decode_from_table
+            picked = q[gather.rows]
+            if gather.table is not None and from_table is not None:
+                decoded = from_table(picked, k_cache, v_cache, gather.table, gather.lengths, gather.page_size,
+                                     self.scale, self.window)
+            else:
+                decoded = ops.paged_decode_attention(picked, k_cache, v_cache, *gather.positional(), self.scale,
+                                                     self.window)
+            out[gather.rows] = decoded.to(out.dtype)
         for seq in (batch.others if gather is not None else batch.seqs):  # the decodes ran above
             rows = slice(seq.offset, seq.offset + seq.length)
             out[rows] = ops.paged_attention(

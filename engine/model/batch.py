@@ -335,6 +335,12 @@ def _pad_decodes(decodes: Sequence[SeqView], device: torch.device) -> bool:
 def _decode_gather(seqs: list[SeqView], tables: list[Sequence[int]], page_size: int, device: torch.device,
                    total_rows: int) -> DecodeGather:
     offsets = [s.offset for s in seqs]
+    if kernels_for(device).paged_decode_from_table is not None:  # attention reads the tables as they are
+        needed = [len(t) for t in tables]  # each sliced to the pages its positions need
+        return DecodeGather(rows=int64_tensor(offsets, device), pages=None, offsets=None, valid=None,
+                            every_row=offsets == list(range(total_rows)),
+                            table=pad_tables(tables, needed, max(needed), device),
+                            lengths=int64_tensor([s.end for s in seqs], device), page_size=page_size)
     longest = max(s.end for s in seqs)
     max_pages = -(-longest // page_size)
     # Built from the page lists in one call (a row assignment per sequence was ~3 µs each).
