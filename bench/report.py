@@ -42,8 +42,9 @@ SECTIONS: list[tuple[str, list[str], str]] = [
      "engine.kv_dtype, and the model's decode forward before and after, at batch 1 and 8 with 2048-token "
      "contexts on the dense geometry. `python -m bench.decode_attention`"),
     ("The engine's Python around the model", ["overhead"],
-     "A decode step at 64 and 256 sequences on a tiny model, cut into the scheduler's plan, the batch build, "
-     "the forward pass, sampling and the rest. `python -m bench.overhead`"),
+     "A step at 64 and 256 sequences on a tiny model, cut into the scheduler's plan, the batch build, "
+     "the forward pass, sampling and the rest: the same sequences decoding, and under churn (requests "
+     "ending and replaced). `python -m bench.overhead`"),
     ("Structured outputs", ["structured"],
      "Decode tokens/s with a json_schema grammar vs the same requests unconstrained. `python -m bench.structured`"),
     ("Routing across engines", ["scale"],
