@@ -69,6 +69,7 @@ def measure(path: Path, batch: int, steps: int, prompt: int = 16, churn: bool = 
         page_size=16, kv_cache_bytes=pages * page_bytes, max_num_seqs=batch, max_queue=batch + 1,
         prefill_chunk_tokens=max(2048, batch * prompt), reuse_prompt=False))
     submitted = [0]
+    ended = [0]  # requests over since the driver last replaced them (churn)
 
     def submit() -> None:
         i = submitted[0]
@@ -82,14 +83,20 @@ def measure(path: Path, batch: int, steps: int, prompt: int = 16, churn: bool = 
             if update.error:
                 raise RuntimeError(f"{rid} failed: {update.error}")
             if update.done and churn:
-                submit()  # queued: the next step takes it in
+                ended[0] += 1  # replaced between steps, as a client's next request arrives on the server's thread
         return sink
+
+    def replace_ended() -> None:
+        for _ in range(ended[0]):
+            submit()
+        ended[0] = 0
 
     for _ in range(batch):
         submit()
     core.drain_inbox()
     with torch.no_grad():
         for _ in range(4 if not churn else 48):  # prefill, then decode steps (churn: till lengths mix) out of the figures
+            replace_ended()
             core.drain_inbox()
             core.step()
         if not churn and len(core.scheduler.running) != batch:
@@ -120,6 +127,7 @@ def measure(path: Path, batch: int, steps: int, prompt: int = 16, churn: bool = 
         step_times = []
         try:
             for _ in range(steps):
+                replace_ended()  # submit's own checks are the caller's thread's, not the step's
                 started = time.perf_counter()
                 core.drain_inbox()
                 core.step()

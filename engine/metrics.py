@@ -92,6 +92,7 @@ class EngineMetrics:
         self._duration = {c.name.lower(): duration.labels(class_name(c)) for c in RequestClass}
         r.register(EngineCollector(stats, tiers))
         self._round: _Round | None = None  # engine thread only
+        self._finished: dict[tuple[str, str], Any] = {}  # ignis_requests children by (class, finish reason)
 
     def on_tokens(self, seqs: Sequence[EngineSequence]) -> None:
         """After a sampling round (engine thread): each sequence got one token just now."""
@@ -125,7 +126,11 @@ class EngineMetrics:
 
     def on_done(self, done: FinishedRequest) -> None:
         """Once per request, when it is over (engine thread)."""
-        self._requests.labels(done.request_class, done.finish_reason).inc()
+        key = (done.request_class, done.finish_reason)
+        finished = self._finished.get(key)
+        if finished is None:  # a label child bound once: labels() takes a lock and builds a tuple each call
+            finished = self._finished[key] = self._requests.labels(*key)
+        finished.inc()
         self._cached.inc(done.cached_tokens)
         child = self._duration.get(done.request_class)
         if child is not None:

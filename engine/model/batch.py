@@ -192,20 +192,29 @@ class ForwardBatch:
         counts: list[int] = []
         views: list[tuple[int, int, int, int | None]] = []  # (offset, length, start, slot) of each sequence
         tables: list[Sequence[int]] = []  # the pages each sequence's positions need
-        for chunk in chunks:
+        decoding: list[int] = []  # indices of the single-token decodes
+        flat = array("q")  # every sequence's page table, one after another
+        for i, chunk in enumerate(chunks):
+            table, start = chunk.page_table, chunk.start
             n = len(chunk.token_ids)
-            end = chunk.start + n
+            end = start + n
             needed = -(-end // page_size)
-            if len(chunk.page_table) < needed:
-                raise ValueError(
-                    f"page table has {len(chunk.page_table)} pages but {end} tokens need {needed}"
-                )
+            if len(table) < needed:
+                raise ValueError(f"page table has {len(table)} pages but {end} tokens need {needed}")
             base = len(ids)
-            ids.extend(chunk.token_ids)
-            pos = range(chunk.start, end)
-            positions.extend(pos)
-            pages.extend(chunk.page_table[p // page_size] for p in pos)
-            offsets.extend(p % page_size for p in pos)
+            if n == 1:  # a decode (most of a step's sequences): no range or generator for one position
+                ids.append(chunk.token_ids[0])
+                positions.append(start)
+                pages.append(table[start // page_size])
+                offsets.append(start % page_size)
+                if start > 0:
+                    decoding.append(i)
+            else:
+                ids.extend(chunk.token_ids)
+                pos = range(start, end)
+                positions.extend(pos)
+                pages.extend(table[p // page_size] for p in pos)
+                offsets.extend(p % page_size for p in pos)
             if chunk.logits is LogitsWanted.LAST:
                 rows.append(base + n - 1)
                 counts.append(1)
@@ -214,23 +223,18 @@ class ForwardBatch:
                 counts.append(n)
             else:
                 counts.append(0)
-            views.append((base, n, chunk.start, chunk.state_slot))
-            tables.append(chunk.page_table[:needed])
+            views.append((base, n, start, chunk.state_slot))
+            needed_table = table if len(table) == needed else table[:needed]  # no copy when it is all needed
+            tables.append(needed_table)
+            flat.extend(needed_table)
 
         def tensor(values: list[int]) -> torch.Tensor:
             return int64_tensor(values, device)
 
-        seqs = _seq_views(views, tables, [page for table in tables for page in table], device)
-
-        decoding: list[int] = []  # indices of the decode rows
-        rest: list[SeqView] = []
-        for i, s in enumerate(seqs):
-            if s.is_decode:
-                decoding.append(i)
-            else:
-                rest.append(s)
+        seqs = _seq_views(views, tables, flat, device)
         decodes = [seqs[i] for i in decoding]
-        others = tuple(rest)
+        picked = set(decoding)
+        others = tuple(s for i, s in enumerate(seqs) if i not in picked)
         decode = None
         if _pad_decodes(decodes, device):
             decode = _decode_gather(decodes, [tables[i] for i in decoding], page_size, device, len(ids))
@@ -304,7 +308,7 @@ def pad_tables(tables: Sequence[Sequence[int]], needed: Sequence[int], widest: i
 
 
 def _seq_views(views: Sequence[tuple[int, int, int, int | None]], tables: Sequence[Sequence[int]],
-               flat: list[int], device: torch.device) -> list[SeqView]:
+               flat: array, device: torch.device) -> list[SeqView]:
     """Each sequence's view, from its (offset, length, start, slot) and page table; every page table is a
     slice of one tensor of `flat` (the tables one after another): one host-to-device copy, not one each."""
     pages = int64_tensor(flat, device)

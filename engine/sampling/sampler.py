@@ -67,12 +67,20 @@ class RequestSampler:
         if seed is None:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.seed: int = seed
-        self.generator = torch.Generator(device=device)
-        # Generators take an unsigned 64-bit seed; wrap so seed+i never overflows.
-        self.generator.manual_seed(seed & _UINT64_MASK)
+        self.device = torch.device(device)
+        self._generator: torch.Generator | None = None  # made at the first draw: a greedy choice never draws
         self._output_counts: torch.Tensor | None = None  # [V] int32
         self._seen: torch.Tensor | None = None  # [V] bool
         self._synced = 0  # how many of output_token_ids the tensors reflect
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The choice's own generator, seeded with `seed` (made when first drawn from: ~10 µs a request)."""
+        if self._generator is None:
+            self._generator = torch.Generator(device=self.device)
+            # Generators take an unsigned 64-bit seed; wrap so seed+i never overflows.
+            self._generator.manual_seed(self.seed & _UINT64_MASK)
+        return self._generator
 
     def observe(self, token_id: int) -> None:
         """Record a token accepted into the output (after any stop/accept decision)."""
@@ -91,7 +99,7 @@ class RequestSampler:
         """
         seed = None if self.params.seed is None else self.params.seed + seed_offset
         guide = self.guide.fork() if self.guide is not None else None
-        child = RequestSampler(self.params, self.prompt_token_ids, self.generator.device, seed=seed, guide=guide)
+        child = RequestSampler(self.params, self.prompt_token_ids, self.device, seed=seed, guide=guide)
         child.output_token_ids = list(self.output_token_ids)
         return child
 
