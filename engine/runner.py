@@ -50,17 +50,14 @@ class ModelRunner:
             return StepLogits([], None, ready)
         # The plan lists decodes first: those past their first token (each one token, completing what is
         # pending) have the first logits rows, one each, and go on as one block (the decode road's).
-        lead = 0
-        for item in chunks:
-            seq = item.seq
-            if item.num_tokens != 1 or seq.num_computed == 0 or seq.num_computed + 1 != len(seq.token_ids) \
-                    or len(seq.token_ids) <= seq.num_prompt:
-                break
-            lead += 1
+        lead, leading = 0, True
         specs = []
         for item in chunks:
             seq, n = item.seq, item.num_tokens
             completes = seq.num_computed + n == len(seq.token_ids)
+            leading = leading and n == 1 and completes and seq.num_computed > 0 \
+                and len(seq.token_ids) > seq.num_prompt
+            lead += leading
             wants_prompt = seq.request.echo and seq.request.params.logprobs and seq.num_computed < seq.num_prompt
             logits = LogitsWanted.ALL if wants_prompt else (LogitsWanted.LAST if completes else LogitsWanted.NONE)
             specs.append(

@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from engine.kv.device_cache import DeviceCache
-from engine.model.batch import ForwardBatch
+from engine.model.batch import DecodeGather, ForwardBatch
 from engine.model.config import SLIDING_ATTENTION, ModelConfig
 from engine.model.layers import Projections, RMSNorm, Rotary
-from kernels.select import kernels_for
+from kernels.select import Kernels, kernels_for
 
 
 class Attention(nn.Module):
@@ -78,30 +78,27 @@ class Attention(nn.Module):
         # All single-token decodes in one call (K/V may be in another dtype, engine.kv_dtype: the kernels
         # read it as it is and return q's dtype). On the CPU it reads the pages in place (kernels/cpu/).
         if gather is not None and gather.every_row:  # a decode-only step: its output is the layer's
-            from_table = ops.paged_decode_from_table
-            if gather.table is not None and from_table is not None:
-                out = from_table(q, k_cache, v_cache, gather.table, gather.lengths, gather.page_size, self.scale,
-                                 self.window)
-            else:
-                out = ops.paged_decode_attention(q, k_cache, v_cache, *gather.positional(), self.scale, self.window)
+            out = self._decode(ops, q, k_cache, v_cache, gather)
             return self.o_proj(self._gated(out.to(q.dtype).reshape(t, -1), gate))
         out = torch.empty_like(q)  # [T, H, D]
         if gather is not None:  # the decodes beside prefills: their rows picked out, in one call
-            from_table = ops.paged_decode_from_table
-            picked = q[gather.rows]
-            if gather.table is not None and from_table is not None:
-                decoded = from_table(picked, k_cache, v_cache, gather.table, gather.lengths, gather.page_size,
-                                     self.scale, self.window)
-            else:
-                decoded = ops.paged_decode_attention(picked, k_cache, v_cache, *gather.positional(), self.scale,
-                                                     self.window)
-            out[gather.rows] = decoded.to(out.dtype)
+            out[gather.rows] = self._decode(ops, q[gather.rows], k_cache, v_cache, gather).to(out.dtype)
         for seq in (batch.others if gather is not None else batch.seqs):  # the decodes ran above
             rows = slice(seq.offset, seq.offset + seq.length)
             out[rows] = ops.paged_attention(
                 q[rows], k_cache, v_cache, seq.page_table, seq.end, self.scale, self.window
             ).to(out.dtype)
         return self.o_proj(self._gated(out.reshape(t, -1), gate))
+
+    def _decode(self, ops: Kernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                gather: DecodeGather) -> torch.Tensor:
+        """Single-token decodes' attention, q [B, H, D]: over their page tables where the kernel reads them
+        (and the gather holds them), else over the gather's [B, L] positions."""
+        from_table = ops.paged_decode_from_table
+        if gather.table is not None and from_table is not None:
+            return from_table(q, k_cache, v_cache, gather.table, gather.lengths, gather.page_size, self.scale,
+                              self.window)
+        return ops.paged_decode_attention(q, k_cache, v_cache, *gather.positional(), self.scale, self.window)
 
     @staticmethod
     def _gated(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:

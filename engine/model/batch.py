@@ -170,14 +170,8 @@ class ForwardBatch:
         work per sequence (engine/model/kept_decodes.py moves one on to the next step)."""
         needed = [start // page_size + 1 for start in starts]
         padded = pad_tables(tables, needed, max(needed), device)
-        # The rest the step needs from the host, in one buffer and one copy: the ids, positions, the
-        # pages and offsets the new K/V go to (pad_tables checked each table is long enough), and the
-        # context lengths.
-        values = array("q", tokens)
-        values.extend(starts)
-        values.extend([table[n - 1] for table, n in zip(tables, needed)])
-        values.extend([start % page_size for start in starts])
-        values.extend([start + 1 for start in starts])
+        last_pages = [table[n - 1] for table, n in zip(tables, needed)]  # pad_tables checked their lengths
+        values, _ = decode_values(tokens, starts, last_pages, [start % page_size for start in starts])
         rows = int64_tensor(values, device).view(5, len(tokens))
         views = DecodeViews(starts, needed, tuple(slots), padded, padded.shape[1])
         return decode_only_batch(rows, views, padded, page_size, device)
@@ -252,6 +246,19 @@ class ForwardBatch:
             decode=decode,
             decode_slots=tuple(s.state_slot for s in decodes),
         )
+
+
+def decode_values(tokens: Sequence[int], starts: Sequence[int], last_pages: Sequence[int],
+                  offsets: Sequence[int]) -> tuple[array, list[int]]:
+    """What a decode batch needs from the host, in one buffer for one copy: the ids, positions, the pages
+    and offsets the new K/V go to, and the context lengths (returned too: the next step's positions)."""
+    lengths = [start + 1 for start in starts]
+    values = array("q", tokens)
+    values.extend(starts)
+    values.extend(last_pages)
+    values.extend(offsets)
+    values.extend(lengths)
+    return values, lengths
 
 
 def decode_only_batch(rows: torch.Tensor, views: DecodeViews, padded: torch.Tensor, page_size: int,
@@ -338,30 +345,19 @@ def _pad_decodes(decodes: Sequence[SeqView], device: torch.device) -> bool:
 
 def _decode_gather(seqs: list[SeqView], tables: list[Sequence[int]], page_size: int, device: torch.device,
                    total_rows: int) -> DecodeGather:
+    """The gather of a step's single-token decodes; `tables`: each one's page table, sliced to the pages its
+    positions need."""
     offsets = [s.offset for s in seqs]
-    if kernels_for(device).paged_decode_from_table is not None:  # attention reads the tables as they are
-        needed = [len(t) for t in tables]  # each sliced to the pages its positions need
-        return DecodeGather(rows=int64_tensor(offsets, device), pages=None, offsets=None, valid=None,
-                            every_row=offsets == list(range(total_rows)),
-                            table=pad_tables(tables, needed, max(needed), device),
-                            lengths=int64_tensor([s.end for s in seqs], device), page_size=page_size)
-    longest = max(s.end for s in seqs)
-    max_pages = -(-longest // page_size)
-    # Built from the page lists in one call (a row assignment per sequence was ~3 µs each).
-    flat = array("q")
-    for t in tables:
-        flat.extend(t[:max_pages])
-        flat.extend(zero_pages(max_pages - len(t)))
-    table = int64_tensor(flat, device).view(len(tables), max_pages)
-    positions, page_of, offset_of = _position_tables(longest, page_size, device)
+    rows, every = int64_tensor(offsets, device), offsets == list(range(total_rows))
+    needed = [len(t) for t in tables]
+    table = pad_tables(tables, needed, max(needed), device)  # [B, pages of the longest]
     lengths = int64_tensor([s.end for s in seqs], device)
-    return DecodeGather(
-        rows=int64_tensor(offsets, device),
-        pages=table[:, page_of],
-        offsets=offset_of.expand(len(seqs), -1),
-        valid=positions[None, :] < lengths[:, None],
-        every_row=offsets == list(range(total_rows)),
-    )
+    if kernels_for(device).paged_decode_from_table is not None:  # attention reads the tables as they are
+        return DecodeGather(rows=rows, pages=None, offsets=None, valid=None, every_row=every, table=table,
+                            lengths=lengths, page_size=page_size)
+    positions, page_of, offset_of = _position_tables(max(s.end for s in seqs), page_size, device)
+    return DecodeGather(rows=rows, pages=table[:, page_of], offsets=offset_of.expand(len(seqs), -1),
+                        valid=positions[None, :] < lengths[:, None], every_row=every)
 
 
 _ZERO_PAGES = array("q", bytes(8 * 4096))  # padding for page tables

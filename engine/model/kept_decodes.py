@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.model.batch import DecodeViews, ForwardBatch, decode_only_batch, int64_tensor, pad_tables, with_views
+from engine.model.batch import (DecodeViews, ForwardBatch, decode_only_batch, decode_values, int64_tensor,
+                                pad_tables, with_views)
 
 # Row i's page table, for the sequences whose new position starts a page (the caller's lists, read
 # only for those rows).
@@ -114,13 +115,7 @@ class KeptDecodes:
         count = len(tokens)
         if count != len(starts):
             raise ValueError(f"{count} tokens for a batch of {len(starts)} sequences")
-        lengths = [start + 1 for start in starts]
-        values = array("q", tokens)  # one host-to-device copy: ids, positions, K/V pages and offsets, lengths
-        values.extend(starts)
-        values.extend(self._last_pages)
-        values.extend(offsets)
-        values.extend(lengths)
-        self._lengths = lengths
+        values, self._lengths = decode_values(tokens, starts, self._last_pages, offsets)
         padded, last = self._padded, self._last
         assert padded is not None
         # The views read positions and page counts when asked: the lists are this step's (the next makes new ones).

@@ -211,16 +211,22 @@ class SamplerRows:
 
 def sample_rows(logits: torch.Tensor, rows: SamplerRows, eos_token_ids: frozenset[int],
                 step_counts: Callable[[], list[int]]) -> SampleOutput:
-    """sample(logits, rows.samplers, eos_token_ids, step_counts()), the counts asked for only where read."""
-    if not rows.plain_greedy:
-        return sample(logits, rows.samplers, eos_token_ids, step_counts())
-    if logits.shape[0] != len(rows.samplers):
-        raise ValueError(f"logits have {logits.shape[0]} rows but got {len(rows.samplers)} samplers")
-    fast = kernels_for(logits.device).argmax_rows_capped
-    picked = fast(logits, LOGIT_CEILING) if fast is not None else None
-    if picked is None:  # logits the kernel does not take: the general path gives the same
-        return sample(logits, rows.samplers, eos_token_ids, step_counts())
-    return _plain_output(picked, len(rows.samplers))
+    """sample(logits, rows.samplers, eos_token_ids, step_counts()), the counts asked for only where read.
+
+    A batch whose every row is plain greedy (no grammar, bias, min_tokens, penalties or logprobs:
+    process_logits would only turn NaN to -inf and cap at LOGIT_CEILING) is read from the raw logits by
+    the C capped argmax, without process_logits' [B, V] copy and its two passes; any other batch, or
+    logits the kernel does not take, goes the general way, which gives the same."""
+    if rows.plain_greedy:
+        if logits.shape[0] != len(rows.samplers):
+            raise ValueError(f"logits have {logits.shape[0]} rows but got {len(rows.samplers)} samplers")
+        fast = kernels_for(logits.device).argmax_rows_capped
+        picked = fast(logits, LOGIT_CEILING) if fast is not None else None
+        if picked is not None:
+            return _plain_output(picked, len(rows.samplers))
+    counts = step_counts()
+    _check_batch(logits, rows.samplers, counts)
+    return _sample_processed(logits, rows.samplers, eos_token_ids, counts)
 
 
 def _plain_output(tokens: torch.Tensor, batch: int) -> SampleOutput:
@@ -237,9 +243,12 @@ def sample(
     """Next token for each row of `logits`; `step_counts[i]` = tokens row i has generated so far."""
     # logits: [B, V]
     _check_batch(logits, samplers, step_counts)
-    plain = _plain_greedy(logits, samplers)
-    if plain is not None:
-        return _plain_output(plain, len(samplers))
+    return sample_rows(logits, SamplerRows.of(samplers, logits.device), eos_token_ids, lambda: step_counts)
+
+
+def _sample_processed(logits: torch.Tensor, samplers: list[RequestSampler], eos_token_ids: frozenset[int],
+                      step_counts: list[int]) -> SampleOutput:
+    """The general way: process the logits (grammar, bias, min_tokens, penalties), then greedy or a draw."""
     x = process_logits(logits, samplers, eos_token_ids, step_counts)  # [B, V]
     batch = x.shape[0]
     token_ids = [0] * batch
@@ -311,17 +320,6 @@ def _check_batch(logits: torch.Tensor, samplers: list[RequestSampler], step_coun
         raise ValueError(
             f"logits have {batch} rows but got {len(samplers)} samplers and {len(step_counts)} step counts"
         )
-
-
-def _plain_greedy(logits: torch.Tensor, samplers: list[RequestSampler]) -> torch.Tensor | None:
-    """The tokens of a batch whose every row is plain greedy (no grammar, bias, min_tokens, penalties
-    or logprobs: process_logits would only turn NaN to -inf and cap at LOGIT_CEILING), read from the
-    raw logits by the C capped argmax, without process_logits' [B, V] copy and its two passes; None
-    for any other batch, or where no such kernel runs (then the general path gives the same)."""
-    fast = kernels_for(logits.device).argmax_rows_capped
-    if fast is None or not all(s.plain_greedy for s in samplers):
-        return None
-    return fast(logits, LOGIT_CEILING)
 
 
 def _argmax(rows: torch.Tensor) -> torch.Tensor:
