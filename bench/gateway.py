@@ -12,6 +12,11 @@
   gateway's CPU time per streamed token, and each client's (this process's)
   CPU time per token; streams that failed (an error, a short stream) at each
   width.
+- The floor: bench/bare_relay.py in front of the same engine, measured in the same
+  rounds as a gateway: one wakeup on the session socket, one frame parse and one
+  loopback send per token, no framework (`--no-bare-relay` leaves it out). What a
+  gateway costs per token above it is what its own code costs; the rest is this
+  host's price of a wakeup and a loopback send (in a VM, a large one).
 - Variants: one gateway per variant (`--variant NAME=FLAGS`; by default the
   gateway as shipped and the gateway on asyncio's own event loop), all in
   front of the same engine, each phase interleaving direct / variant 1 /
@@ -35,6 +40,7 @@ import asyncio
 import json
 import os
 import shlex
+import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -47,11 +53,12 @@ import httpx
 import numpy as np
 import orjson
 
-from bench.launch import Service, launch_engine, launch_gateway
+from bench.launch import Service, launch, launch_engine, launch_gateway
 from bench.table import markdown, save
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 
 PROMPT = "The gateway adds how much latency to a request?"
+BARE_RELAY = "bare relay"  # the column of bench/bare_relay.py
 DEFAULT_VARIANTS = ["shipped=", "grpc session=--upstream grpc-session", "calls=--upstream calls",
                     "uvloop=--loop uvloop"]  # the session on its socket, over gRPC, a call per request; each loop
 
@@ -65,6 +72,14 @@ def cpu_seconds(pid: int) -> float:
         except (OSError, IndexError, ValueError):
             continue  # a thread that ended between the listing and the read
     return total / 1e9
+
+
+def listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        return True
+    except OSError:
+        return False
 
 
 def _percentiles(samples: list[float]) -> dict[str, float]:
@@ -292,6 +307,8 @@ def main() -> None:
     parser.add_argument("--tokens-32", type=int, default=64, help="tokens per stream with 32 streams")
     parser.add_argument("--tokens-256", type=int, default=16, help="tokens per stream with 256 streams")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of each streaming measurement")
+    parser.add_argument("--bare-relay", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure bench/bare_relay.py beside the gateways: the floor of a token's cost")
     parser.add_argument("--variant", action="append", type=_variant, default=None, metavar="NAME=FLAGS",
                         help="a gateway to measure, started with FLAGS; repeatable "
                              f"(default: {' and '.join(repr(v) for v in DEFAULT_VARIANTS)})")
@@ -309,6 +326,11 @@ def main() -> None:
                 service = launch_gateway(Path(scratch) / f"gateway-{i}", [engine.address],
                                          ["--max-connections", "4096", *flags])
                 gateways.append(Gateway(name, flags, service))
+            if args.bare_relay:
+                relay = launch("bare-relay", "bench.bare_relay", ["--engine", engine.address],
+                               Path(scratch) / "bare-relay", listening)
+                gateways.append(Gateway(BARE_RELAY, [], relay))
+                names.append(BARE_RELAY)
             # warm every path once (first-use costs are not the steady state)
             one_token_latency(engine.address, gateways, model, 10, 5)
             asyncio.run(stream_rates(engine.address, gateways, model, 8, 8, 1))
@@ -320,11 +342,14 @@ def main() -> None:
                 g.service.stop()
             engine.stop()
     load_after = os.getloadavg()[0]
-    table = markdown(["measure", "engine over gRPC", *(f"gateway: {n}" for n in names)],
+    table = markdown(["measure", "engine over gRPC",
+                      *(f"gateway: {n}" if n != BARE_RELAY else "bare relay (the floor)" for n in names)],
                      _rows(latency, rates, names))
     shown = "; ".join(f"{n}: {shlex.join(f) or '(no flags)'}" for n, f in variants)
     table += (f"\n\nGateways: {shown}. "
-              f"Load average (1 min) {load_before:.2f} before, {load_after:.2f} after.")
+              + ("The bare relay (bench/bare_relay.py) is the floor: a wakeup, a frame parse and a loopback "
+                 "send per token, no framework; its 'gateway CPU' rows are its own. " if args.bare_relay else "")
+              + f"Load average (1 min) {load_before:.2f} before, {load_after:.2f} after.")
     print(table)
     path = save("gateway", {"model": args.model, "variants": {n: f for n, f in variants}, "latency": latency,
                             "streams": rates, "load_before": load_before, "load_after": load_after,

@@ -79,6 +79,49 @@ def frame(payload: bytes) -> bytes:
     return _LENGTH.pack(len(payload)) + payload
 
 
+class FrameSplitter:
+    """read_frame for a protocol's `data_received`: feed it bytes as they come, take the frames they complete.
+
+    Why not a StreamReader: a reader wakes its task a loop turn after the bytes land, and each
+    frame takes two `readexactly` awaits; a protocol handles a frame in the turn its bytes arrive.
+    """
+
+    def __init__(self, limit: int = MAX_FRAME) -> None:
+        self._limit = limit
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The payloads `data` completes, in order (FrameError for an announced length over the bound)."""
+        buffer = self._buffer
+        buffer += data
+        frames: list[bytes] = []
+        start = 0
+        while len(buffer) - start >= _LENGTH.size:
+            (n,) = _LENGTH.unpack_from(buffer, start)
+            if n > self._limit:
+                raise FrameError(f"a frame of {n} bytes announced: over the {self._limit}-byte bound")
+            end = start + _LENGTH.size + n
+            if len(buffer) < end:
+                break
+            frames.append(bytes(buffer[start + _LENGTH.size:end]))
+            start = end
+        if start:
+            del buffer[:start]
+        return frames
+
+    def end(self) -> None:
+        """The stream is over: FrameError if it stopped inside a frame."""
+        if self._buffer:
+            raise FrameError(f"the stream ended {len(self._buffer)} bytes into a frame")
+
+
+def parse_message(payload: bytes, parse: Callable[[bytes], M]) -> M:
+    """A frame's payload parsed as a protobuf message (FrameError when it is not one)."""
+    message = _parsed(payload, parse)
+    assert message is not None
+    return message
+
+
 async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> bytes | None:
     """recv_frame on an asyncio stream: None at a clean end between frames, FrameError inside one."""
     try:

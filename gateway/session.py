@@ -185,7 +185,8 @@ class EngineSession:
         path = self.socket_path
         if path:
             try:
-                stream: grpc.aio.StreamStreamCall | SocketStream = await SocketStream.open(path, requests)
+                stream: grpc.aio.StreamStreamCall | SocketStream = await SocketStream.open(path, requests,
+                                                                                         self._dispatch)
                 self.transport = "socket"
                 log.info("session with the engine opened on its session socket %s", path)
                 return stream
@@ -197,23 +198,30 @@ class EngineSession:
         log.info("session with the engine opened over gRPC")
         return self._stub.GenerateSession(requests)
 
+    def _dispatch(self, response: engine_pb2.SessionResponse) -> None:
+        """Each event of one SessionResponse to its call."""
+        for event in response.events:
+            call = self._calls.get(event.tag)
+            if call is None:
+                continue  # cancelled here while the engine was sending
+            if event.HasField("end"):
+                del self._calls[event.tag]
+                code = code_of(event.end.code)
+                call.end(None if code is grpc.StatusCode.OK else rpc_error(code, event.end.details))
+            else:
+                call.push(event.response)
+
     async def _read(self, requests: AsyncIterator[engine_pb2.SessionRequest],
                     outbox: asyncio.Queue[engine_pb2.SessionRequest | None]) -> None:
         error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the engine ended the session", SessionBroken)
         stream: grpc.aio.StreamStreamCall | SocketStream | None = None
         try:
             stream = await self._connect(requests)
-            async for response in stream:
-                for event in response.events:
-                    call = self._calls.get(event.tag)
-                    if call is None:
-                        continue  # cancelled here while the engine was sending
-                    if event.HasField("end"):
-                        del self._calls[event.tag]
-                        code = code_of(event.end.code)
-                        call.end(None if code is grpc.StatusCode.OK else rpc_error(code, event.end.details))
-                    else:
-                        call.push(event.response)
+            if isinstance(stream, SocketStream):
+                await stream.closed()  # it hands each response to _dispatch as it lands
+            else:
+                async for response in stream:
+                    self._dispatch(response)
         except grpc.aio.AioRpcError as exc:
             error = rpc_error(exc.code(), exc.details() or "", SessionBroken)
         except (ConnectionError, FrameError) as exc:  # the session socket broke

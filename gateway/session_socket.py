@@ -1,9 +1,9 @@
 """The GenerateSession stream over an engine's session socket (engine/session_socket.py).
 
-Read as EngineSession reads a grpc.aio stream: iterate it for SessionResponse
-messages (a broken connection or a frame that does not parse raises ConnectionError
-or FrameError, which EngineSession ends as UNAVAILABLE, as a dropped gRPC stream),
-and `cancel()` closes it. The same
+EngineSession hands it the function it runs on each SessionResponse of a gRPC stream;
+`closed()` waits for the end (a broken connection or a frame that does not parse
+raises ConnectionError or FrameError, which EngineSession ends as UNAVAILABLE, as a
+dropped gRPC stream), and `cancel()` closes it. The same
 messages as the gRPC stream, framed (common/frames.py). It is opened only to a
 socket whose server runs as this gateway's user (SO_PEERCRED): the path comes from
 the engine's ListModels answer, and a socket put there by another user is not ours
@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import cast
 
-from common.frames import STREAM_READ_LIMIT, FrameError, frame, read_message, same_user
+from common.frames import FrameError, FrameSplitter, frame, parse_message, same_user
 from ignis.v1 import engine_pb2
 
 
@@ -40,41 +41,96 @@ def on_this_host(address: str) -> bool:
         return False
 
 
-class SocketStream:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 requests: AsyncIterator[engine_pb2.SessionRequest]) -> None:
-        self._reader, self._writer = reader, writer
-        self._sending = asyncio.create_task(self._send(requests), name="engine-session-socket-writer")
+class SocketStream(asyncio.Protocol):
+    """The session's connection. Each SessionResponse goes to `on_response` in the loop turn its bytes
+    arrive: a StreamReader would wake a reading task a turn later and take two awaits a frame, and on
+    a stream where every engine step is a message that turn is a good part of a token's cost
+    (bench.gateway, beside the bare relay)."""
+
+    def __init__(self, on_response: Callable[[engine_pb2.SessionResponse], None]) -> None:
+        self._on_response = on_response
+        self._frames = FrameSplitter()
+        self._transport: asyncio.Transport | None = None
+        self._ours = False  # the peer runs as this user: only then is a byte of it read
+        loop = asyncio.get_running_loop()
+        self._closed: asyncio.Future[None] = loop.create_future()
+        self._writable: asyncio.Future[None] | None = None  # while the transport asks for a pause
+        self._sending: asyncio.Task[None] | None = None
 
     @classmethod
-    async def open(cls, path: str, requests: AsyncIterator[engine_pb2.SessionRequest]) -> SocketStream:
+    async def open(cls, path: str, requests: AsyncIterator[engine_pb2.SessionRequest],
+                   on_response: Callable[[engine_pb2.SessionResponse], None]) -> SocketStream:
         """Connect (OSError, NotOurs among them, when it cannot be used: the caller takes gRPC)."""
-        reader, writer = await asyncio.open_unix_connection(path, limit=STREAM_READ_LIMIT)
-        if not same_user(writer.get_extra_info("socket")):
-            writer.close()
+        _, stream = await asyncio.get_running_loop().create_unix_connection(lambda: cls(on_response), path)
+        if not stream._ours:
             raise NotOurs(f"the session socket {path} is served by another user")
-        return cls(reader, writer, requests)
+        stream._sending = asyncio.create_task(stream._send(requests), name="engine-session-socket-writer")
+        return stream
 
-    async def _send(self, requests: AsyncIterator[engine_pb2.SessionRequest]) -> None:
+    # --- asyncio.Protocol ---------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is one, though not a subclass
+        transport = self._transport
+        self._ours = same_user(transport.get_extra_info("socket"))  # checked before any byte is read
+        if not self._ours:
+            transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if not self._ours or self._closed.done():
+            return
         try:
-            async for request in requests:
-                self._writer.write(frame(request.SerializeToString()))
-                await self._writer.drain()
-        except (ConnectionError, FrameError):
-            pass  # the reading side sees the connection end and says so
-        finally:
-            self._writer.close()  # the session is over on this side: the engine ends its calls
+            for payload in self._frames.feed(data):
+                self._on_response(parse_message(payload, engine_pb2.SessionResponse.FromString))
+        except FrameError as exc:
+            self._end(exc)
+            assert self._transport is not None
+            self._transport.close()
 
-    def __aiter__(self) -> SocketStream:
-        return self
+    def connection_lost(self, exc: Exception | None) -> None:
+        try:
+            self._frames.end()
+        except FrameError as cut:
+            exc = exc or cut
+        self._end(exc if exc is None or isinstance(exc, (ConnectionError, FrameError)) else ConnectionError(str(exc)))
+        self.resume_writing()
 
-    async def __anext__(self) -> engine_pb2.SessionResponse:
-        """ConnectionError or FrameError when the connection breaks (EngineSession says UNAVAILABLE)."""
-        response = await read_message(self._reader, engine_pb2.SessionResponse.FromString)
-        if response is None:
-            raise StopAsyncIteration
-        return response
+    def pause_writing(self) -> None:
+        self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+        self._writable = None
+
+    # --- the session's side -------------------------------------------------------------------
+    async def closed(self) -> None:
+        """Until the connection ends: ConnectionError or FrameError when it broke, None at a clean end."""
+        await self._closed
 
     def cancel(self) -> None:
-        self._sending.cancel()
-        self._writer.close()
+        if self._sending is not None:
+            self._sending.cancel()
+        if self._transport is not None:
+            self._transport.close()
+
+    def _end(self, error: BaseException | None) -> None:
+        if self._closed.done():
+            return
+        if error is None:
+            self._closed.set_result(None)
+        else:
+            self._closed.set_exception(error)
+
+    async def _send(self, requests: AsyncIterator[engine_pb2.SessionRequest]) -> None:
+        assert self._transport is not None
+        try:
+            async for request in requests:
+                if self._transport.is_closing():
+                    break
+                self._transport.write(frame(request.SerializeToString()))
+                if self._writable is not None:
+                    await self._writable
+        except FrameError:
+            pass  # a request over the frame bound: the session ends and its calls fail, as over gRPC
+        finally:
+            self._transport.close()  # the session is over on this side: the engine ends its calls
