@@ -18,7 +18,10 @@ One ~150 MiB state, side by side in one run, through a real tierstore process:
   that has landed is copied out, Release in the background), also with the engine's
   integrity check fed each copy as it is made, and after the whole copy as it was before;
   and the cross-host path
-  (Put / Get streams over loopback gRPC).
+  (Put / Get streams over loopback gRPC);
+- a first copy into a fresh shared-memory mapping, each page faulted in by the copy, vs
+  one whose pages were mapped in beforehand (common/prefault.py, as the tierstore and
+  the engine map the arena's in the background).
 
 The engine's claims before its last changes are measured in the same rounds too
 (Match over gRPC; Match then Acquire from RAM; Acquire then copy from disk), so each
@@ -46,6 +49,7 @@ import numpy as np
 from bench import tier_claims
 from bench.launch import launch_tierstore
 from bench.table import markdown, save
+from common.prefault import Prefault
 from engine.tiers.client import TierClient
 from engine.tiers.integrity import IntegrityKey
 from ignis.v1 import common_pb2, tierstore_pb2
@@ -133,6 +137,25 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
             finally:
                 os.close(fd)
         return timed(read)
+
+    def fresh_mapping_copy(prefault: bool) -> float:
+        """The first copy into a fresh shared-memory file's mapping, as into never-touched arena pages:
+        its pages faulted in by the copy itself, or mapped in beforehand (untimed) by common/prefault.py
+        as the tierstore and the engine do for the arena."""
+        fd, path = tempfile.mkstemp(prefix="ignis-bench-fresh-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+        try:
+            os.posix_fallocate(fd, 0, n)
+            mapping = mmap.mmap(fd, n)
+            if prefault:
+                assert Prefault(mapping, "bench").done.wait(120)
+            fresh = np.frombuffer(mapping, dtype=np.uint8)
+            seconds = timed(lambda: np.copyto(fresh, src))
+            del fresh
+            mapping.close()
+            return seconds
+        finally:
+            os.close(fd)
+            os.unlink(path)
 
     np.copyto(dst, src)  # fault the destination in once
     raw_write()
@@ -310,6 +333,8 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
                 ram_claim_acquire()
                 ram_claim_sync()
                 c.drop(held)
+                samples.add(raw_memcpy=raw_memcpy(), fresh_copy_faulting=fresh_mapping_copy(False))
+                samples.add(raw_memcpy=raw_memcpy(), fresh_copy_prefaulted=fresh_mapping_copy(True))
             assert np.array_equal(dst, src)
             for _ in range(repeats):  # disk: the raw file's write and cold reads beside each spill and restore
                 samples.add(raw_write_fsync=raw_write(), raw_read_cold=raw_read())
@@ -354,6 +379,10 @@ TABLE_ROWS: list[tuple[str, str, str, str | None]] = [
      "ram_claim_acquire", "raw_memcpy"),
     ("KV-RAM claim", "example client: Match + Acquire + copy + Release, each waited for",
      "ram_claim_sync", "raw_memcpy"),
+    ("first touch", "numpy memcpy into a fresh shared-memory mapping: each page faulted in by the copy",
+     "fresh_copy_faulting", "raw_memcpy"),
+    ("first touch", "the same, its pages mapped in beforehand in the background (common/prefault.py, as the "
+     "arena's are in the tierstore and the engine)", "fresh_copy_prefaulted", "raw_memcpy"),
     ("raw", "file write + fsync", "raw_write_fsync", None),
     ("raw", "file read, cold", "raw_read_cold", None),
     ("raw", "file read, cold, O_DIRECT", "raw_read_cold_direct", "raw_read_cold"),

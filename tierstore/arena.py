@@ -17,6 +17,7 @@ import os
 import time
 import uuid
 from common.mapped_file import file_fault
+from common.prefault import Prefault
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,6 +137,8 @@ class Arena:
             raise
         self._lock_fd = fd
         self._inode = os.fstat(fd).st_ino
+        # This process's page tables for it, filled ahead of the first restores into it (common/prefault.py).
+        self.prefault = Prefault(self._mmap, "arena")
         self.size = size
         self.view = memoryview(self._mmap)
         self.allocator = ExtentAllocator(size)
@@ -182,6 +185,7 @@ class Arena:
 
     def close(self) -> None:
         """Unmaps and removes the file. Engines that still map it keep their mapping until they unmap."""
+        self.prefault.stop()  # no madvise under way when the mapping goes
         try:
             self.view.release()
             self._mmap.close()

@@ -33,6 +33,7 @@ import torch
 
 from common.bearer import BearerInterceptor, read_secret
 from common.mapped_file import file_fault
+from common.prefault import Prefault
 from common.status_codes import code_of
 from common.tracing import ClientTracingInterceptor, client_span, exporting, grpc_metadata, set_rpc_status
 from engine.tiers.local_match import LocalMatch
@@ -74,6 +75,7 @@ class TierClient:
         self._down = False
         self._instance = ""
         self._mmap: mmap.mmap | None = None
+        self._prefault: Prefault | None = None
         self.arena: torch.Tensor | None = None  # uint8 view of the whole mapped arena
         self.unavailable_events = 0  # times the store went from usable to down
         self.errors = 0  # calls answered "nothing" because of the store (down, slow, refused)
@@ -293,6 +295,9 @@ class TierClient:
             os.close(fd)
             raise
         self._arena_fd, self._arena_size = fd, size
+        # This process's page tables for the arena, filled in the background before the first copies
+        # into it need them (common/prefault.py).
+        self._prefault = Prefault(self._mmap, "arena")
         self.arena = torch.frombuffer(self._mmap, dtype=torch.uint8)
         if self.pin and torch.cuda.is_available():
             ptr = self.arena.data_ptr()
@@ -306,6 +311,9 @@ class TierClient:
         if self._pinned_ptr is not None:
             torch.cuda.cudart().cudaHostUnregister(self._pinned_ptr)
             self._pinned_ptr = None
+        if self._prefault is not None:
+            self._prefault.stop(wait=False)  # it holds the mapping until its chunk is done
+            self._prefault = None
         self.arena = None
         # Dropped, never closed: a torch.frombuffer tensor (the arena, and any view of it a copy on
         # another thread holds now) keeps the mmap object alive but not its buffer export, so close()
