@@ -14,7 +14,6 @@ Every name is listed in docs/metrics.md.
 from __future__ import annotations
 
 import time
-from collections import Counter as Tally
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import is_
@@ -61,9 +60,10 @@ class FinishedRequest:
                 "finish_reason": self.finish_reason, "duration_ms": round(self.duration_ms, 3)}
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared and hashed by identity: a sequence points to its last one
 class _Round:
-    """The sequences of the latest sampling round, when they got their tokens, and how many of each class."""
+    """The sequences of a sampling round, when they got their tokens, and how many of each class. Its time
+    moves on only while the same sequences take a token each round (EngineMetrics.on_tokens)."""
 
     seqs: Sequence[EngineSequence]
     time: float
@@ -98,31 +98,36 @@ class EngineMetrics:
         """After a sampling round (engine thread): each sequence got one token just now."""
         now = time.monotonic()
         last = self._round
-        if last is not None:
-            if seqs is last.seqs or (len(seqs) == len(last.seqs) and all(map(is_, seqs, last.seqs))):
-                # The last round's sequences again (a decode step's steady state): each one's previous token is
-                # that round's, so they share its gap, once per class; their last_token_time is written when
-                # the batch changes, not every round.
-                for cls, times in last.classes:
-                    observe_times(self._itl[cls], now - last.time, times)
-                last.time = now
-                return
-            for seq in last.seqs:  # what the rounds of the same sequences did not write
-                seq.last_token_time = last.time
-        # Sequences that took their previous token in the same step share one gap: observed once, counted n
-        # (counted in C: a decode step's 64 sequences are one or two keys).
-        keys = [(seq.request.request_class, seq.last_token_time) for seq in seqs]
+        if last is not None and (seqs is last.seqs or (len(seqs) == len(last.seqs) and all(map(is_, seqs, last.seqs)))):
+            # The last round's sequences again (a decode step's steady state): each one's previous token is
+            # that round's, so they share its gap, once per class, and the round moves on with them.
+            for cls, times in last.classes:
+                observe_times(self._itl[cls], now - last.time, times)
+            last.time = now
+            return
+        # Each sequence points to the round of its previous token (whose time is that token's: a round
+        # moves on only with all of its sequences), so the sequences of one earlier round share one gap:
+        # observed once, counted n. One pass, one write a sequence.
+        here = _Round(seqs, now, [])
+        gaps: dict[tuple[RequestClass, _Round | None], int] = {}
+        firsts: list[EngineSequence] = []
         for seq in seqs:
-            seq.last_token_time = now
-        for (cls, last_time), times in Tally(keys).items():
-            if last_time is not None:
-                observe_times(self._itl[cls], now - last_time, times)
-            else:  # their first tokens: the request's first is its time to first token
-                for seq, (_, was) in zip(seqs, keys):
-                    if was is None and seq.choice == 0 and seq.first_token_time is not None \
-                            and seq.request.request_class is cls:
-                        self._ttft[cls].observe(seq.first_token_time - seq.request.arrival)
-        self._round = _Round(seqs, now, list(Tally(cls for cls, _ in keys).items()))  # callers never change seqs after
+            before = seq.token_round
+            key = (seq.request.request_class, before)
+            gaps[key] = gaps.get(key, 0) + 1
+            if before is None:
+                firsts.append(seq)
+            seq.token_round = here
+        classes: dict[RequestClass, int] = {}
+        for (cls, before), times in gaps.items():
+            classes[cls] = classes.get(cls, 0) + times
+            if before is not None:
+                observe_times(self._itl[cls], now - before.time, times)
+        for seq in firsts:  # their first tokens: the request's first is its time to first token
+            if seq.choice == 0 and seq.first_token_time is not None:
+                self._ttft[seq.request.request_class].observe(seq.first_token_time - seq.request.arrival)
+        here.classes = list(classes.items())
+        self._round = here  # callers never change seqs after
 
     def on_done(self, done: FinishedRequest) -> None:
         """Once per request, when it is over (engine thread)."""

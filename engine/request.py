@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from opentelemetry.context import Context
@@ -119,7 +120,7 @@ class EngineSequence:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None  # matched stop string or stop token id
         self.first_token_time: float | None = None
-        self.last_token_time: float | None = None  # of its latest token (the inter-token latency metric)
+        self.token_round: Any = None  # the sampling round of its latest token (engine/metrics.py, the ITL metric)
         self.preemptions = 0
         self.times = SeqTimes()
         self.unforked: list[EngineSequence] = []  # choices 1..n-1, forked from this one after its prompt

@@ -219,7 +219,7 @@ class _Seq:
     request: _Req
     choice: int = 0
     first_token_time: float | None = None
-    last_token_time: float | None = None
+    token_round: Any = None
 
 
 def test_rounds_of_the_same_sequences_observe_each_tokens_own_gap(monkeypatch: pytest.MonkeyPatch) -> None:
