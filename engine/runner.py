@@ -50,35 +50,33 @@ class ModelRunner:
             return StepLogits([], None, ready)
         # The plan lists decodes first: those past their first token (each one token, completing what is
         # pending) have the first logits rows, one each, and go on as one block (the decode road's).
-        lead, leading = 0, True
-        specs = []
+        lead = 0
         for item in chunks:
-            seq, n = item.seq, item.num_tokens
-            completes = seq.num_computed + n == len(seq.token_ids)
-            leading = leading and n == 1 and completes and seq.num_computed > 0 \
-                and len(seq.token_ids) > seq.num_prompt
-            lead += leading
-            wants_prompt = seq.request.echo and seq.request.params.logprobs and seq.num_computed < seq.num_prompt
-            logits = LogitsWanted.ALL if wants_prompt else (LogitsWanted.LAST if completes else LogitsWanted.NONE)
-            specs.append(
-                SequenceChunk(
-                    token_ids=seq.token_ids[seq.num_computed : seq.num_computed + n],
-                    start=seq.num_computed,
-                    page_table=seq.page_table,
-                    state_slot=seq.slot,
-                    logits=logits,
-                )
-            )
-        batch = ForwardBatch.build(specs, self.page_size, self.model.device)
+            seq = item.seq
+            if not (item.num_tokens == 1 and seq.num_computed + 1 == len(seq.token_ids) and seq.num_computed > 0
+                    and len(seq.token_ids) > seq.num_prompt):
+                break
+            lead += 1
+        decodes = [item.seq for item in chunks[:lead]]
+        specs = [self._spec(item) for item in chunks[lead:]]
+        if lead and specs and not any(len(s.token_ids) == 1 and s.start > 0 for s in specs):
+            # The decodes as the decode road lists them, the rest as chunks (ForwardBatch.mixed).
+            batch = ForwardBatch.mixed([s.token_ids[-1] for s in decodes], [s.num_computed for s in decodes],
+                                       [s.page_table for s in decodes], [s.slot for s in decodes], specs,
+                                       self.page_size, self.model.device)
+        else:
+            specs[:0] = [self._spec(item) for item in chunks[:lead]]
+            batch = ForwardBatch.build(specs, self.page_size, self.model.device)
+            specs = specs[lead:]
         logits = self.model(batch, self.cache)  # [R, V]
-        step = StepLogits([item.seq for item in chunks[:lead]], logits[:lead] if lead else None, ready)
+        step = StepLogits(decodes, logits[:lead] if lead else None, ready)
         out = step.chunks
         if batch.decodes_only:  # one logits row per sequence, in order
             out.extend(ChunkLogits(item.seq, item.num_tokens, row, None)
                        for item, row in zip(chunks[lead:], logits[lead:].unbind(0)))
             return step
         row = lead
-        for item, spec, count in zip(chunks[lead:], specs[lead:], batch.logits_counts[lead:]):
+        for item, spec, count in zip(chunks[lead:], specs, batch.logits_counts[lead:]):
             rows = logits[row : row + count]
             row += count
             completes = item.seq.num_computed + item.num_tokens == len(item.seq.token_ids)
@@ -91,6 +89,20 @@ class ModelRunner:
                 )
             )
         return step
+
+    @staticmethod
+    def _spec(item: ScheduledChunk) -> SequenceChunk:
+        """A scheduled chunk as the forward batch takes it."""
+        seq, n = item.seq, item.num_tokens
+        completes = seq.num_computed + n == len(seq.token_ids)
+        wants_prompt = seq.request.echo and seq.request.params.logprobs and seq.num_computed < seq.num_prompt
+        return SequenceChunk(
+            token_ids=seq.token_ids[seq.num_computed : seq.num_computed + n],
+            start=seq.num_computed,
+            page_table=seq.page_table,
+            state_slot=seq.slot,
+            logits=LogitsWanted.ALL if wants_prompt else (LogitsWanted.LAST if completes else LogitsWanted.NONE),
+        )
 
     def run_decodes(self, seqs: list[EngineSequence], steady: bool = False) -> torch.Tensor:
         """The decode road: each sequence decodes its one pending token and wants its next-token logits.

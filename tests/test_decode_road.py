@@ -200,10 +200,13 @@ def test_token_text_is_the_token_bytes_when_they_are_whole_characters(tiny: Tiny
     assert tokenizer.token_text(tokenizer.vocab_size + 5) == ""  # past the vocabulary, as token_bytes
 
 
-def test_decodes_beside_prefills_take_the_decode_road(tiny: Tiny) -> None:
+@pytest.mark.parametrize("model", ["tiny", "dense"])  # hybrid and attention-only
+def test_decodes_beside_prefills_take_the_decode_road(model: str, request: pytest.FixtureRequest) -> None:
     """Requests arriving while others decode, so most steps prefill one and decode the rest: the decodes
-    of those steps go the decode road as one block (ModelRunner.run's StepLogits), plain or not, and each
-    request gets what it gets alone (greedy, seeded with penalties, logprobs, a stop string, n=2)."""
+    of those steps go the decode road as one block (ModelRunner.run's StepLogits; the batch built by
+    ForwardBatch.mixed), plain or not, and each request gets what it gets alone (greedy, seeded with
+    penalties, logprobs, a stop string, n=2)."""
+    tiny: Tiny = request.getfixturevalue(model)
     kinds: list[dict[str, object]] = [{}, {"logprobs": True, "top_logprobs": 2}, {"stop": ("a",)},
                                       {"temperature": 0.9, "seed": 5, "presence_penalty": 0.7}, {"n": 2, "seed": 3,
                                                                                                  "temperature": 0.8}]

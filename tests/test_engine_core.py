@@ -20,8 +20,6 @@ from engine.request import EngineRequest, FinishReason
 from engine.sampling.params import SamplingParams
 from engine.text.tokenizer import Tokenizer
 
-PAGE_BYTES_TINY = 2 * 2 * 16 * 2 * 64 * 4  # attn layers x K/V x page x kv heads x head dim x fp32
-
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir: Path) -> tuple[LoadedModel, Tokenizer]:
@@ -30,7 +28,9 @@ def tiny(tiny_model_dir: Path) -> tuple[LoadedModel, Tokenizer]:
 
 def make_core(tiny: tuple[LoadedModel, Tokenizer], pages: int, **kw: int) -> EngineCore:
     loaded, tokenizer = tiny
-    core = EngineCore(loaded, tokenizer, EngineConfig(page_size=16, kv_cache_bytes=pages * PAGE_BYTES_TINY, **kw))
+    # ignis-tiny's page: 2 attention layers x K/V x 16 positions x 2 KV heads x 64 x fp32 (a dense model's: its own)
+    page_bytes = loaded.config.state_shape().kv_bytes_per_page(16, loaded.model.dtype)
+    core = EngineCore(loaded, tokenizer, EngineConfig(page_size=16, kv_cache_bytes=pages * page_bytes, **kw))
     assert core.pages.num_pages == pages
     return core
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from array import array
 from collections import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence, overload
@@ -69,7 +70,31 @@ class SeqView:
         return self.length == 1 and self.start > 0
 
 
-class DecodeViews(abc.Sequence[SeqView]):
+class _LazyViews(abc.Sequence[SeqView]):
+    """Views made when asked, indexed like a tuple: a subclass says how long it is and makes view i."""
+
+    __slots__ = ()
+
+    def _view(self, i: int) -> SeqView:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> SeqView: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[SeqView]: ...
+
+    def __getitem__(self, i: int | slice) -> SeqView | list[SeqView]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._view(i)
+
+
+class DecodeViews(_LazyViews):
     """The views of a decode-only batch, made when asked: its forward pass reads the gather and
     `decode_slots` instead, and 64 views a step would be made for nothing."""
 
@@ -92,19 +117,7 @@ class DecodeViews(abc.Sequence[SeqView]):
         """The furthest position any of them decodes."""
         return max(self._starts)
 
-    @overload
-    def __getitem__(self, i: int) -> SeqView: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[SeqView]: ...
-
-    def __getitem__(self, i: int | slice) -> SeqView | list[SeqView]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
+    def _view(self, i: int) -> SeqView:
         return SeqView(i, 1, self._starts[i], self._pages.view(-1), i * self._width, self._needed[i], self._slots[i])
 
 
@@ -178,16 +191,94 @@ class ForwardBatch:
 
     @classmethod
     def _any(cls, chunks: Sequence[SequenceChunk], page_size: int, device: torch.device) -> "ForwardBatch":
-        ids: list[int] = []
-        positions: list[int] = []
-        pages: list[int] = []
-        offsets: list[int] = []
-        rows: list[int] = []
+        r = _ChunkRows.of(chunks, page_size, 0)
+        seqs = _seq_views(r.views, r.tables, r.flat, device)
+        decodes = [seqs[i] for i in r.decoding]
+        picked = set(r.decoding)
+        others = tuple(s for i, s in enumerate(seqs) if i not in picked)
+        decode = None
+        if _pad_decodes(decodes, device):
+            decode = _decode_gather(decodes, [r.tables[i] for i in r.decoding], page_size, device, len(r.ids))
+        return cls(
+            input_ids=int64_tensor(r.ids, device),
+            positions=int64_tensor(r.positions, device),
+            kv_pages=int64_tensor(r.pages, device),
+            kv_offsets=int64_tensor(r.offsets, device),
+            seqs=tuple(seqs),
+            logits_rows=int64_tensor(r.rows, device),
+            logits_counts=tuple(r.counts),
+            decodes=tuple(decodes),
+            others=others,
+            decode=decode,
+            decode_slots=tuple(s.state_slot for s in decodes),
+        )
+
+    @classmethod
+    def mixed(cls, tokens: list[int], starts: list[int], tables: Sequence[Sequence[int]], slots: list[int | None],
+              rest: Sequence[SequenceChunk], page_size: int, device: torch.device) -> "ForwardBatch":
+        """A step of single-token decodes first (sequence i decodes `tokens[i]` at `starts[i]` > 0 and wants
+        its logits), then the chunks of `rest`, none of them a single-token decode past position 0: the
+        batch `_any` builds from the decodes' chunks and `rest` (tests/test_forward_batch.py), without a
+        chunk, a view or a per-token list entry for each decode (they are most of a step with prefills)."""
+        count = len(tokens)
+        needed = [start // page_size + 1 for start in starts]
+        padded = pad_tables(tables, needed, max(needed), device)
+        last_pages = [table[n - 1] for table, n in zip(tables, needed)]  # pad_tables checked their lengths
+        offsets = [start % page_size for start in starts]
+        lengths = [start + 1 for start in starts]
+        r = _ChunkRows.of(rest, page_size, count)
+        if r.decoding:
+            raise ValueError("mixed(): a single-token decode among the rest belongs with the decodes or in _any")
+        views = DecodeViews(starts, needed, tuple(slots), padded, padded.shape[1])
+        others = tuple(_seq_views(r.views, r.tables, r.flat, device))
+        decode = None
+        if _pads(count, lambda: max(starts) + 1, device):
+            rows = every_row(count, device)
+            if kernels_for(device).paged_decode_from_table is not None:  # attention reads the tables as they are
+                decode = DecodeGather(rows=rows, pages=None, offsets=None, valid=None, every_row=not rest,
+                                      table=padded, lengths=int64_tensor(lengths, device), page_size=page_size)
+            else:
+                at, page_of, offset_of = _position_tables(max(starts) + 1, page_size, device)
+                decode = DecodeGather(rows=rows, pages=padded[:, page_of], offsets=offset_of.expand(count, -1),
+                                      valid=at[None, :] < int64_tensor(lengths, device)[:, None], every_row=not rest)
+        return cls(
+            input_ids=int64_tensor(array("q", tokens) + r.ids, device),
+            positions=int64_tensor(array("q", starts) + r.positions, device),
+            kv_pages=int64_tensor(array("q", last_pages) + r.pages, device),
+            kv_offsets=int64_tensor(array("q", offsets) + r.offsets, device),
+            seqs=_Joined(views, others),
+            logits_rows=int64_tensor(array("q", range(count)) + r.rows, device),
+            logits_counts=(1,) * count + tuple(r.counts),
+            decodes=views,
+            others=others,
+            decode=decode,
+            decode_slots=views.slots,
+        )
+
+
+@dataclass(slots=True)
+class _ChunkRows:
+    """The flat token run's host lists for `chunks`, their rows counted from `base`."""
+
+    ids: array
+    positions: array
+    pages: array
+    offsets: array
+    rows: array  # the logits rows
+    counts: list[int]  # logits rows per chunk
+    views: list[tuple[int, int, int, int | None]]  # (offset, length, start, slot) of each sequence
+    tables: list[Sequence[int]]  # the pages each sequence's positions need
+    flat: array  # every sequence's page table, one after another
+    decoding: list[int]  # indices of the single-token decodes
+
+    @classmethod
+    def of(cls, chunks: Sequence[SequenceChunk], page_size: int, base: int) -> _ChunkRows:
+        ids, positions, pages, offsets, rows = array("q"), array("q"), array("q"), array("q"), array("q")
         counts: list[int] = []
-        views: list[tuple[int, int, int, int | None]] = []  # (offset, length, start, slot) of each sequence
-        tables: list[Sequence[int]] = []  # the pages each sequence's positions need
-        decoding: list[int] = []  # indices of the single-token decodes
-        flat = array("q")  # every sequence's page table, one after another
+        views: list[tuple[int, int, int, int | None]] = []
+        tables: list[Sequence[int]] = []
+        decoding: list[int] = []
+        flat = array("q")
         for i, chunk in enumerate(chunks):
             table, start = chunk.page_table, chunk.start
             n = len(chunk.token_ids)
@@ -195,7 +286,7 @@ class ForwardBatch:
             needed = -(-end // page_size)
             if len(table) < needed:
                 raise ValueError(f"page table has {len(table)} pages but {end} tokens need {needed}")
-            base = len(ids)
+            at = base + len(ids)
             if n == 1:  # a decode (most of a step's sequences): no range or generator for one position
                 ids.append(chunk.token_ids[0])
                 positions.append(start)
@@ -210,42 +301,34 @@ class ForwardBatch:
                 pages.extend(table[p // page_size] for p in pos)
                 offsets.extend(p % page_size for p in pos)
             if chunk.logits is LogitsWanted.LAST:
-                rows.append(base + n - 1)
+                rows.append(at + n - 1)
                 counts.append(1)
             elif chunk.logits is LogitsWanted.ALL:
-                rows.extend(range(base, base + n))
+                rows.extend(range(at, at + n))
                 counts.append(n)
             else:
                 counts.append(0)
-            views.append((base, n, start, chunk.state_slot))
+            views.append((at, n, start, chunk.state_slot))
             needed_table = table if len(table) == needed else table[:needed]  # no copy when it is all needed
             tables.append(needed_table)
             flat.extend(needed_table)
+        return cls(ids, positions, pages, offsets, rows, counts, views, tables, flat, decoding)
 
-        def tensor(values: list[int]) -> torch.Tensor:
-            return int64_tensor(values, device)
 
-        seqs = _seq_views(views, tables, flat, device)
-        decodes = [seqs[i] for i in decoding]
-        picked = set(decoding)
-        others = tuple(s for i, s in enumerate(seqs) if i not in picked)
-        decode = None
-        if _pad_decodes(decodes, device):
-            decode = _decode_gather(decodes, [tables[i] for i in decoding], page_size, device, len(ids))
+class _Joined(_LazyViews):
+    """A mixed batch's views: the decodes' (made when asked), then the rest's."""
 
-        return cls(
-            input_ids=tensor(ids),
-            positions=tensor(positions),
-            kv_pages=tensor(pages),
-            kv_offsets=tensor(offsets),
-            seqs=tuple(seqs),
-            logits_rows=tensor(rows),
-            logits_counts=tuple(counts),
-            decodes=tuple(decodes),
-            others=others,
-            decode=decode,
-            decode_slots=tuple(s.state_slot for s in decodes),
-        )
+    __slots__ = ("_first", "_second")
+
+    def __init__(self, first: Sequence[SeqView], second: Sequence[SeqView]) -> None:
+        self._first, self._second = first, second
+
+    def __len__(self) -> int:
+        return len(self._first) + len(self._second)
+
+    def _view(self, i: int) -> SeqView:
+        n = len(self._first)
+        return self._first[i] if i < n else self._second[i - n]
 
 
 def decode_values(tokens: Sequence[int], starts: Sequence[int], last_pages: Sequence[int],
@@ -273,7 +356,7 @@ def decode_only_batch(rows: torch.Tensor, views: DecodeViews, padded: torch.Tens
     if kernels_for(device).paged_decode_from_table is not None:  # attention reads the tables as they are
         decode = DecodeGather(rows=every, pages=None, offsets=None, valid=None, every_row=True,
                               table=padded, lengths=lengths, page_size=page_size)
-    elif _pad_decodes(views, device):
+    elif _pads(count, lambda: views.furthest + 1, device):
         at, page_of, offset_of = _position_tables(views.furthest + 1, page_size, device)
         decode = DecodeGather(
             rows=every,
@@ -336,11 +419,17 @@ CPU_PADDED_DECODE_MAX_CONTEXT = 512
 
 def _pad_decodes(decodes: Sequence[SeqView], device: torch.device) -> bool:
     """Whether this step's single-token decodes run as one padded attention call."""
+    return bool(decodes) and _pads(len(decodes), lambda: max(s.end for s in decodes), device)
+
+
+def _pads(count: int, furthest_end: Callable[[], int], device: torch.device) -> bool:
+    """_pad_decodes for `count` decodes (at least one); `furthest_end()`: where the furthest ends (asked
+    only when it matters)."""
     if kernels_for(device).decode_in_place:  # the C kernel on the CPU: no cost per padded position
-        return bool(decodes)
-    if len(decodes) < 2:
+        return True
+    if count < 2:
         return False
-    return device.type != "cpu" or max(s.end for s in decodes) < CPU_PADDED_DECODE_MAX_CONTEXT
+    return device.type != "cpu" or furthest_end() < CPU_PADDED_DECODE_MAX_CONTEXT
 
 
 def _decode_gather(seqs: list[SeqView], tables: list[Sequence[int]], page_size: int, device: torch.device,

@@ -123,8 +123,9 @@ class GatedDeltaNet(nn.Module):
         state updated in its own slot (gathering them would copy 1 MiB a layer at hidden 1024)."""
         gather = batch.decode  # a decode-only step (its rows are all the step's rows): no rows to pick
         every_row = gather is not None and gather.every_row
-        rows = slice(None) if every_row else torch.tensor([s.offset for s in seqs], dtype=torch.int64,
-                                                          device=mixed.device)
+        # The gather holds the decodes' rows (once a step); without one, their offsets say them.
+        rows = slice(None) if every_row else gather.rows if gather is not None else \
+            torch.tensor([s.offset for s in seqs], dtype=torch.int64, device=mixed.device)
         slot_ids = list(batch.decode_slots)  # read once for the step, not once a sequence in every layer
         if None in slot_ids:
             raise ValueError("a hybrid model needs a state slot for every sequence")
