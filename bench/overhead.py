@@ -113,9 +113,9 @@ def measure(path: Path, batch: int, steps: int, prompt: int = 16, churn: bool = 
         model = core.runner.model  # nn.Module.__call__ finds an instance attribute `forward` first
         model.forward = timed.wrap("model forward", model.forward)  # type: ignore[method-assign]
         # The leaves of building a batch: the decode road's (built from the sequences, or the kept one moved
-        # on) and the general one's.
+        # on), a step with prefills' (its decodes as the decode road lists them) and the general one's.
         builders = [(engine.runner.KeptDecodes, "build"), (engine.runner.KeptDecodes, "advance"),
-                    (engine.runner.ForwardBatch, "_any")]
+                    (engine.runner.ForwardBatch, "_any"), (engine.runner.ForwardBatch, "mixed")]
         originals = [vars(owner)[name] for owner, name in builders]
         for (owner, name), build in zip(builders, originals):
             wrapped = timed.wrap("build batch", build.__func__ if isinstance(build, classmethod) else build)
