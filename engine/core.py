@@ -243,6 +243,8 @@ class EngineCore:
     # --- engine thread ------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        if self.tiers is not None:  # the first claim's copy then reads pages already mapped in
+            self.tiers.connect(self.namespace_hash(""))
         while not self._stopping:
             self.drain_inbox()
             if not self.scheduler.has_work():

@@ -753,3 +753,21 @@ def test_a_tag_fed_copy_by_copy_is_the_tag_of_the_whole_copy(model: tuple[Loaded
         assert digest(stepwise=True, meddle=True) != whole
     finally:
         engine.close()
+
+
+def test_the_engine_maps_the_arena_at_start_before_any_request(tmp_path: Path, model) -> None:
+    """The step thread registers and maps the arena first thing, so its pages are mapped in
+    (common/prefault.py) before a first claim would copy through them."""
+    store = tierstore(tmp_path, 8 * MiB, 32 * MiB)
+    engine = Engine(*model, tierstore=store.address)
+    try:
+        link = engine.core.tiers
+        assert link is not None
+        deadline = time.monotonic() + 30
+        while link.client.arena is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert link.client.arena is not None, "no request came, and the arena is still not mapped"
+        assert link.client.wait_mapped(30)
+    finally:
+        engine.close()
+        store.stop()

@@ -324,6 +324,12 @@ class TierClient:
             os.close(self._arena_fd)
             self._arena_fd = -1
 
+    def wait_mapped(self, timeout: float) -> bool:
+        """Until this process's mapping of the arena has its pages mapped in (common/prefault.py); False
+        on the timeout or when nothing is mapped."""
+        prefault = self._prefault
+        return prefault is not None and prefault.done.wait(timeout)
+
     def arena_bytes(self, offset: int, length: int) -> memoryview:
         assert self._mmap is not None
         return memoryview(self._mmap)[offset:offset + length]

@@ -310,6 +310,12 @@ class TierLink:
         return hit.tokens < n or (hit.tokens == n and self.codec.has_logits(hit.tokens, hit.nbytes))
 
     # --- up ------------------------------------------------------------------------------
+    def connect(self, namespace: BlockHash) -> bool:
+        """Register `namespace` and map the arena now, ahead of the first request: the mapping's pages are
+        then mapped in (common/prefault.py) before a claim copies through them, not while it does."""
+        with self._lock:
+            return self.client.ensure(namespace)
+
     def restore(self, namespace: BlockHash, hit: TierHit, slot: int | None, pages: list[int], request_id: str = ""
                 ) -> tuple[ReuseTier, torch.Tensor | None] | None:
         """Copy a stored state into `slot` and `pages`; (from tier, logits) or None if it failed.
