@@ -17,17 +17,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import struct
 from pathlib import Path
 from typing import cast
 
 import grpc
 import orjson
 
-from common.frames import frame
+from common.frames import FrameSplitter, frame
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 
-_LENGTH = struct.Struct("<I")
 _SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
 
 
@@ -95,7 +93,7 @@ class Relay(asyncio.Protocol):
     """The engine's session socket: calls out, events in, matched by tag."""
 
     def __init__(self) -> None:
-        self.buffer = bytearray()
+        self.frames = FrameSplitter()
         self.transport: asyncio.Transport | None = None
         self.calls: dict[int, Client] = {}
         self.tags = itertools.count(1)
@@ -111,14 +109,8 @@ class Relay(asyncio.Protocol):
             tag=tag, call=engine_pb2.SessionCall(request=request)).SerializeToString()))
 
     def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        while len(self.buffer) >= _LENGTH.size:
-            (n,) = _LENGTH.unpack_from(self.buffer)
-            if len(self.buffer) < _LENGTH.size + n:
-                return
-            message = engine_pb2.SessionResponse.FromString(bytes(self.buffer[_LENGTH.size:_LENGTH.size + n]))
-            del self.buffer[:_LENGTH.size + n]
-            for event in message.events:
+        for payload in self.frames.feed(data):
+            for event in engine_pb2.SessionResponse.FromString(payload).events:
                 client = self.calls.get(event.tag)
                 if client is None:
                     continue

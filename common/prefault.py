@@ -40,6 +40,15 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return fn
 
 
+def address_of(mapping: mmap.mmap) -> int:
+    """Where `mapping` starts in this process: its buffer is exported for the lookup only, so the mapping
+    can still be closed."""
+    view = ctypes.c_char.from_buffer(mapping)
+    address = ctypes.addressof(view)
+    del view
+    return address
+
+
 class Prefault:
     """Maps every page of `mapping` in, in the background; `done` is set when it is through."""
 
@@ -48,10 +57,7 @@ class Prefault:
         self.done = threading.Event()
         self.mapped = 0  # bytes mapped in so far
         self.error = ""  # why it stopped short, if it did (an old kernel: "EINVAL")
-        view = ctypes.c_char.from_buffer(mapping)  # the address, then the buffer export let go at once
-        address = ctypes.addressof(view)
-        del view
-        self._thread = threading.Thread(target=self._run, args=(mapping, address, len(mapping)),
+        self._thread = threading.Thread(target=self._run, args=(mapping, address_of(mapping), len(mapping)),
                                         name=f"ignis-prefault-{name}", daemon=True)
         self._thread.start()
 

@@ -244,7 +244,10 @@ class EngineCore:
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         if self.tiers is not None:  # the first claim's copy then reads pages already mapped in
-            self.tiers.connect(self.namespace_hash(""))
+            try:
+                self.tiers.connect(self.namespace_hash(""))
+            except Exception:  # a bug: a spill's or a claim's own ensure maps it later; the loop must run
+                log.exception("mapping the tierstore's arena at start failed")
         while not self._stopping:
             self.drain_inbox()
             if not self.scheduler.has_work():

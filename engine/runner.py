@@ -65,9 +65,7 @@ class ModelRunner:
                                        [s.page_table for s in decodes], [s.slot for s in decodes], specs,
                                        self.page_size, self.model.device)
         else:
-            specs[:0] = [self._spec(item) for item in chunks[:lead]]
-            batch = ForwardBatch.build(specs, self.page_size, self.model.device)
-            specs = specs[lead:]
+            batch = ForwardBatch.build([*map(self._spec, chunks[:lead]), *specs], self.page_size, self.model.device)
         logits = self.model(batch, self.cache)  # [R, V]
         step = StepLogits(decodes, logits[:lead] if lead else None, ready)
         out = step.chunks

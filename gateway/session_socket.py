@@ -70,7 +70,6 @@ class SocketStream(asyncio.Protocol):
     # --- asyncio.Protocol ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is one, though not a subclass
-        transport = self._transport
         self._ours = same_user(transport.get_extra_info("socket"))  # checked before any byte is read
         if not self._ours:
             transport.close()

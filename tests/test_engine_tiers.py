@@ -771,3 +771,22 @@ def test_the_engine_maps_the_arena_at_start_before_any_request(tmp_path: Path, m
     finally:
         engine.close()
         store.stop()
+
+
+def test_a_failure_mapping_the_arena_at_start_leaves_the_engine_serving(tmp_path: Path, model, oracle,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up connect is a convenience: if it raises, the engine's loop still runs and serves (the arena
+    is then mapped when a spill or a claim first needs it, by its own ensure)."""
+    from engine.tiers.link import TierLink
+
+    def broken(self: TierLink, namespace: bytes) -> bool:
+        raise RuntimeError("a bug in connect")
+    monkeypatch.setattr(TierLink, "connect", broken)
+    store = tierstore(tmp_path, 8 * MiB, 32 * MiB)
+    engine = Engine(*model, tierstore=store.address)
+    try:
+        same(engine.run("rivers"), oracle("rivers"))
+        same(engine.run("lakes"), oracle("lakes"))
+    finally:
+        engine.close()
+        store.stop()

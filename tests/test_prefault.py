@@ -3,7 +3,6 @@ read back from the kernel's own account of the mapping (/proc/self/smaps)."""
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 from collections.abc import Iterator
@@ -12,21 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.prefault import Prefault
+from common.prefault import Prefault, address_of
 
 MiB = 1 << 20
 
 
-def _address(mapping: mmap.mmap) -> int:
-    view = ctypes.c_char.from_buffer(mapping)
-    address = ctypes.addressof(view)
-    del view
-    return address
-
-
 def resident_bytes(mapping: mmap.mmap) -> int:
     """The mapping's Rss: the bytes of its pages this process has mapped in."""
-    start = _address(mapping)
+    start = address_of(mapping)
     lines = Path("/proc/self/smaps").read_text().splitlines()
     for i, line in enumerate(lines):
         if "-" in line.split(" ", 1)[0] and int(line.split("-", 1)[0], 16) == start:

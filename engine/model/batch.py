@@ -181,13 +181,8 @@ class ForwardBatch:
         position `starts[i]` (> 0) over its page table, and wants its logits. The batch `_any` builds
         (tests/test_forward_batch.py), from two host-to-device copies and a few torch calls instead of
         work per sequence (engine/model/kept_decodes.py moves one on to the next step)."""
-        needed = [start // page_size + 1 for start in starts]
-        padded = pad_tables(tables, needed, max(needed), device)
-        last_pages = [table[n - 1] for table, n in zip(tables, needed)]  # pad_tables checked their lengths
-        values, _ = decode_values(tokens, starts, last_pages, [start % page_size for start in starts])
-        rows = int64_tensor(values, device).view(5, len(tokens))
-        views = DecodeViews(starts, needed, tuple(slots), padded, padded.shape[1])
-        return decode_only_batch(rows, views, padded, page_size, device)
+        views, padded, values = _decode_rows(tokens, starts, tables, slots, page_size, device)
+        return decode_only_batch(int64_tensor(values, device).view(5, len(tokens)), views, padded, page_size, device)
 
     @classmethod
     def _any(cls, chunks: Sequence[SequenceChunk], page_size: int, device: torch.device) -> "ForwardBatch":
@@ -221,31 +216,21 @@ class ForwardBatch:
         batch `_any` builds from the decodes' chunks and `rest` (tests/test_forward_batch.py), without a
         chunk, a view or a per-token list entry for each decode (they are most of a step with prefills)."""
         count = len(tokens)
-        needed = [start // page_size + 1 for start in starts]
-        padded = pad_tables(tables, needed, max(needed), device)
-        last_pages = [table[n - 1] for table, n in zip(tables, needed)]  # pad_tables checked their lengths
-        offsets = [start % page_size for start in starts]
-        lengths = [start + 1 for start in starts]
         r = _ChunkRows.of(rest, page_size, count)
         if r.decoding:
             raise ValueError("mixed(): a single-token decode among the rest belongs with the decodes or in _any")
-        views = DecodeViews(starts, needed, tuple(slots), padded, padded.shape[1])
+        views, padded, values = _decode_rows(tokens, starts, tables, slots, page_size, device)
+        ids, positions, kv_pages, kv_offsets, lengths = (values[k * count:(k + 1) * count] for k in range(5))
         others = tuple(_seq_views(r.views, r.tables, r.flat, device))
         decode = None
         if _pads(count, lambda: max(starts) + 1, device):
-            rows = every_row(count, device)
-            if kernels_for(device).paged_decode_from_table is not None:  # attention reads the tables as they are
-                decode = DecodeGather(rows=rows, pages=None, offsets=None, valid=None, every_row=not rest,
-                                      table=padded, lengths=int64_tensor(lengths, device), page_size=page_size)
-            else:
-                at, page_of, offset_of = _position_tables(max(starts) + 1, page_size, device)
-                decode = DecodeGather(rows=rows, pages=padded[:, page_of], offsets=offset_of.expand(count, -1),
-                                      valid=at[None, :] < int64_tensor(lengths, device)[:, None], every_row=not rest)
+            decode = _gather(every_row(count, device), padded, int64_tensor(lengths, device), max(starts) + 1,
+                             page_size, device, every=not rest)
         return cls(
-            input_ids=int64_tensor(array("q", tokens) + r.ids, device),
-            positions=int64_tensor(array("q", starts) + r.positions, device),
-            kv_pages=int64_tensor(array("q", last_pages) + r.pages, device),
-            kv_offsets=int64_tensor(array("q", offsets) + r.offsets, device),
+            input_ids=int64_tensor(ids + r.ids, device),
+            positions=int64_tensor(positions + r.positions, device),
+            kv_pages=int64_tensor(kv_pages + r.pages, device),
+            kv_offsets=int64_tensor(kv_offsets + r.offsets, device),
             seqs=_Joined(views, others),
             logits_rows=int64_tensor(array("q", range(count)) + r.rows, device),
             logits_counts=(1,) * count + tuple(r.counts),
@@ -331,6 +316,17 @@ class _Joined(_LazyViews):
         return self._first[i] if i < n else self._second[i - n]
 
 
+def _decode_rows(tokens: list[int], starts: list[int], tables: Sequence[Sequence[int]], slots: list[int | None],
+                 page_size: int, device: torch.device) -> tuple[DecodeViews, torch.Tensor, array]:
+    """Single-token decodes' part of a batch: their views, their page tables padded to [B, W], and the host
+    buffer of their rows (decode_values). Raises ValueError for a table shorter than its need."""
+    needed = [start // page_size + 1 for start in starts]
+    padded = pad_tables(tables, needed, max(needed), device)
+    last_pages = [table[n - 1] for table, n in zip(tables, needed)]  # pad_tables checked their lengths
+    values, _ = decode_values(tokens, starts, last_pages, [start % page_size for start in starts])
+    return DecodeViews(starts, needed, tuple(slots), padded, padded.shape[1]), padded, values
+
+
 def decode_values(tokens: Sequence[int], starts: Sequence[int], last_pages: Sequence[int],
                   offsets: Sequence[int]) -> tuple[array, list[int]]:
     """What a decode batch needs from the host, in one buffer for one copy: the ids, positions, the pages
@@ -353,18 +349,8 @@ def decode_only_batch(rows: torch.Tensor, views: DecodeViews, padded: torch.Tens
     ids, positions, kv_pages, kv_offsets, lengths = rows.unbind(0)  # one call for the five rows
     every = every_row(count, device)  # the logits rows and decode rows: all of them
     decode = None
-    if kernels_for(device).paged_decode_from_table is not None:  # attention reads the tables as they are
-        decode = DecodeGather(rows=every, pages=None, offsets=None, valid=None, every_row=True,
-                              table=padded, lengths=lengths, page_size=page_size)
-    elif _pads(count, lambda: views.furthest + 1, device):
-        at, page_of, offset_of = _position_tables(views.furthest + 1, page_size, device)
-        decode = DecodeGather(
-            rows=every,
-            pages=padded[:, page_of],
-            offsets=offset_of.expand(count, -1),
-            valid=at[None, :] < lengths[:, None],
-            every_row=True,
-        )
+    if kernels_for(device).paged_decode_from_table is not None or _pads(count, lambda: views.furthest + 1, device):
+        decode = _gather(every, padded, lengths, views.furthest + 1, page_size, device, every=True)
     return ForwardBatch(
         input_ids=ids, positions=positions, kv_pages=kv_pages, kv_offsets=kv_offsets, seqs=views,
         logits_rows=every, logits_counts=(1,) * count, decodes=views, others=(), decode=decode,
@@ -437,15 +423,21 @@ def _decode_gather(seqs: list[SeqView], tables: list[Sequence[int]], page_size: 
     """The gather of a step's single-token decodes; `tables`: each one's page table, sliced to the pages its
     positions need."""
     offsets = [s.offset for s in seqs]
-    rows, every = int64_tensor(offsets, device), offsets == list(range(total_rows))
     needed = [len(t) for t in tables]
-    table = pad_tables(tables, needed, max(needed), device)  # [B, pages of the longest]
-    lengths = int64_tensor([s.end for s in seqs], device)
+    ends = [s.end for s in seqs]
+    return _gather(int64_tensor(offsets, device), pad_tables(tables, needed, max(needed), device),
+                   int64_tensor(ends, device), max(ends), page_size, device, every=offsets == list(range(total_rows)))
+
+
+def _gather(rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, furthest_end: int, page_size: int,
+            device: torch.device, every: bool) -> DecodeGather:
+    """The gather of decodes at `rows` of the run, from their page tables padded to [B, W] and their context
+    lengths: the tables as they are where the kernels read them, else [B, L] pages/offsets/valid."""
     if kernels_for(device).paged_decode_from_table is not None:  # attention reads the tables as they are
         return DecodeGather(rows=rows, pages=None, offsets=None, valid=None, every_row=every, table=table,
                             lengths=lengths, page_size=page_size)
-    positions, page_of, offset_of = _position_tables(max(s.end for s in seqs), page_size, device)
-    return DecodeGather(rows=rows, pages=table[:, page_of], offsets=offset_of.expand(len(seqs), -1),
+    positions, page_of, offset_of = _position_tables(furthest_end, page_size, device)
+    return DecodeGather(rows=rows, pages=table[:, page_of], offsets=offset_of.expand(table.shape[0], -1),
                         valid=positions[None, :] < lengths[:, None], every_row=every)
 
 
