@@ -21,7 +21,7 @@ each can read the states the first one tagged.
 Each figure is the request's time to first token with max_tokens=1, as the engine reports it. A claim
 from a lower tier also shows the engine's own restore (its `ignis.request.restored` event: the copy into
 its pages and the integrity check of what it copied, engine/tiers/link.py) beside a numpy memcpy of the
-same bytes and that memcpy plus the keyed BLAKE3 of the copy, measured right after it: the restore as
+same bytes and that memcpy plus the AES-GMAC tag of the copy, measured right after it: the restore as
 the engine makes it, not as bench.tiers' rows model it. Each fresh engine claims once its mapping of the
 arena has its pages mapped in (common/prefault.py; the step thread maps it at start), as a served engine
 does seconds after it starts: a claim in the middle of that ran 52-71 ms against 28 ms.
@@ -88,7 +88,7 @@ def measure(mib: int, folder: Path, hidden: int = 1024, layers: int = 16) -> dic
 
 
 class SameBytes:
-    """A numpy memcpy of a state's bytes, and that memcpy plus the keyed BLAKE3 of the copy (the
+    """A numpy memcpy of a state's bytes, and that memcpy plus the AES-GMAC tag of the copy (the
     engine's integrity check on a CPU cache), into buffers written beforehand (no first-touch faults)."""
 
     def __init__(self, nbytes: int) -> None:
@@ -242,4 +242,4 @@ def rows(res: dict[str, Any]) -> list[list[Any]]:
 
 
 CLAIM_HEADERS = ["path", "what", "TTFT ms", "cached tokens", "vs re-prefill",
-                 "engine's restore ms (copy + check)", "memcpy, same bytes ms", "memcpy + keyed BLAKE3 ms"]
+                 "engine's restore ms (copy + check)", "memcpy, same bytes ms", "memcpy + AES-GMAC ms"]

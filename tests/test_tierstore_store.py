@@ -150,7 +150,7 @@ def test_refusals(store: TierStore) -> None:
 
 def test_the_engine_tag_is_kept_verbatim_in_every_tier_and_across_a_restart(tmp_path: Path, clock: Clock) -> None:
     store = make_store(tmp_path, clock, ram=1)
-    tag = bytes(range(32))  # a keyed BLAKE3 the store cannot check or make
+    tag = bytes(range(32))  # an engine's MAC the store cannot check or make
     meta = make_meta("a")
     meta.engine_tag = tag
     extent = store.reserve(h("a"), SIZE, AGENT)

@@ -11,7 +11,7 @@ from ignis.v1 import common_pb2, tierstore_pb2
 from tierstore.errors import InvalidArgument
 
 HASH_BYTES = 16
-MAX_ENGINE_TAG = 64  # bytes of StateMetadata.engine_tag the store keeps (a keyed BLAKE3 is 32)
+MAX_ENGINE_TAG = 64  # bytes of StateMetadata.engine_tag the store keeps (the engine's is 32: a nonce and its GMAC)
 StateHash = NewType("StateHash", bytes)  # a 16-byte link of the chain hash (docs/architecture.md "The key")
 
 _KINDS = (common_pb2.REUSE_KIND_CHECKPOINT, common_pb2.REUSE_KIND_PREFIX, common_pb2.REUSE_KIND_PAGES)

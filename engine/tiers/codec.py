@@ -25,6 +25,19 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
+    """`pages` cut into runs of consecutive page numbers: (index of the run's first in `pages`, its page, length)."""
+    runs = []
+    i = 0
+    while i < len(pages):
+        run = 1
+        while i + run < len(pages) and pages[i + run] == pages[i] + run:
+            run += 1
+        runs.append((i, pages[i], run))
+        i += run
+    return runs
+
+
 @dataclass(frozen=True, slots=True)
 class Sections:
     recurrent: int
@@ -154,14 +167,8 @@ class StateCodec:
             pieces.append((s.conv, c.conv[slot]))
         per_step = self._pages_per_step(step_bytes, len(pages)) if step_bytes else len(pages) or 1
         for first in range(0, len(pages), per_step):
-            part = pages[first:first + per_step]
-            i = 0
-            while i < len(part):  # a run of consecutive pages is one contiguous block: one update
-                run = 1
-                while i + run < len(part) and part[i + run] == part[i] + run:
-                    run += 1
-                pieces.append((s.kv + (first + i) * self.page_bytes, c.kv[part[i]:part[i] + run]))
-                i += run
+            for at, page, run in page_runs(pages[first:first + per_step]):  # a run is one block: one update
+                pieces.append((s.kv + (first + at) * self.page_bytes, c.kv[page:page + run]))
         return UnpackedTag(hasher, arena, offset, pieces, s.logits, nbytes)
 
     def _pages_per_step(self, step_bytes: int, num_pages: int) -> int:
@@ -210,6 +217,10 @@ class StateCodec:
 
             def copy_pages(first: int = first, part: list[int] = part) -> None:
                 src = self._view(arena, offset + s.kv + first * self.page_bytes, c.kv[0], len(part))
+                if c.kv.device.type == "cpu":  # a run of pages is one block copy: index_copy_ ran at ~0.43x a memcpy
+                    for at, page, run in page_runs(part):
+                        c.kv[page:page + run].copy_(src[at:at + run])
+                    return
                 idx = torch.tensor(part, dtype=torch.long, device=c.kv.device)
                 c.kv.index_copy_(0, idx, src.to(c.kv.device))
             step(s.kv + (first + len(part)) * self.page_bytes, copy_pages)

@@ -2,11 +2,23 @@
 
 The tierstore keeps its own xxh3 checksum against corruption, but a checksum any
 process can recompute proves nothing against a local attacker who can write the
-arena or the blob files. Every state the engine spills is tagged with a keyed
-BLAKE3 over its name, namespace, length and bytes, with a key only the engine
-holds (a 0600 file in a 0700 folder, made on first start); a restore whose tag
-does not verify is refused and the state is served cold. Forged, swapped or
-zeroed bytes are never served, whatever the store says.
+arena or the blob files. Every state the engine spills is tagged with a MAC over
+its name, namespace, length and bytes, with a key only the engine holds (a 0600
+file in a 0700 folder, made on first start); a restore whose tag does not verify
+is refused and the state is served cold. Forged, swapped or zeroed bytes are never
+served, whatever the store says.
+
+The MAC is AES-256-GMAC (GCM over associated data only; OpenSSL, through the
+`cryptography` package), chosen by measurement over the keyed BLAKE3 it replaced:
+on this project's 2-core host it runs at 18 GB/s on one core against BLAKE3's 6 GB/s
+on one and 12 GB/s on both (150 MiB: 8.6 ms against 26.7 and 13.4 ms), faster than a
+memcpy of the same bytes, and beside a decode step it slows the step far less than
+BLAKE3's threads do (bench notes in issue 18). GMAC needs a fresh key or nonce per
+tag: each tag carries a random 16-byte nonce, and its MAC key is the keyed BLAKE3 of
+that nonce under the engine's key, used once. A tag is nonce || GMAC (32 bytes).
+
+GMAC holds the GIL while it runs: updates go in steps of UPDATE_BYTES, so another
+thread waits at most about one step (57 µs) for it.
 """
 
 from __future__ import annotations
@@ -17,8 +29,38 @@ import secrets
 from pathlib import Path
 
 import blake3
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 KEY_BYTES = 32
+NONCE_BYTES = 16
+MAC_BYTES = 16
+TAG_BYTES = NONCE_BYTES + MAC_BYTES
+UPDATE_BYTES = 1 << 20
+_KEY_LABEL = b"ignis state tag key, AES-256-GMAC, v2"
+_IV = bytes(12)  # each MAC key tags one state: its IV need not vary
+
+
+class StateMac:
+    """One tag's MAC, fed in order: `update` with the bytes, then `digest` (the tag; idempotent)."""
+
+    __slots__ = ("_nonce", "_mac", "_digest")
+
+    def __init__(self, mac_key: bytes, nonce: bytes, header: bytes) -> None:
+        self._nonce = nonce
+        self._mac = Cipher(algorithms.AES(mac_key), modes.GCM(_IV)).encryptor()
+        self._mac.authenticate_additional_data(header)
+        self._digest: bytes | None = None
+
+    def update(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), UPDATE_BYTES):
+            self._mac.authenticate_additional_data(view[start:start + UPDATE_BYTES])
+
+    def digest(self) -> bytes:
+        if self._digest is None:
+            self._mac.finalize()
+            self._digest = self._nonce + self._mac.tag
+        return self._digest
 
 
 class IntegrityKey:
@@ -51,21 +93,24 @@ class IntegrityKey:
             raise PermissionError(f"the integrity key {path} is readable by others: chmod 600 it")
         return cls(path.read_bytes())
 
-    def hasher(self, name: bytes, namespace: bytes, tokens: int, nbytes: int) -> blake3.blake3:
-        """The tag's keyed hash, its header fed: update it with the state's `nbytes` bytes, in order."""
-        h = blake3.blake3(key=self._key, max_threads=blake3.blake3.AUTO)
-        h.update(name + namespace + tokens.to_bytes(8, "little") + nbytes.to_bytes(8, "little"))
-        return h
+    def hasher(self, name: bytes, namespace: bytes, tokens: int, nbytes: int, tag: bytes | None = None) -> StateMac:
+        """The tag's MAC, its header fed: update it with the state's `nbytes` bytes, in order. To check
+        a stored `tag`, pass it: the MAC takes its nonce (a new tag gets a fresh one)."""
+        nonce = tag[:NONCE_BYTES] if tag is not None and len(tag) == TAG_BYTES else secrets.token_bytes(NONCE_BYTES)
+        mac_key = blake3.blake3(_KEY_LABEL + nonce, key=self._key).digest()
+        return StateMac(mac_key, nonce, name + namespace + tokens.to_bytes(8, "little") + nbytes.to_bytes(8, "little"))
 
     def tag(self, name: bytes, namespace: bytes, tokens: int, data: memoryview | bytes) -> bytes:
-        h = self.hasher(name, namespace, tokens, len(data))
-        h.update(data)
-        return h.digest()
+        mac = self.hasher(name, namespace, tokens, len(data))
+        mac.update(data)
+        return mac.digest()
 
     def verify(self, tag: bytes, name: bytes, namespace: bytes, tokens: int, data: memoryview | bytes) -> bool:
-        return len(tag) == 32 and hmac.compare_digest(tag, self.tag(name, namespace, tokens, data))
+        mac = self.hasher(name, namespace, tokens, len(data), tag)
+        mac.update(data)
+        return self.matches(tag, mac)
 
     @staticmethod
-    def matches(tag: bytes, hashed: blake3.blake3) -> bool:
-        """Whether a hasher fed the whole state (from `hasher`) gives `tag`."""
-        return len(tag) == 32 and hmac.compare_digest(tag, hashed.digest())
+    def matches(tag: bytes, mac: StateMac) -> bool:
+        """Whether a MAC fed the whole state (from `hasher(..., tag)`) gives `tag`."""
+        return len(tag) == TAG_BYTES and hmac.compare_digest(tag, mac.digest())

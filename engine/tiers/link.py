@@ -372,8 +372,8 @@ class TierLink:
             # (engine/tiers/unpacked_tag.py), a claim from RAM all at once after its copies.
             feed = None
             if ok and on_host and arena is not None:
-                feed = self.codec.unpacked_tag(self.key.hasher(hit.state_hash, namespace, meta.tokens, meta.nbytes),
-                                               arena, ext.offset, meta.tokens, meta.nbytes, slot, pages,
+                mac = self.key.hasher(hit.state_hash, namespace, meta.tokens, meta.nbytes, tag)  # the tag's nonce
+                feed = self.codec.unpacked_tag(mac, arena, ext.offset, meta.tokens, meta.nbytes, slot, pages,
                                                UNPACK_STEP_BYTES if stream is not None else None)
             if ok and arena is not None:
                 steps = self.codec.unpack_steps(arena, ext.offset, meta.tokens, meta.nbytes, slot, pages)

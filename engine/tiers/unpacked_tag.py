@@ -3,8 +3,8 @@
 A tag checked on a CPU cache covers exactly what is used (StateCodec.hash_unpacked): each
 section the restore copied is read from the copy, the rest of the blob (alignment, pages
 past a prefix, logits not taken) from the arena, all in arena order. A claim from RAM
-copies everything first and hashes after, in a few large updates (fastest: the BLAKE3
-threads and torch's OpenMP team never run at once). A restore from disk waits on the
+copies everything first and hashes after (a copy thread beside the MAC was no faster: the
+two share the memory's bandwidth). A restore from disk waits on the
 read between its copies, so it hashes each copy as it is made: the check then costs
 the last copy's hash instead of a pass over the whole state after the read.
 """
