@@ -14,6 +14,7 @@ import logging
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -699,7 +700,7 @@ def test_a_tag_fed_copy_by_copy_is_the_tag_of_the_whole_copy(model: tuple[Loaded
 
     from engine.tiers.codec import StateCodec
     from engine.tiers.integrity import TAG_BYTES, IntegrityKey
-    from engine.tiers.link import _copy_as_landed
+    from engine.tiers.link import _copy_as_landed, _copy_beside
     from ignis.v1 import tierstore_pb2
 
     loaded, tokenizer = dense_model if prefix else model
@@ -725,10 +726,10 @@ def test_a_tag_fed_copy_by_copy_is_the_tag_of_the_whole_copy(model: tuple[Loaded
         def mac():  # type: ignore[no-untyped-def]
             return key.hasher(b"n" * 16, b"s" * 16, tokens, nbytes, nonce)
 
-        def digest(stepwise: bool, meddle: bool = False) -> bytes:
+        def digest(stepwise: bool, meddle: bool = False, beside: bool = False) -> bytes:
             hasher = mac()
             feed = codec.unpacked_tag(hasher, arena, 4096, tokens, nbytes, slot, taken,
-                                      step_bytes if stepwise else None)
+                                      step_bytes if stepwise or beside else None)
             steps = codec.unpack_steps(arena, 4096, tokens, nbytes, slot, taken, step_bytes)
             if meddle:  # a page copy that is not what the blob holds, before its hash
                 k = (slot is not None) * (bool(codec.recurrent_bytes) + bool(codec.conv_bytes))  # the first pages' step
@@ -741,6 +742,10 @@ def test_a_tag_fed_copy_by_copy_is_the_tag_of_the_whole_copy(model: tuple[Loaded
                             tierstore_pb2.AcquireProgress(ready_bytes=nbytes, verified=True)]
                 landed, logits = _copy_as_landed(steps, 0, iter(messages),
                                                  lambda end: (fed.append(end), feed.through(end))[-1])
+            elif beside:  # a claim from KV-RAM: the copies on a thread of their own, each fed as it is through
+                landed, logits = True, _copy_beside(steps, lambda end: (fed.append(end), feed.through(end))[-1],
+                                                    copier)
+                assert len(fed) == len(steps)
             else:
                 landed, logits = _copy_as_landed(steps, nbytes, None)
             assert landed and (logits is None) == prefix
@@ -750,13 +755,46 @@ def test_a_tag_fed_copy_by_copy_is_the_tag_of_the_whole_copy(model: tuple[Loaded
 
         whole = digest(stepwise=False)
         assert digest(stepwise=True) == whole
+        copier = ThreadPoolExecutor(1)
+        assert digest(stepwise=False, beside=True) == whole
+        assert digest(stepwise=False, beside=True, meddle=True) != whole
         reference = mac()
         codec.hash_unpacked(reference, arena, 4096, tokens, nbytes, slot, taken,
                             codec.unpack(arena, 4096, tokens, nbytes, slot, taken))
         assert reference.digest() == whole
         assert digest(stepwise=True, meddle=True) != whole
+        copier.shutdown()
     finally:
         engine.close()
+
+
+def test_copies_beside_the_check_are_through_before_it_returns_or_raises() -> None:
+    """_copy_beside (a claim from KV-RAM): a copy that fails ends it with that error and no later copy
+    runs; a check that fails waits for the copies in flight, which write the sequence's pages."""
+    from engine.tiers.link import _copy_beside
+
+    copier = ThreadPoolExecutor(1)
+    ran: list[int] = []
+
+    def step(i: int, fails: bool = False, seconds: float = 0.0):  # type: ignore[no-untyped-def]
+        def run() -> None:
+            time.sleep(seconds)
+            if fails:
+                raise OSError(f"copy {i} failed")
+            ran.append(i)
+        return (i * 10, run)
+    with pytest.raises(OSError, match="copy 1 failed"):
+        _copy_beside([step(0), step(1, fails=True), step(2)], lambda end: None, copier)
+    assert ran == [0]
+    ran.clear()
+
+    def check(end: int) -> None:
+        raise ValueError("check failed")
+    with pytest.raises(ValueError, match="check failed"):
+        _copy_beside([step(0), step(1, seconds=0.2), step(2, seconds=0.1)], check, copier)
+    assert ran == [0, 1, 2]  # every copy was through when it raised
+    assert _copy_beside([step(0), (5, lambda: "logits")], lambda end: None, copier) == "logits"
+    copier.shutdown()
 
 
 def test_the_engine_maps_the_arena_at_start_before_any_request(tmp_path: Path, model) -> None:

@@ -22,9 +22,11 @@ voids the reservation at Commit (`still_mapped`).
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import grpc
@@ -108,6 +110,7 @@ class TierLink:
         self.restores_streamed = 0  # restores from disk copied while the store read them (AcquireStream)
         self._held: tuple[bytes, _Held] | None = None  # the last lookup's lease: (state hash, lease)
         self._lock = threading.RLock()  # the store calls and the mapping: the engine thread and the copy worker
+        self._beside: ThreadPoolExecutor | None = None  # a claim from KV-RAM's copies, beside its tag (first use)
 
     # --- down ----------------------------------------------------------------------------
     def spill(self, s: Spillable) -> bool:
@@ -316,6 +319,12 @@ class TierLink:
         with self._lock:
             return self.client.ensure(namespace)
 
+    def _copier(self) -> ThreadPoolExecutor:
+        """The thread a claim from KV-RAM copies on while the engine thread checks the tag (made at first use)."""
+        if self._beside is None:
+            self._beside = ThreadPoolExecutor(1, thread_name_prefix="ignis-restore-copies")
+        return self._beside
+
     def restore(self, namespace: BlockHash, hit: TierHit, slot: int | None, pages: list[int], request_id: str = ""
                 ) -> tuple[ReuseTier, torch.Tensor | None] | None:
         """Copy a stored state into `slot` and `pages`; (from tier, logits) or None if it failed.
@@ -367,17 +376,20 @@ class TierLink:
                 ok = self.key.verify(tag, hit.state_hash, namespace, meta.tokens,
                                      self.client.arena_bytes(ext.offset, meta.nbytes))
             logits = None
-            # On a CPU cache the tag is checked on what was copied (codec.hash_unpacked says why); a
-            # restore from disk hashes each copy as it is made, between the reads it waits on
-            # (engine/tiers/unpacked_tag.py), a claim from RAM all at once after its copies.
+            # On a CPU cache the tag is checked on what was copied (codec.hash_unpacked says why), each
+            # copy as it is made (engine/tiers/unpacked_tag.py): from disk between the reads the restore
+            # waits on, from RAM while a thread beside makes the next copies.
             feed = None
             if ok and on_host and arena is not None:
                 mac = self.key.hasher(hit.state_hash, namespace, meta.tokens, meta.nbytes, tag)  # the tag's nonce
                 feed = self.codec.unpacked_tag(mac, arena, ext.offset, meta.tokens, meta.nbytes, slot, pages,
-                                               UNPACK_STEP_BYTES if stream is not None else None)
+                                               UNPACK_STEP_BYTES)
             if ok and arena is not None:
                 steps = self.codec.unpack_steps(arena, ext.offset, meta.tokens, meta.nbytes, slot, pages)
-                landed, logits = _copy_as_landed(steps, ready, stream, feed.through if feed is not None else None)
+                if stream is None and feed is not None:
+                    landed, logits = True, _copy_beside(steps, feed.through, self._copier())
+                else:
+                    landed, logits = _copy_as_landed(steps, ready, stream, feed.through if feed is not None else None)
                 if not landed:  # the store failed the restore (a bad blob, a failing disk): nothing copied counts
                     self.restore_failures += 1
                     return None
@@ -403,6 +415,36 @@ class TierLink:
         log_event(log, "ignis.request.restored", **ids, hash=hit.state_hash.hex(), tokens=hit.tokens,
                   kind=hit.kind.value, tier=tier.value, bytes=meta.nbytes, ms=round((time.perf_counter() - started) * 1000, 3))
         return tier, logits
+
+
+def _copy_beside(steps: list[tuple[int, Callable[[], torch.Tensor | None]]], copied: Callable[[int], None],
+                 copier: ThreadPoolExecutor) -> torch.Tensor | None:
+    """Runs `steps` in order on `copier`'s thread while this one calls `copied(end)` as each is through (the
+    copies of the bytes before `end` are made); returns the logits the last step returned. The tag's GMAC
+    holds the GIL and the copies do not, so the check runs beside the copies rather than after them
+    (150 MiB: ~14 ms against ~18 ms one after the other, a memcpy ~11). Returns or raises only once
+    no copy runs on: they write the sequence's pages."""
+    ends: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+
+    def run() -> torch.Tensor | None:
+        logits = None
+        try:
+            for end, step in steps:
+                logits = step()
+                ends.put(end)
+        finally:
+            ends.put(None)
+        return logits
+
+    copying = copier.submit(run)
+    try:
+        done = 0
+        while (end := ends.get()) is not None:
+            done = max(done, end)
+            copied(done)
+    finally:
+        wait([copying])
+    return copying.result()
 
 
 def _copy_as_landed(steps: list[tuple[int, Callable[[], torch.Tensor | None]]], ready: int,
