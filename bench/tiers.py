@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
-import queue
 import shutil
 import statistics
 import sys
@@ -56,6 +55,7 @@ from bench.table import markdown, save
 from common.prefault import Prefault
 from engine.tiers.client import TierClient
 from engine.tiers.integrity import IntegrityKey
+from engine.tiers.link import copy_beside
 from ignis.v1 import common_pb2, tierstore_pb2
 from tierstore.client import TierStoreClient
 
@@ -119,22 +119,17 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
     copier = ThreadPoolExecutor(1)
 
     def copied_beside(arena: np.ndarray, hashed: Any) -> None:
-        """The engine's copy and check of a claim from KV-RAM (engine/tiers/link.py, _copy_beside): 4 MiB
+        """The engine's copy and check of a claim from KV-RAM (engine/tiers/link.py, copy_beside): 4 MiB
         copies on a thread of their own, each hashed on this one once it is through."""
-        ends: queue.SimpleQueue[int] = queue.SimpleQueue()
+        fed = [0]
 
-        def copies() -> None:
-            for start in range(0, n, 4 * MiB):
-                np.copyto(dst[start:start + 4 * MiB], arena[start:start + 4 * MiB])
-                ends.put(min(n, start + 4 * MiB))
-        copying = copier.submit(copies)
-        fed = 0
-        while fed < n:
-            end = ends.get()
-            hashed.update(out[fed:end])
-            fed = end
+        def hash_through(end: int) -> None:
+            hashed.update(out[fed[0]:end])
+            fed[0] = end
+        copy_beside([(min(n, start + 4 * MiB), lambda start=start: np.copyto(dst[start:start + 4 * MiB],
+                                                                               arena[start:start + 4 * MiB]))
+                     for start in range(0, n, 4 * MiB)], hash_through, copier)
         hashed.digest()
-        copying.result()
 
     def raw_memcpy() -> float:
         return timed(lambda: np.copyto(dst, src))

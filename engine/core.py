@@ -100,7 +100,7 @@ class EngineCore:
         if self._thread is None or not self._thread.is_alive():
             self.reuse.close()
             if self.tiers is not None:
-                self.tiers.client.close()
+                self.tiers.close()
 
     def validate(self, request: EngineRequest) -> None:
         """Raise ValueError (a caller mistake) before anything is queued."""

@@ -555,9 +555,11 @@ def test_a_restore_checks_the_bytes_it_copied(tmp_path: Path, model, oracle, mon
         else:
             assert got.tier == "ram" and got.cached > 0 and link.rejected == rejected
         engine.check()
+        assert link._beside is not None, "the claim from KV-RAM copied on its own thread"
     finally:
         engine.close()
         store.stop()
+    assert not [t for t in threading.enumerate() if t.name.startswith("ignis-restore-copies")]  # ends with the engine
 
 
 def test_full_tiers_stop_spills_and_every_request_still_succeeds(tmp_path: Path, model, oracle) -> None:
@@ -700,7 +702,7 @@ def test_a_tag_fed_copy_by_copy_is_the_tag_of_the_whole_copy(model: tuple[Loaded
 
     from engine.tiers.codec import StateCodec
     from engine.tiers.integrity import TAG_BYTES, IntegrityKey
-    from engine.tiers.link import _copy_as_landed, _copy_beside
+    from engine.tiers.link import _copy_as_landed, copy_beside
     from ignis.v1 import tierstore_pb2
 
     loaded, tokenizer = dense_model if prefix else model
@@ -743,7 +745,7 @@ def test_a_tag_fed_copy_by_copy_is_the_tag_of_the_whole_copy(model: tuple[Loaded
                 landed, logits = _copy_as_landed(steps, 0, iter(messages),
                                                  lambda end: (fed.append(end), feed.through(end))[-1])
             elif beside:  # a claim from KV-RAM: the copies on a thread of their own, each fed as it is through
-                landed, logits = True, _copy_beside(steps, lambda end: (fed.append(end), feed.through(end))[-1],
+                landed, logits = True, copy_beside(steps, lambda end: (fed.append(end), feed.through(end))[-1],
                                                     copier)
                 assert len(fed) == len(steps)
             else:
@@ -769,9 +771,9 @@ def test_a_tag_fed_copy_by_copy_is_the_tag_of_the_whole_copy(model: tuple[Loaded
 
 
 def test_copies_beside_the_check_are_through_before_it_returns_or_raises() -> None:
-    """_copy_beside (a claim from KV-RAM): a copy that fails ends it with that error and no later copy
+    """copy_beside (a claim from KV-RAM): a copy that fails ends it with that error and no later copy
     runs; a check that fails waits for the copies in flight, which write the sequence's pages."""
-    from engine.tiers.link import _copy_beside
+    from engine.tiers.link import copy_beside
 
     copier = ThreadPoolExecutor(1)
     ran: list[int] = []
@@ -784,16 +786,16 @@ def test_copies_beside_the_check_are_through_before_it_returns_or_raises() -> No
             ran.append(i)
         return (i * 10, run)
     with pytest.raises(OSError, match="copy 1 failed"):
-        _copy_beside([step(0), step(1, fails=True), step(2)], lambda end: None, copier)
+        copy_beside([step(0), step(1, fails=True), step(2)], lambda end: None, copier)
     assert ran == [0]
     ran.clear()
 
     def check(end: int) -> None:
         raise ValueError("check failed")
     with pytest.raises(ValueError, match="check failed"):
-        _copy_beside([step(0), step(1, seconds=0.2), step(2, seconds=0.1)], check, copier)
+        copy_beside([step(0), step(1, seconds=0.2), step(2, seconds=0.1)], check, copier)
     assert ran == [0, 1, 2]  # every copy was through when it raised
-    assert _copy_beside([step(0), (5, lambda: "logits")], lambda end: None, copier) == "logits"
+    assert copy_beside([step(0), (5, lambda: "logits")], lambda end: None, copier) == "logits"
     copier.shutdown()
 
 

@@ -158,7 +158,7 @@ class StateCodec:
                      slot: int | None, pages: list[int], step_bytes: int | None = None) -> UnpackedTag:
         """`hash_unpacked` in parts (engine/tiers/unpacked_tag.py): with `step_bytes`, the pages are
         cut where `unpack_steps(..., step_bytes)` cuts them, so `through(end)` after each step's copy
-        hashes that copy; without, each run of consecutive pages is one (threaded) update."""
+        hashes that copy; without, each run of consecutive pages is one update."""
         c, s = self.cache, self.sections(tokens)
         pieces: list[tuple[int, torch.Tensor]] = []
         if self.recurrent_bytes and slot is not None:

@@ -319,6 +319,12 @@ class TierLink:
         with self._lock:
             return self.client.ensure(namespace)
 
+    def close(self) -> None:
+        """The engine is stopping: the claims' copy thread ends and the store connection closes."""
+        if self._beside is not None:
+            self._beside.shutdown(wait=True)
+        self.client.close()
+
     def _copier(self) -> ThreadPoolExecutor:
         """The thread a claim from KV-RAM copies on while the engine thread checks the tag (made at first use)."""
         if self._beside is None:
@@ -387,7 +393,7 @@ class TierLink:
             if ok and arena is not None:
                 steps = self.codec.unpack_steps(arena, ext.offset, meta.tokens, meta.nbytes, slot, pages)
                 if stream is None and feed is not None:
-                    landed, logits = True, _copy_beside(steps, feed.through, self._copier())
+                    landed, logits = True, copy_beside(steps, feed.through, self._copier())
                 else:
                     landed, logits = _copy_as_landed(steps, ready, stream, feed.through if feed is not None else None)
                 if not landed:  # the store failed the restore (a bad blob, a failing disk): nothing copied counts
@@ -417,7 +423,7 @@ class TierLink:
         return tier, logits
 
 
-def _copy_beside(steps: list[tuple[int, Callable[[], torch.Tensor | None]]], copied: Callable[[int], None],
+def copy_beside(steps: list[tuple[int, Callable[[], torch.Tensor | None]]], copied: Callable[[int], None],
                  copier: ThreadPoolExecutor) -> torch.Tensor | None:
     """Runs `steps` in order on `copier`'s thread while this one calls `copied(end)` as each is through (the
     copies of the bytes before `end` are made); returns the logits the last step returned. The tag's GMAC
