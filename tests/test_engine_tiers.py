@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import engine.tiers.link as link_module
 from engine.config import EngineConfig
 from engine.cache.reuse import ReuseCounters
 from engine.core import EngineCore
@@ -531,21 +532,19 @@ def test_a_restore_checks_the_bytes_it_copied(tmp_path: Path, model, oracle, mon
         for topic in TOPICS:  # the first ones spill to RAM as later ones take the device slots
             same(engine.run(topic), oracle(topic))
         link = engine.core.reuse.tiers  # type: ignore[attr-defined]
-        real_steps = link.codec.unpack_steps
+        real = link_module.copy_and_check
         scribbled: list[int] = []
 
-        def racing_steps(arena, offset, tokens, nbytes, slot, pages):  # type: ignore[no-untyped-def]
-            steps = real_steps(arena, offset, tokens, nbytes, slot, pages)
-
+        def racing(pieces, source, mac, helpers, threads):  # type: ignore[no-untyped-def]
             def scribble() -> None:
-                arena[offset:offset + nbytes].zero_()
-                scribbled.append(nbytes)
-
+                source.zero_()
+                scribbled.append(source.numel())
             if when == "before the copy":
-                return [(0, scribble), *steps]
-            end, last = steps[-1]  # the last copy returns the logits: scribble once it is through
-            return [*steps[:-1], (end, lambda: (logits := last(), scribble(), logits)[-1])]
-        monkeypatch.setattr(link.codec, "unpack_steps", racing_steps)
+                scribble()
+            real(pieces, source, mac, helpers, threads)
+            if when == "after the copy":
+                scribble()
+        monkeypatch.setattr(link_module, "copy_and_check", racing)
         rejected = link.rejected
         got = engine.run(TOPICS[0])
         assert scribbled, "the request did not restore from KV-RAM"
@@ -555,7 +554,7 @@ def test_a_restore_checks_the_bytes_it_copied(tmp_path: Path, model, oracle, mon
         else:
             assert got.tier == "ram" and got.cached > 0 and link.rejected == rejected
         engine.check()
-        assert link._beside is not None, "the claim from KV-RAM copied on its own thread"
+        assert link._beside is not None, "the claim from KV-RAM copied on two threads"
     finally:
         engine.close()
         store.stop()
@@ -702,7 +701,8 @@ def test_a_tag_fed_copy_by_copy_is_the_tag_of_the_whole_copy(model: tuple[Loaded
 
     from engine.tiers.codec import StateCodec
     from engine.tiers.integrity import TAG_BYTES, IntegrityKey
-    from engine.tiers.link import _copy_as_landed, copy_beside
+    from engine.tiers.checked_copy import copy_and_check
+    from engine.tiers.link import _copy_as_landed
     from ignis.v1 import tierstore_pb2
 
     loaded, tokenizer = dense_model if prefix else model
@@ -728,10 +728,10 @@ def test_a_tag_fed_copy_by_copy_is_the_tag_of_the_whole_copy(model: tuple[Loaded
         def mac():  # type: ignore[no-untyped-def]
             return key.hasher(b"n" * 16, b"s" * 16, tokens, nbytes, nonce)
 
-        def digest(stepwise: bool, meddle: bool = False, beside: bool = False) -> bytes:
+        def digest(stepwise: bool, meddle: bool = False) -> bytes:
             hasher = mac()
             feed = codec.unpacked_tag(hasher, arena, 4096, tokens, nbytes, slot, taken,
-                                      step_bytes if stepwise or beside else None)
+                                      step_bytes if stepwise else None)
             steps = codec.unpack_steps(arena, 4096, tokens, nbytes, slot, taken, step_bytes)
             if meddle:  # a page copy that is not what the blob holds, before its hash
                 k = (slot is not None) * (bool(codec.recurrent_bytes) + bool(codec.conv_bytes))  # the first pages' step
@@ -744,10 +744,6 @@ def test_a_tag_fed_copy_by_copy_is_the_tag_of_the_whole_copy(model: tuple[Loaded
                             tierstore_pb2.AcquireProgress(ready_bytes=nbytes, verified=True)]
                 landed, logits = _copy_as_landed(steps, 0, iter(messages),
                                                  lambda end: (fed.append(end), feed.through(end))[-1])
-            elif beside:  # a claim from KV-RAM: the copies on a thread of their own, each fed as it is through
-                landed, logits = True, copy_beside(steps, lambda end: (fed.append(end), feed.through(end))[-1],
-                                                    copier)
-                assert len(fed) == len(steps)
             else:
                 landed, logits = _copy_as_landed(steps, nbytes, None)
             assert landed and (logits is None) == prefix
@@ -757,46 +753,22 @@ def test_a_tag_fed_copy_by_copy_is_the_tag_of_the_whole_copy(model: tuple[Loaded
 
         whole = digest(stepwise=False)
         assert digest(stepwise=True) == whole
-        copier = ThreadPoolExecutor(1)
-        assert digest(stepwise=False, beside=True) == whole
-        assert digest(stepwise=False, beside=True, meddle=True) != whole
+        helpers = ThreadPoolExecutor(1)
+        for threads in (1, 2):  # a claim from KV-RAM: copied and checked segment by segment (checked_copy.py)
+            checked = mac()
+            cache.kv[taken].zero_()
+            pieces, logits = codec.claim_pieces(tokens, nbytes, slot, taken)
+            copy_and_check(pieces, arena[4096:4096 + nbytes], checked, helpers, threads)
+            assert checked.digest() == whole and (logits is None) == prefix
+            assert torch.equal(cache.kv[taken], cache.kv[src[:len(taken)]])  # the pages are the blob's
+        helpers.shutdown()
         reference = mac()
         codec.hash_unpacked(reference, arena, 4096, tokens, nbytes, slot, taken,
                             codec.unpack(arena, 4096, tokens, nbytes, slot, taken))
         assert reference.digest() == whole
         assert digest(stepwise=True, meddle=True) != whole
-        copier.shutdown()
     finally:
         engine.close()
-
-
-def test_copies_beside_the_check_are_through_before_it_returns_or_raises() -> None:
-    """copy_beside (a claim from KV-RAM): a copy that fails ends it with that error and no later copy
-    runs; a check that fails waits for the copies in flight, which write the sequence's pages."""
-    from engine.tiers.link import copy_beside
-
-    copier = ThreadPoolExecutor(1)
-    ran: list[int] = []
-
-    def step(i: int, fails: bool = False, seconds: float = 0.0):  # type: ignore[no-untyped-def]
-        def run() -> None:
-            time.sleep(seconds)
-            if fails:
-                raise OSError(f"copy {i} failed")
-            ran.append(i)
-        return (i * 10, run)
-    with pytest.raises(OSError, match="copy 1 failed"):
-        copy_beside([step(0), step(1, fails=True), step(2)], lambda end: None, copier)
-    assert ran == [0]
-    ran.clear()
-
-    def check(end: int) -> None:
-        raise ValueError("check failed")
-    with pytest.raises(ValueError, match="check failed"):
-        copy_beside([step(0), step(1, seconds=0.2), step(2, seconds=0.1)], check, copier)
-    assert ran == [0, 1, 2]  # every copy was through when it raised
-    assert copy_beside([step(0), (5, lambda: "logits")], lambda end: None, copier) == "logits"
-    copier.shutdown()
 
 
 def test_the_engine_maps_the_arena_at_start_before_any_request(tmp_path: Path, model) -> None:

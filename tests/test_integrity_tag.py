@@ -1,4 +1,4 @@
-"""The engine's integrity tag (engine/tiers/integrity.py): AES-256-GMAC under a key derived per tag.
+"""The engine's integrity tag (engine/tiers/integrity.py): AES-256-GMAC in segments under a key derived per tag.
 
 What a restore trusts: a tag verifies only for the bytes, name, namespace and token count it
 was made over, under the key that made it, however the bytes are fed; anything else changed,
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.tiers.integrity import NONCE_BYTES, TAG_BYTES, UPDATE_BYTES, IntegrityKey
+from engine.tiers.integrity import NONCE_BYTES, SEGMENT_BYTES, TAG_BYTES, IntegrityKey
 
 NAME, NAMESPACE, TOKENS = b"n" * 16, b"s" * 16, 48
 
@@ -26,13 +26,13 @@ def data_of(n: int, seed: int = 0) -> bytes:
 
 def test_a_tag_verifies_only_what_it_was_made_over() -> None:
     key = IntegrityKey.ephemeral()
-    data = data_of(3 * UPDATE_BYTES + 5)  # several update steps and a ragged end
+    data = data_of(2 * SEGMENT_BYTES + 5)  # several segments and a ragged end
     tag = key.tag(NAME, NAMESPACE, TOKENS, data)
     assert len(tag) == TAG_BYTES
     assert key.verify(tag, NAME, NAMESPACE, TOKENS, data)
     assert key.verify(tag, NAME, NAMESPACE, TOKENS, memoryview(data))
     flipped = bytearray(data)
-    for at in (0, UPDATE_BYTES - 1, UPDATE_BYTES, len(data) - 1):  # a byte anywhere, at a step's edges too
+    for at in (0, SEGMENT_BYTES - 1, SEGMENT_BYTES, len(data) - 1):  # a byte anywhere, at a segment's edges too
         flipped[at] ^= 1
         assert not key.verify(tag, NAME, NAMESPACE, TOKENS, bytes(flipped))
         flipped[at] ^= 1
@@ -71,7 +71,7 @@ def test_each_tag_has_a_fresh_nonce_and_each_verifies() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(0, 3 * UPDATE_BYTES), cuts=st.lists(st.integers(0, 3 * UPDATE_BYTES), max_size=6))
+@given(n=st.integers(0, 2 * SEGMENT_BYTES + 99), cuts=st.lists(st.integers(0, 2 * SEGMENT_BYTES + 99), max_size=6))
 def test_fed_in_any_pieces_the_tag_is_the_whole_one(n: int, cuts: list[int]) -> None:
     """A restore feeds its copies piece by piece (engine/tiers/unpacked_tag.py)."""
     key = IntegrityKey(b"k" * 32)
@@ -82,6 +82,28 @@ def test_fed_in_any_pieces_the_tag_is_the_whole_one(n: int, cuts: list[int]) -> 
     for start, end in zip(edges, edges[1:]):
         mac.update(memoryview(data)[start:end])
     assert IntegrityKey.matches(tag, mac) and mac.digest() == tag  # the digest can be asked twice
+
+
+def test_segments_fed_in_any_order_give_the_tag_and_each_is_bound_to_its_place() -> None:
+    """A claim from KV-RAM feeds segments on several threads in any order (engine/tiers/checked_copy.py);
+    swapping two segments' bytes, or leaving one out, is another tag."""
+    key = IntegrityKey(b"k" * 32)
+    data = memoryview(data_of(3 * SEGMENT_BYTES + 17, seed=3))
+    tag = key.tag(NAME, NAMESPACE, TOKENS, data)
+
+    def fed(order: list[int], segment_bytes=lambda i: data[i * SEGMENT_BYTES:(i + 1) * SEGMENT_BYTES]):  # type: ignore[no-untyped-def]
+        mac = key.hasher(NAME, NAMESPACE, TOKENS, len(data), tag)
+        for i in order:
+            one = mac.segment(i)
+            one.update(segment_bytes(i))
+            mac.put(i, one.mac())
+        return mac
+
+    assert IntegrityKey.matches(tag, fed([2, 0, 3, 1]))
+    swapped = fed([0, 1, 2, 3], lambda i: data[((1 - i) if i < 2 else i) * SEGMENT_BYTES:][:SEGMENT_BYTES])
+    assert not IntegrityKey.matches(tag, swapped)
+    with pytest.raises(RuntimeError, match="this is a bug"):  # a segment missing is never a tag
+        fed([0, 2, 3]).digest()
 
 
 def test_the_key_file_is_made_private_and_kept(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from bench import tiers
 def test_the_tiers_bench_measures_every_row(tmp_path: Path) -> None:
     res = tiers.run(4 * tiers.MiB, 2, tmp_path)
     text, rows = tiers.table(res)
-    assert len(rows) == len(tiers.TABLE_ROWS) == 26 and all(row[2] > 0 for row in rows)  # ms of every row
+    assert len(rows) == len(tiers.TABLE_ROWS) == 27 and all(row[2] > 0 for row in rows)  # ms of every row
     assert len(res["samples"]["raw_memcpy"]) == 7 * 2  # interleaved
     assert len(res["samples"]["ram_claim_engine"]) == len(res["samples"]["ram_claim_grpc"]) == 2
     assert len(res["samples"]["ram_claim_checked"]) == len(res["samples"]["disk_claim_checked_landing"]) == 2

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from engine.kv.device_cache import DeviceCache
+from engine.tiers.checked_copy import Piece
 from engine.tiers.unpacked_tag import UnpackedTag, bytes_of, nbytes_of
 
 _ALIGN = 64
@@ -159,20 +160,47 @@ class StateCodec:
         """`hash_unpacked` in parts (engine/tiers/unpacked_tag.py): with `step_bytes`, the pages are
         cut where `unpack_steps(..., step_bytes)` cuts them, so `through(end)` after each step's copy
         hashes that copy; without, each run of consecutive pages is one update."""
-        c, s = self.cache, self.sections(tokens)
-        pieces: list[tuple[int, torch.Tensor]] = []
-        if self.recurrent_bytes and slot is not None:
-            pieces.append((s.recurrent, c.recurrent[slot]))
-        if self.conv_bytes and slot is not None:
-            pieces.append((s.conv, c.conv[slot]))
         per_step = self._pages_per_step(step_bytes, len(pages)) if step_bytes else len(pages) or 1
+        pieces = [(p.start, p.copy) for p in self._slot_and_page_pieces(tokens, slot, pages, per_step)]
+        return UnpackedTag(hasher, arena, offset, pieces, self.sections(tokens).logits, nbytes)
+
+    def claim_pieces(self, tokens: int, nbytes: int, slot: int | None, pages: list[int]
+                     ) -> tuple[list[Piece], torch.Tensor | None]:
+        """What a claim into a CPU cache copies, as pieces of the state (engine/tiers/checked_copy.py):
+        its slot, its pages in runs of consecutive ones, and the logits if stored and the whole
+        state is taken, into a fresh tensor (returned with the pieces)."""
+        self._check_restore(tokens, slot, pages)
+        pieces = self._slot_and_page_pieces(tokens, slot, pages, len(pages) or 1)
+        logits = None
+        if len(pages) == -(-tokens // self.page_size) and self.has_logits(tokens, nbytes):
+            logits = torch.empty(self.vocab_size, dtype=torch.float32)
+            pieces.append(Piece(self.sections(tokens).logits, logits))
+        return pieces, logits
+
+    def _slot_and_page_pieces(self, tokens: int, slot: int | None, pages: list[int], per_step: int) -> list[Piece]:
+        """The slot's and `pages`' copies as pieces in state order, the pages cut every `per_step` and
+        at each break in their numbers (a run of consecutive pages is one block)."""
+        c, s = self.cache, self.sections(tokens)
+        pieces: list[Piece] = []
+        if self.recurrent_bytes and slot is not None:
+            pieces.append(Piece(s.recurrent, c.recurrent[slot]))
+        if self.conv_bytes and slot is not None:
+            pieces.append(Piece(s.conv, c.conv[slot]))
         for first in range(0, len(pages), per_step):
-            for at, page, run in page_runs(pages[first:first + per_step]):  # a run is one block: one update
-                pieces.append((s.kv + (first + at) * self.page_bytes, c.kv[page:page + run]))
-        return UnpackedTag(hasher, arena, offset, pieces, s.logits, nbytes)
+            for at, page, run in page_runs(pages[first:first + per_step]):
+                pieces.append(Piece(s.kv + (first + at) * self.page_bytes, c.kv[page:page + run]))
+        return pieces
 
     def _pages_per_step(self, step_bytes: int, num_pages: int) -> int:
         return max(1, step_bytes // self.page_bytes) if self.page_bytes else num_pages or 1
+
+    def _check_restore(self, tokens: int, slot: int | None, pages: list[int]) -> None:
+        if slot is None and self.fixed_state_bytes:
+            raise ValueError("a model with recurrent state needs its slot")
+        if len(pages) != -(-tokens // self.page_size) and self.fixed_state_bytes:
+            raise ValueError("a state with recurrent layers cannot be cut to a prefix")
+        if len(pages) > -(-tokens // self.page_size):
+            raise ValueError(f"{len(pages)} pages are more than the {tokens} tokens of the state fill")
 
     def write_logits(self, arena: torch.Tensor, offset: int, tokens: int, logits: torch.Tensor) -> None:
         s = self.sections(tokens)
@@ -197,10 +225,7 @@ class StateCodec:
         about `step_bytes`; the last step returns the logits (None if not stored), the others None."""
         c, s = self.cache, self.sections(tokens)
         whole = len(pages) == -(-tokens // self.page_size)
-        if slot is None and self.fixed_state_bytes:
-            raise ValueError("a model with recurrent state needs its slot")
-        if not whole and self.fixed_state_bytes:
-            raise ValueError("a state with recurrent layers cannot be cut to a prefix")
+        self._check_restore(tokens, slot, pages)
         steps: list[tuple[int, Callable[[], torch.Tensor | None]]] = []
 
         def step(end: int, fn: Callable[[], object]) -> None:

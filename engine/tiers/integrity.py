@@ -8,17 +8,18 @@ file in a 0700 folder, made on first start); a restore whose tag does not verify
 is refused and the state is served cold. Forged, swapped or zeroed bytes are never
 served, whatever the store says.
 
-The MAC is AES-256-GMAC (GCM over associated data only; OpenSSL, through the
-`cryptography` package), chosen by measurement over the keyed BLAKE3 it replaced:
+The MAC is AES-256-GMAC (GCM over associated data only; OpenSSL's libcrypto,
+engine/tiers/gmac.py), chosen by measurement over the keyed BLAKE3 it replaced:
 on this project's 2-core host it runs at 18 GB/s on one core against BLAKE3's 6 GB/s
-on one and 12 GB/s on both (150 MiB: 8.6 ms against 26.7 and 13.4 ms), faster than a
-memcpy of the same bytes, and beside a decode step it slows the step far less than
-BLAKE3's threads do (bench notes in issue 18). GMAC needs a fresh key or nonce per
-tag: each tag carries a random 16-byte nonce, and its MAC key is the keyed BLAKE3 of
-that nonce under the engine's key, used once. A tag is nonce || GMAC (32 bytes).
+on one and 12 GB/s on both (150 MiB: 8.6 ms against 26.7 and 13.4 ms), and beside a
+decode step it slows the step far less than BLAKE3's threads do (bench notes in issue
+18). GMAC needs a fresh key or nonce per tag: each tag carries a random 16-byte nonce,
+and its MAC key is the keyed BLAKE3 of that nonce under the engine's key, used once.
 
-GMAC holds the GIL while it runs: updates go in steps of UPDATE_BYTES, so another
-thread waits at most about one step (57 µs) for it.
+A state is MACed in segments of SEGMENT_BYTES, each under that key with its index as
+the IV, and the tag's MAC is the GMAC of the header and the segments' MACs in order
+(IV all ones): segments can be fed on several threads at once, each right after its
+copy (engine/tiers/checked_copy.py). A tag is nonce || MAC (32 bytes).
 """
 
 from __future__ import annotations
@@ -29,37 +30,64 @@ import secrets
 from pathlib import Path
 
 import blake3
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+from engine.tiers.gmac import Gmac, gmac
 
 KEY_BYTES = 32
 NONCE_BYTES = 16
 MAC_BYTES = 16
 TAG_BYTES = NONCE_BYTES + MAC_BYTES
-UPDATE_BYTES = 1 << 20
-_KEY_LABEL = b"ignis state tag key, AES-256-GMAC, v2"
-_IV = bytes(12)  # each MAC key tags one state: its IV need not vary
+SEGMENT_BYTES = 4 << 20
+_KEY_LABEL = b"ignis state tag key, AES-256-GMAC in 4 MiB segments, v3"
+_TAG_IV = b"\xff" * 12  # the tag's own MAC; segment i's IV is i, big-endian (never all ones)
 
 
 class StateMac:
-    """One tag's MAC, fed in order: `update` with the bytes, then `digest` (the tag; idempotent)."""
+    """One tag's MAC. Fed in order with `update`, or segment by segment in any order and on any thread
+    (`segment(i)`, fed segment i's bytes, then `put(i, its mac())`); then `digest` (the tag; idempotent)."""
 
-    __slots__ = ("_nonce", "_mac", "_digest")
+    __slots__ = ("_key", "_nonce", "_header", "_macs", "_open", "_fed", "_digest")
 
     def __init__(self, mac_key: bytes, nonce: bytes, header: bytes) -> None:
+        self._key = mac_key
         self._nonce = nonce
-        self._mac = Cipher(algorithms.AES(mac_key), modes.GCM(_IV)).encryptor()
-        self._mac.authenticate_additional_data(header)
+        self._header = header
+        self._macs: dict[int, bytes] = {}  # segment index -> its MAC
+        self._open: Gmac | None = None  # the segment `update` is feeding
+        self._fed = 0  # bytes `update` has fed
         self._digest: bytes | None = None
+
+    def segment(self, index: int) -> Gmac:
+        """A fresh MAC for segment `index` (its bytes: SEGMENT_BYTES from index * SEGMENT_BYTES)."""
+        return gmac(self._key, index.to_bytes(12, "big"))
+
+    def put(self, index: int, mac: bytes) -> None:
+        self._macs[index] = mac
 
     def update(self, data: memoryview | bytes) -> None:
         view = memoryview(data).cast("B")
-        for start in range(0, len(view), UPDATE_BYTES):
-            self._mac.authenticate_additional_data(view[start:start + UPDATE_BYTES])
+        while len(view):
+            index, at = divmod(self._fed, SEGMENT_BYTES)
+            if self._open is None:
+                self._open = self.segment(index)
+            take = min(len(view), SEGMENT_BYTES - at)
+            self._open.update(view[:take])
+            view = view[take:]
+            self._fed += take
+            if at + take == SEGMENT_BYTES:
+                self.put(index, self._open.mac())
+                self._open = None
 
     def digest(self) -> bytes:
         if self._digest is None:
-            self._mac.finalize()
-            self._digest = self._nonce + self._mac.tag
+            if self._open is not None:
+                self.put(self._fed // SEGMENT_BYTES, self._open.mac())
+                self._open = None
+            if sorted(self._macs) != list(range(len(self._macs))):
+                raise RuntimeError(f"segments {sorted(self._macs)} were fed, not each from the first: this is a bug")
+            mac = gmac(self._key, _TAG_IV)
+            mac.update(self._header + b"".join(self._macs[i] for i in range(len(self._macs))))
+            self._digest = self._nonce + mac.mac()
         return self._digest
 
 

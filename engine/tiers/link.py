@@ -22,11 +22,10 @@ voids the reservation at Commit (`still_mapped`).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -39,6 +38,7 @@ from engine.facts import RequestClass, ReuseKind, ReuseTier
 from engine.kv.chain_hash import BlockHash, state_matches, state_name
 from engine.proto_convert import request_class_pb, reuse_kind, reuse_kind_pb, reuse_tier
 from engine.tiers.client import TierClient
+from engine.tiers.checked_copy import copy_and_check
 from engine.tiers.codec import UNPACK_STEP_BYTES, StateCodec
 from engine.tiers.integrity import IntegrityKey
 from ignis.v1 import common_pb2, tierstore_pb2
@@ -110,7 +110,10 @@ class TierLink:
         self.restores_streamed = 0  # restores from disk copied while the store read them (AcquireStream)
         self._held: tuple[bytes, _Held] | None = None  # the last lookup's lease: (state hash, lease)
         self._lock = threading.RLock()  # the store calls and the mapping: the engine thread and the copy worker
-        self._beside: ThreadPoolExecutor | None = None  # a claim from KV-RAM's copies, beside its tag (first use)
+        # A claim from KV-RAM copies and checks on this many threads, the engine thread one of them: the
+        # engine's CPU threads (torch's), which wait on the claim anyway.
+        self.claim_threads = max(1, torch.get_num_threads())
+        self._beside: ThreadPoolExecutor | None = None  # the claims' other threads (first use)
 
     # --- down ----------------------------------------------------------------------------
     def spill(self, s: Spillable) -> bool:
@@ -325,10 +328,10 @@ class TierLink:
             self._beside.shutdown(wait=True)
         self.client.close()
 
-    def _copier(self) -> ThreadPoolExecutor:
-        """The thread a claim from KV-RAM copies on while the engine thread checks the tag (made at first use)."""
-        if self._beside is None:
-            self._beside = ThreadPoolExecutor(1, thread_name_prefix="ignis-restore-copies")
+    def _helpers(self) -> ThreadPoolExecutor | None:
+        """The threads that copy and check a claim from KV-RAM beside the engine thread (made at first use)."""
+        if self._beside is None and self.claim_threads > 1:
+            self._beside = ThreadPoolExecutor(self.claim_threads - 1, thread_name_prefix="ignis-restore-copies")
         return self._beside
 
     def restore(self, namespace: BlockHash, hit: TierHit, slot: int | None, pages: list[int], request_id: str = ""
@@ -382,28 +385,29 @@ class TierLink:
                 ok = self.key.verify(tag, hit.state_hash, namespace, meta.tokens,
                                      self.client.arena_bytes(ext.offset, meta.nbytes))
             logits = None
-            # On a CPU cache the tag is checked on what was copied (codec.hash_unpacked says why), each
-            # copy as it is made (engine/tiers/unpacked_tag.py): from disk between the reads the restore
-            # waits on, from RAM while a thread beside makes the next copies.
-            feed = None
-            if ok and on_host and arena is not None:
-                mac = self.key.hasher(hit.state_hash, namespace, meta.tokens, meta.nbytes, tag)  # the tag's nonce
+            # On a CPU cache the tag is checked on what was copied (codec.hash_unpacked says why): from RAM
+            # segment by segment on two threads, each hashed from its copies (engine/tiers/checked_copy.py);
+            # from disk each copy as it is made, between the reads the restore waits on
+            # (engine/tiers/unpacked_tag.py). A failed check leaves the slot and the fresh pages to a cold
+            # prefill, which overwrites them.
+            mac = self.key.hasher(hit.state_hash, namespace, meta.tokens, meta.nbytes, tag)  # the tag's nonce
+            if ok and on_host and arena is not None and stream is None:
+                pieces, logits = self.codec.claim_pieces(meta.tokens, meta.nbytes, slot, pages)
+                copy_and_check(pieces, arena[ext.offset:ext.offset + meta.nbytes], mac, self._helpers(),
+                               self.claim_threads)
+                ok = self.key.matches(tag, mac)
+            elif ok and arena is not None:
                 feed = self.codec.unpacked_tag(mac, arena, ext.offset, meta.tokens, meta.nbytes, slot, pages,
-                                               UNPACK_STEP_BYTES)
-            if ok and arena is not None:
+                                               UNPACK_STEP_BYTES) if on_host else None
                 steps = self.codec.unpack_steps(arena, ext.offset, meta.tokens, meta.nbytes, slot, pages)
-                if stream is None and feed is not None:
-                    landed, logits = True, copy_beside(steps, feed.through, self._copier())
-                else:
-                    landed, logits = _copy_as_landed(steps, ready, stream, feed.through if feed is not None else None)
+                landed, logits = _copy_as_landed(steps, ready, stream, feed.through if feed is not None else None)
                 if not landed:  # the store failed the restore (a bad blob, a failing disk): nothing copied counts
                     self.restore_failures += 1
                     return None
                 self.restores_streamed += stream is not None
-            if ok and feed is not None:
-                # A failed check leaves the slot and the fresh pages to a cold prefill, which overwrites them.
-                feed.finish(logits)
-                ok = self.key.matches(tag, feed.hasher)
+                if feed is not None:
+                    feed.finish(logits)
+                    ok = self.key.matches(tag, mac)
             if not ok:
                 self.restore_failures += 1
                 self.rejected += 1
@@ -421,36 +425,6 @@ class TierLink:
         log_event(log, "ignis.request.restored", **ids, hash=hit.state_hash.hex(), tokens=hit.tokens,
                   kind=hit.kind.value, tier=tier.value, bytes=meta.nbytes, ms=round((time.perf_counter() - started) * 1000, 3))
         return tier, logits
-
-
-def copy_beside(steps: list[tuple[int, Callable[[], torch.Tensor | None]]], copied: Callable[[int], None],
-                 copier: ThreadPoolExecutor) -> torch.Tensor | None:
-    """Runs `steps` in order on `copier`'s thread while this one calls `copied(end)` as each is through (the
-    copies of the bytes before `end` are made); returns the logits the last step returned. The tag's GMAC
-    holds the GIL and the copies do not, so the check runs beside the copies rather than after them
-    (150 MiB: ~14 ms against ~18 ms one after the other, a memcpy ~11). Returns or raises only once
-    no copy runs on: they write the sequence's pages."""
-    ends: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-
-    def run() -> torch.Tensor | None:
-        logits = None
-        try:
-            for end, step in steps:
-                logits = step()
-                ends.put(end)
-        finally:
-            ends.put(None)
-        return logits
-
-    copying = copier.submit(run)
-    try:
-        done = 0
-        while (end := ends.get()) is not None:
-            done = max(done, end)
-            copied(done)
-    finally:
-        wait([copying])
-    return copying.result()
 
 
 def _copy_as_landed(steps: list[tuple[int, Callable[[], torch.Tensor | None]]], ready: int,

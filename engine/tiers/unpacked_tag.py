@@ -2,11 +2,10 @@
 
 A tag checked on a CPU cache covers exactly what is used (StateCodec.hash_unpacked): each
 section the restore copied is read from the copy, the rest of the blob (alignment, pages
-past a prefix, logits not taken) from the arena, all in arena order. A claim from RAM
-copies on a thread beside the engine thread, which hashes each copy once it is through
-(link.copy_beside: the GMAC holds the GIL, the copies do not). A restore from disk waits on the
-read between its copies, so it hashes each copy as it is made: the check then costs
-the last copy's hash instead of a pass over the whole state after the read.
+past a prefix, logits not taken) from the arena, all in arena order. A restore from disk
+waits on the read between its copies, so it hashes each copy as it is made: the check then
+costs the last copy's hash instead of a pass over the whole state after the read. (A claim
+from RAM copies and checks segment by segment on several threads: engine/tiers/checked_copy.py.)
 """
 
 from __future__ import annotations
