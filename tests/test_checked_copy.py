@@ -71,6 +71,17 @@ def test_the_copies_are_the_source_and_the_tag_is_the_whole_ones(helpers, nbytes
         assert torch.equal(piece.copy.view(-1).view(torch.uint8), source[piece.start:piece.end])
 
 
+def test_without_helpers_the_calling_thread_does_it_all() -> None:
+    """An engine on one CPU thread has no helper pool (TierLink._helpers): the claim runs on its own thread."""
+    source = source_of(3 * SEGMENT + 7)
+    key = IntegrityKey(b"k" * 32)
+    tag = key.tag(NAME, NAMESPACE, TOKENS, source.numpy().data)
+    pieces = pieces_of([(5, 2 * SEGMENT + 1)])
+    mac = key.hasher(NAME, NAMESPACE, TOKENS, source.numel(), tag)
+    copy_and_check(pieces, source, mac, None, 2)
+    assert IntegrityKey.matches(tag, mac) and torch.equal(pieces[0].copy, source[5:2 * SEGMENT + 1])
+
+
 def test_a_source_changed_after_its_copy_is_not_in_the_tag(helpers, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tag reads each copy, not the source: bytes changed in the source right after they were
     copied (before their hash) leave the copy and the tag as the state was written."""
