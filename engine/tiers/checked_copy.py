@@ -5,14 +5,13 @@ The tag covers exactly what is used (StateCodec.hash_unpacked says why): each by
 is hashed from its copy, the rest of the blob (alignment, pages past a prefix) from the arena. The
 tag is cut in segments (engine/tiers/integrity.py), so each thread takes the next segment, copies
 its bytes and hashes them from the copy a stride at a time while they are still in its cache. Both
-the copies (memmove) and the GMAC (libcrypto) let go of the GIL, so the threads run at once: 150 MiB
-checked on two threads in about the time of a one-thread memcpy (bench.tiers).
+the copies (memmove) and the GMAC (OpenSSL through `cryptography`) let go of the GIL, so the threads
+run at once: 150 MiB checked on two threads in about the time of a one-thread memcpy (bench.tiers).
 """
 
 from __future__ import annotations
 
 import ctypes
-import queue
 import threading
 from bisect import bisect_right
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -55,19 +54,13 @@ def copy_and_check(pieces: list[Piece], source: torch.Tensor, mac: StateMac, hel
     if source.device.type != "cpu" or source.dtype != torch.uint8 or not source.is_contiguous():
         raise ValueError("the source is a contiguous uint8 host tensor: this is a bug")
     starts = [p.start for p in pieces]
-    segments: queue.SimpleQueue[int] = queue.SimpleQueue()
-    for index in range(-(-nbytes // SEGMENT_BYTES)):
-        segments.put(index)
+    segments = iter(range(-(-nbytes // SEGMENT_BYTES)))  # each thread takes the next (next() holds the GIL)
     failed = threading.Event()
     base = source.data_ptr()
 
     def take_segments() -> None:
         try:
-            while not failed.is_set():
-                try:
-                    index = segments.get_nowait()
-                except queue.Empty:
-                    return
+            while not failed.is_set() and (index := next(segments, None)) is not None:
                 _segment(index, pieces, starts, base, nbytes, mac)
         except BaseException:
             failed.set()  # the other threads take no further segment

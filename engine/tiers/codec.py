@@ -195,11 +195,12 @@ class StateCodec:
         return max(1, step_bytes // self.page_bytes) if self.page_bytes else num_pages or 1
 
     def _check_restore(self, tokens: int, slot: int | None, pages: list[int]) -> None:
+        filled = -(-tokens // self.page_size)
         if slot is None and self.fixed_state_bytes:
             raise ValueError("a model with recurrent state needs its slot")
-        if len(pages) != -(-tokens // self.page_size) and self.fixed_state_bytes:
+        if len(pages) != filled and self.fixed_state_bytes:
             raise ValueError("a state with recurrent layers cannot be cut to a prefix")
-        if len(pages) > -(-tokens // self.page_size):
+        if len(pages) > filled:
             raise ValueError(f"{len(pages)} pages are more than the {tokens} tokens of the state fill")
 
     def write_logits(self, arena: torch.Tensor, offset: int, tokens: int, logits: torch.Tensor) -> None:

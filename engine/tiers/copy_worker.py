@@ -6,8 +6,8 @@ is through (`collect`, at the start of a step), so the engine's pools and indexe
 are only ever touched on the engine thread. The memory a job reads stays intact
 until its `on_done` has run; a step that needs that memory sooner calls
 `wait_for(key)`, which waits for that job (and those queued before it) only.
-Torch copies and xxh3 release the GIL, so the worker's copies run beside the
-step rather than inside it; the integrity tag's GMAC holds it, in 1 MiB steps.
+Torch copies, xxh3 and the integrity tag's GMAC release the GIL, so the worker's
+copies run beside the step rather than inside it.
 """
 
 from __future__ import annotations

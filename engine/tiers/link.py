@@ -378,19 +378,17 @@ class TierLink:
             arena = self.client.arena
             sliced = hit.kind is ReuseKind.PAGES and hit.tokens <= meta.tokens and hit.tokens % self.page_size == 0
             tag = bytes(meta.engine_tag)
-            ok = (meta.tokens == hit.tokens or sliced) and ext.length >= meta.nbytes
-            if arena is None:
-                ok = False
-            elif ok and not on_host:  # device copies: the tag is checked on the arena bytes first
-                ok = self.key.verify(tag, hit.state_hash, namespace, meta.tokens,
-                                     self.client.arena_bytes(ext.offset, meta.nbytes))
+            ok = (meta.tokens == hit.tokens or sliced) and ext.length >= meta.nbytes and arena is not None
+            mac = self.key.hasher(hit.state_hash, namespace, meta.tokens, meta.nbytes, tag)  # the tag's nonce
+            if ok and not on_host:  # device copies: the tag is checked on the arena bytes first
+                mac.update(self.client.arena_bytes(ext.offset, meta.nbytes))
+                ok = self.key.matches(tag, mac)
             logits = None
             # On a CPU cache the tag is checked on what was copied (codec.hash_unpacked says why): from RAM
             # segment by segment on two threads, each hashed from its copies (engine/tiers/checked_copy.py);
             # from disk each copy as it is made, between the reads the restore waits on
             # (engine/tiers/unpacked_tag.py). A failed check leaves the slot and the fresh pages to a cold
             # prefill, which overwrites them.
-            mac = self.key.hasher(hit.state_hash, namespace, meta.tokens, meta.nbytes, tag)  # the tag's nonce
             if ok and on_host and arena is not None and stream is None:
                 pieces, logits = self.codec.claim_pieces(meta.tokens, meta.nbytes, slot, pages)
                 copy_and_check(pieces, arena[ext.offset:ext.offset + meta.nbytes], mac, self._helpers(),
