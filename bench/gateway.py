@@ -11,7 +11,10 @@
   versus the gRPC stream itself; the
   gateway's CPU time per streamed token, and each client's (this process's)
   CPU time per token; streams that failed (an error, a short stream) at each
-  width.
+  width. After each round the same width of 1-token streams splits the
+  gateway's CPU into a fixed cost per request and a cost per token after a
+  stream's first: the blended figure divides the fixed cost by however many
+  tokens a stream carries (16 at 256 streams, to keep the run short).
 - The floor: bench/bare_relay.py in front of the same engine, measured in the same
   rounds as a gateway: one wakeup on the session socket, one frame parse and one
   loopback send per token, no framework (`--no-bare-relay` leaves it out). What a
@@ -202,6 +205,10 @@ class Rounds:
     client_cpu: float = 0.0  # this process's: the streams' client
     tokens: int = 0
     errors: list[str] = field(default_factory=list)
+    # The same width of 1-token streams after each round: the gateway's CPU for a request and its one
+    # token, so that a round's CPU splits into what each request costs and what each token after it does.
+    short_cpu: float = 0.0
+    short_streams: int = 0
 
     def add(self, streams: list[Stream], seconds: float) -> None:
         ok = [s.rate for s in streams if not s.error]
@@ -241,6 +248,11 @@ async def stream_rates(engine: str, gateways: list[Gateway], model: str, streams
                     through[g.name].cpu += cpu_seconds(g.pid) - c
                     through[g.name].client_cpu += time.process_time() - mine
                     through[g.name].add(list(results), elapsed)
+                    c = cpu_seconds(g.pid)
+                    short = await asyncio.gather(*(_sse_stream(clients[g.name], model, p, 1) for p in prompts))
+                    through[g.name].short_cpu += cpu_seconds(g.pid) - c
+                    through[g.name].short_streams += len(short)
+                    through[g.name].errors += [s.error for s in short if s.error]
     finally:
         for client in clients.values():
             await client.close()
@@ -260,9 +272,21 @@ async def stream_rates(engine: str, gateways: list[Gateway], model: str, streams
             "total_tokens_per_s": total, "total_rounds": r.totals,
             "total_ratio": total / out["direct_total_tokens_per_s"] if out["direct_total_tokens_per_s"] else 0.0,
             "gateway_cpu_us_per_token": r.cpu / r.tokens * 1e6 if r.tokens else 0.0,
+            **_split_cpu(r, streams * repeats, tokens),
             "client_cpu_us_per_token": r.client_cpu / r.tokens * 1e6 if r.tokens else 0.0,
             "errors": len(r.errors), "error_samples": sorted(set(r.errors))[:5]}
     return out
+
+
+def _split_cpu(r: Rounds, streams: int, tokens: int) -> dict[str, float]:
+    """A round's gateway CPU as a fixed cost per request (a 1-token stream's, its one token included) and
+    the cost of each token after the first: (CPU per N-token stream - CPU per 1-token stream) / (N - 1).
+    The blended per-token figure divides the fixed cost by the tokens a stream happens to carry."""
+    if not r.short_streams or not streams or tokens < 2:
+        return {}
+    request = r.short_cpu / r.short_streams
+    return {"gateway_cpu_ms_per_stream_request": request * 1e3,
+            "gateway_cpu_us_per_later_token": (r.cpu / streams - request) / (tokens - 1) * 1e6}
 
 
 def _variant(text: str) -> tuple[str, list[str]]:
@@ -292,9 +316,14 @@ def _rows(latency: dict[str, Any], rates: list[dict[str, Any]], names: list[str]
                      *(f"{g[n]['total_tokens_per_s']:.3g} (x{g[n]['total_ratio']:.3f})" for n in names)])
         rows.append([f"gateway CPU per streamed token, {s} (us)", "",
                      *(g[n]["gateway_cpu_us_per_token"] for n in names)])
+        if all("gateway_cpu_us_per_later_token" in g[n] for n in names):
+            rows.append([f"  of which each token after a stream's first, {s} (us)", "",
+                         *(g[n]["gateway_cpu_us_per_later_token"] for n in names)])
+            rows.append([f"  and a 1-token stream (the request and its token), {s} (ms)", "",
+                         *(g[n]["gateway_cpu_ms_per_stream_request"] for n in names)])
         rows.append([f"client CPU per streamed token, {s} (us)", r["direct_client_cpu_us_per_token"],
                      *(g[n]["client_cpu_us_per_token"] for n in names)])
-        rows.append([f"failed streams of {s} x {r['repeats']}", r["direct_errors"], *(g[n]["errors"] for n in names)])
+        rows.append([f"failed streams of {s} x {r['repeats']} (and as many 1-token streams)", r["direct_errors"], *(g[n]["errors"] for n in names)])
     return rows
 
 

@@ -82,10 +82,17 @@ class EventStream(Response):
                 return
             await send({"type": "http.response.start", "status": 200, "headers": _HEADERS + self.extra_headers})
             if first is not None:
-                await send({"type": "http.response.body", "body": first, "more_body": True})
+                # Events ending in [DONE] end the stream: the body's end leaves in the same write.
+                more = not first.endswith(DONE)
+                await send({"type": "http.response.body", "body": first, "more_body": more})
+                if not more:
+                    return
                 send = scope.get(SERVER_SEND, send)
                 async for event in self.events:
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                    more = not event.endswith(DONE)
+                    await send({"type": "http.response.body", "body": event, "more_body": more})
+                    if not more:
+                        return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

@@ -52,7 +52,14 @@ def test_token_chunks_are_the_bytes_of_the_whole_chunk(model: str, texts: list[s
             chunk["usage"] = None
         assert event == data_event(chunk)
         assert json.loads(event[len(b"data: "):]) == chunk
-    assert events[-1] == b"data: [DONE]\n\n"
+    # The last write: the final chunk (its finish reason), the usage chunk when asked for, then [DONE].
+    *final, done = [e + b"\n\n" for e in events[-1].split(b"\n\n") if e]
+    assert len(events) == len(texts) + 1 and done == b"data: [DONE]\n\n"
+    last = json.loads(final[0][len(b"data: "):])
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert len(final) == (2 if include_usage else 1)
+    if include_usage:
+        assert json.loads(final[1][len(b"data: "):])["usage"]["completion_tokens"] == len(texts)
 
 
 @settings(max_examples=60, deadline=None)

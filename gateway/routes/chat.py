@@ -127,30 +127,33 @@ class _Reply:
         parsers = [self.parser() for _ in range(self.n)]
         head, tail = chunk_frame(self._chunk([], include_usage))
         started = False
+        last = b""  # the last message's chunks, sent with [DONE] in one write once the call ends
         async with contextlib.aclosing(upstream):  # type: ignore[type-var]
             try:
                 async for msg in upstream:
+                    # One write a message: its chunks (after the first message, the role's first) joined.
+                    events = []
                     if not started:  # after the first message: errors before it are an HTTP status
                         started = True
-                        for i in range(self.n):
-                            yield data_event(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                        events = [data_event(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                                            "logprobs": None, "finish_reason": None}], include_usage))
+                                  for i in range(self.n)]
                     if not msg.HasField("usage"):  # each chunk is its choice in the stream's frame
-                        for choice in self._message_choices(msg, parsers):
-                            yield head + dumps(choice) + tail
+                        events += [head + dumps(choice) + tail for choice in self._message_choices(msg, parsers)]
+                        if events:
+                            yield b"".join(events)
                         continue
                     # The last message: its chunks, then usage and the `ignis` report (close_stream).
                     chunks = [self._chunk([c], include_usage) for c in self._message_choices(msg, parsers)]
                     usage = replace(Usage.from_proto(msg.usage), reasoning_tokens=sum(p.reasoning_tokens for p in parsers))
                     self.state.metrics.observe_usage(usage)
                     close_stream(chunks, usage, include_usage, lambda: self._chunk([], False))
-                    for chunk in chunks:
-                        yield data_event(chunk)
+                    last = b"".join([*events, *map(data_event, chunks)])
             except OpenAIError as err:
                 if not started:
                     raise
-                yield data_event(err.body())
-        yield DONE
+                last += data_event(err.body())
+        yield last + DONE
 
     def _message_choices(self, msg: engine_pb2.GenerateResponse, parsers: list[ChoiceParser]) -> list[JSONObject]:
         """The chunk choices one message makes (each goes in a chunk of its own)."""

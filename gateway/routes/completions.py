@@ -123,6 +123,7 @@ class _Reply:
         builders: dict[int, lp.CompletionLogprobs] = {}  # per global choice index: text offsets so far
         usages: dict[int, Usage] = {}
         head, tail = chunk_frame(self._chunk([], include_usage))
+        last = b""  # the last call's last chunks, sent with [DONE] in one write once the calls end
         async with contextlib.aclosing(merge(calls)) as merged:  # type: ignore[type-var]
             try:
                 async for p, msg in merged:
@@ -140,13 +141,15 @@ class _Reply:
                         usage = Usage.total(usages[i] for i in sorted(usages))
                         self.state.metrics.observe_usage(usage)
                         close_stream(chunks, usage, include_usage, lambda: self._chunk([], False))
+                        last = b"".join(map(data_event, chunks))
+                        continue
                     for chunk in chunks:
                         yield data_event(chunk)
             except OpenAIError as err:
                 if not started:
                     raise
-                yield data_event(err.body())
-        yield DONE
+                last += data_event(err.body())
+        yield last + DONE
 
     def _message_choice(self, p: int, msg: engine_pb2.GenerateResponse,
                         prompt_lps: dict[int, list[engine_pb2.TokenLogprob]],

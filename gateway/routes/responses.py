@@ -179,17 +179,18 @@ async def responses(request: Request) -> Response:
     turn = await prepare(state, body, request.headers)
     headers = {"X-Request-Id": turn.rid}
     if body.boolean("stream"):
-        return EventStream(_sse(turn.reply.events(turn.upstream())), headers=headers)
+        return EventStream(_sse(turn.reply.batches(turn.upstream())), headers=headers)
     messages = await until_disconnect(request, collect(turn.upstream()))
     final = turn.reply.whole(messages)
     await turn.keep(final)
     return JSONBody(final, headers=headers)
 
 
-async def _sse(events: AsyncIterator[JSONObject]) -> AsyncIterator[SSEBytes]:
-    async with contextlib.aclosing(events):  # type: ignore[type-var]
-        async for event in events:
-            yield named_event(event["type"], event)
+async def _sse(batches: AsyncIterator[list[JSONObject]]) -> AsyncIterator[SSEBytes]:
+    """An engine message's events as one write."""
+    async with contextlib.aclosing(batches):  # type: ignore[type-var]
+        async for batch in batches:
+            yield b"".join([named_event(event["type"], event) for event in batch])
 
 
 # ---------------------------------------------------------------- stored responses
@@ -312,7 +313,15 @@ class _Reply:
                            parser)
 
     async def events(self, upstream: AsyncIterator[engine_pb2.GenerateResponse]) -> AsyncIterator[JSONObject]:
-        """The ``response.*`` events, numbered; the record is kept before the last one."""
+        """The ``response.*`` events, numbered, one by one (`batches`, flattened)."""
+        async with contextlib.aclosing(self.batches(upstream)) as batches:  # type: ignore[type-var]
+            async for batch in batches:
+                for event in batch:
+                    yield event
+
+    async def batches(self, upstream: AsyncIterator[engine_pb2.GenerateResponse]) -> AsyncIterator[list[JSONObject]]:
+        """The ``response.*`` events, numbered, in a list per engine message (an SSE stream writes each list
+        at once: the end of a response is four or more events); the record is kept before the last one."""
         seq = 0
 
         def numbered(event: JSONObject) -> JSONObject:
@@ -324,33 +333,35 @@ class _Reply:
         parser, builder = self.parser(), OutputBuilder()
         finish = engine_pb2.FINISH_REASON_NONE
         started = False
+        batch: list[JSONObject] = []  # this message's events so far (an error ends them)
         async with contextlib.aclosing(upstream):  # type: ignore[type-var]
             try:
                 async for msg in upstream:
                     if not started:  # errors before the first message are an HTTP status
                         started = True
                         pending = dict(self.base, status="in_progress", output=[], usage=None)
-                        yield numbered({"type": "response.created", "response": pending})
-                        yield numbered({"type": "response.in_progress", "response": pending})
-                    if msg.index != 0:
-                        continue
-                    finished = msg.finish_reason != engine_pb2.FINISH_REASON_NONE
-                    if finished:
-                        finish = msg.finish_reason
-                    logprobs = lp.chat_content(msg.logprobs) if self.logprobs and msg.logprobs else None
-                    if not self.prewarm:
-                        for event in builder.feed(parser.feed(msg.text, len(msg.token_ids), finished), logprobs):
-                            yield numbered(event)
-                    if msg.HasField("usage"):
+                        batch += [numbered({"type": "response.created", "response": pending}),
+                                  numbered({"type": "response.in_progress", "response": pending})]
+                    if msg.index == 0:
+                        finished = msg.finish_reason != engine_pb2.FINISH_REASON_NONE
+                        if finished:
+                            finish = msg.finish_reason
+                        logprobs = lp.chat_content(msg.logprobs) if self.logprobs and msg.logprobs else None
                         if not self.prewarm:
-                            for event in builder.finish():
-                                yield numbered(event)
-                        final = self._final(builder, finish, Usage.from_proto(msg.usage), parser)
-                        if self.keep is not None:
-                            await self.keep(final)
-                        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-                        yield numbered({"type": kind, "response": final})
+                            fed = builder.feed(parser.feed(msg.text, len(msg.token_ids), finished), logprobs)
+                            batch += [numbered(event) for event in fed]
+                        if msg.HasField("usage"):
+                            if not self.prewarm:
+                                batch += [numbered(event) for event in builder.finish()]
+                            final = self._final(builder, finish, Usage.from_proto(msg.usage), parser)
+                            if self.keep is not None:
+                                await self.keep(final)
+                            kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+                            batch.append(numbered({"type": kind, "response": final}))
+                    if batch:
+                        yield batch
+                        batch = []
             except OpenAIError as err:
                 if not started:
                     raise
-                yield numbered({"type": "error", "code": err.code, "message": err.message, "param": err.param})
+                yield [*batch, numbered({"type": "error", "code": err.code, "message": err.message, "param": err.param})]
