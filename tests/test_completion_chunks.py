@@ -14,6 +14,8 @@ from gateway.config import GatewayConfig
 from gateway.connection_faults import ConnectionFaults
 from gateway.metrics import GatewayMetrics
 from gateway.prompts import parse_prompts
+from gateway.output_formats import ChoiceParser, OutputFormats
+from gateway.routes.chat import _Reply as ChatReply
 from gateway.routes.completions import _Reply
 from gateway.json_body import dumps
 from gateway.sse import chunk_frame, data_event
@@ -75,3 +77,46 @@ def test_a_chunk_frame_around_a_choice_is_the_whole_chunk(model: str, rid: str, 
         chunk["usage"] = None
     head, tail = chunk_frame(chunk)
     assert head + dumps(choice) + tail == data_event({**chunk, "choices": [choice]})
+
+
+def _chat_writes(texts: list[str], include_usage: bool) -> list[bytes]:
+    metrics = GatewayMetrics()
+    state = GatewayState(GatewayConfig(engines=["127.0.0.1:1"]), metrics, ConnectionFaults(metrics, 10.0))
+    reply = ChatReply("chatcmpl-x", 1700000000, "m", lambda: ChoiceParser.make(OutputFormats(), "", False),
+                      False, 1, state)
+    msgs = [engine_pb2.GenerateResponse(index=0, token_ids=[i + 1], text=t) for i, t in enumerate(texts)]
+    msgs.append(engine_pb2.GenerateResponse(index=0, finish_reason=engine_pb2.FINISH_REASON_STOP, usage=engine_pb2.Usage(
+        prompt_tokens=1, completion_tokens=len(texts))))
+
+    async def run() -> list[bytes]:
+        return [e async for e in reply.events(_messages(msgs), include_usage)]
+    return asyncio.run(run())
+
+
+def _events_of(write: bytes) -> list[dict[str, object] | str]:
+    """The SSE events in one write: each chunk's JSON, or "[DONE]"."""
+    out: list[dict[str, object] | str] = []
+    for event in write.split(b"\n\n"):
+        if event:
+            data = event[len(b"data: "):]
+            out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(texts=st.lists(st.text(min_size=1, max_size=8), min_size=0, max_size=4), include_usage=st.booleans())
+def test_a_chat_stream_writes_once_a_message(texts: list[str], include_usage: bool) -> None:
+    """The role chunk goes with the first message's tokens, each later message is one write, and the last
+    message's chunks go with [DONE]: the same events, in order, as a chunk per write gave."""
+    writes = _chat_writes(texts, include_usage)
+    assert len(writes) == len(texts) + 1  # a write a message (the last carries no text here)
+    events = [_events_of(w) for w in writes]
+    flat = [e for write in events for e in write]
+    assert flat[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # type: ignore[index]
+    contents = [e["choices"][0]["delta"].get("content") for e in flat[1:-1] if isinstance(e, dict) and e["choices"]]
+    assert "".join(c for c in contents if c) == "".join(texts)
+    assert flat[-1] == "[DONE]" and events[-1][-1] == "[DONE]"
+    if texts:
+        assert len(events[0]) == 2  # the role chunk and the first token's
+    finals = [e for e in flat if isinstance(e, dict) and e["choices"] and e["choices"][0]["finish_reason"]]
+    assert len(finals) == 1 and finals[0] in events[-1]
