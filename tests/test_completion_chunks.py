@@ -28,9 +28,14 @@ async def _messages(items: list[engine_pb2.GenerateResponse]) -> AsyncIterator[e
         yield item
 
 
-def _events(model: str, texts: list[str], include_usage: bool) -> list[bytes]:
+def unserved_state() -> GatewayState:
+    """A gateway's state for building replies without serving (its engine is never called)."""
     metrics = GatewayMetrics()
-    state = GatewayState(GatewayConfig(engines=["127.0.0.1:1"]), metrics, ConnectionFaults(metrics, 10.0))
+    return GatewayState(GatewayConfig(engines=["127.0.0.1:1"]), metrics, ConnectionFaults(metrics, 10.0))
+
+
+def _events(model: str, texts: list[str], include_usage: bool) -> list[bytes]:
+    state = unserved_state()
     reply = _Reply("cmpl-x", 1700000000, model, parse_prompts("p"), 1, False, False, state)
     msgs = [engine_pb2.GenerateResponse(index=0, token_ids=[i + 1], text=t) for i, t in enumerate(texts)]
     msgs.append(engine_pb2.GenerateResponse(index=0, finish_reason=engine_pb2.FINISH_REASON_LENGTH, usage=engine_pb2.Usage(
@@ -80,8 +85,7 @@ def test_a_chunk_frame_around_a_choice_is_the_whole_chunk(model: str, rid: str, 
 
 
 def _chat_writes(texts: list[str], include_usage: bool) -> list[bytes]:
-    metrics = GatewayMetrics()
-    state = GatewayState(GatewayConfig(engines=["127.0.0.1:1"]), metrics, ConnectionFaults(metrics, 10.0))
+    state = unserved_state()
     reply = ChatReply("chatcmpl-x", 1700000000, "m", lambda: ChoiceParser.make(OutputFormats(), "", False),
                       False, 1, state)
     msgs = [engine_pb2.GenerateResponse(index=0, token_ids=[i + 1], text=t) for i, t in enumerate(texts)]

@@ -554,7 +554,7 @@ def test_a_restore_checks_the_bytes_it_copied(tmp_path: Path, model, oracle, mon
         else:
             assert got.tier == "ram" and got.cached > 0 and link.rejected == rejected
         engine.check()
-        assert link._beside is not None, "the claim from KV-RAM copied on two threads"
+        assert link._helper_pool is not None, "the claim from KV-RAM copied on two threads"
     finally:
         engine.close()
         store.stop()

@@ -7,21 +7,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator
 
-from gateway.config import GatewayConfig
-from gateway.connection_faults import ConnectionFaults
 from gateway.errors import OpenAIError
-from gateway.metrics import GatewayMetrics
 from gateway.output_formats import ChoiceParser, OutputFormats
 from gateway.routes.responses import _Reply
-from gateway.state import GatewayState
 from ignis.v1 import engine_pb2
+from tests.test_completion_chunks import unserved_state
 
 
 def _reply() -> _Reply:
-    metrics = GatewayMetrics()
-    state = GatewayState(GatewayConfig(engines=["127.0.0.1:1"]), metrics, ConnectionFaults(metrics, 10.0))
     base = {"id": "resp_x", "object": "response", "created_at": 1, "model": "m"}
-    return _Reply(base, lambda: ChoiceParser.make(OutputFormats(), "", False), False, state)
+    return _Reply(base, lambda: ChoiceParser.make(OutputFormats(), "", False), False, unserved_state())
 
 
 def _messages(texts: list[str], fail: bool = False) -> list[engine_pb2.GenerateResponse]:

@@ -161,7 +161,7 @@ class StateCodec:
         cut where `unpack_steps(..., step_bytes)` cuts them, so `through(end)` after each step's copy
         hashes that copy; without, each run of consecutive pages is one update."""
         per_step = self._pages_per_step(step_bytes, len(pages)) if step_bytes else len(pages) or 1
-        pieces = [(p.start, p.copy) for p in self._slot_and_page_pieces(tokens, slot, pages, per_step)]
+        pieces = self._slot_and_page_pieces(tokens, slot, pages, per_step)
         return UnpackedTag(hasher, arena, offset, pieces, self.sections(tokens).logits, nbytes)
 
     def claim_pieces(self, tokens: int, nbytes: int, slot: int | None, pages: list[int]

@@ -113,7 +113,7 @@ class TierLink:
         # A claim from KV-RAM copies and checks on this many threads, the engine thread one of them: the
         # engine's CPU threads (torch's), which wait on the claim anyway.
         self.claim_threads = max(1, torch.get_num_threads())
-        self._beside: ThreadPoolExecutor | None = None  # the claims' other threads (first use)
+        self._helper_pool: ThreadPoolExecutor | None = None  # the claims' other threads (first use)
 
     # --- down ----------------------------------------------------------------------------
     def spill(self, s: Spillable) -> bool:
@@ -324,15 +324,15 @@ class TierLink:
 
     def close(self) -> None:
         """The engine is stopping: the claims' copy thread ends and the store connection closes."""
-        if self._beside is not None:
-            self._beside.shutdown(wait=True)
+        if self._helper_pool is not None:
+            self._helper_pool.shutdown(wait=True)
         self.client.close()
 
     def _helpers(self) -> ThreadPoolExecutor | None:
         """The threads that copy and check a claim from KV-RAM beside the engine thread (made at first use)."""
-        if self._beside is None and self.claim_threads > 1:
-            self._beside = ThreadPoolExecutor(self.claim_threads - 1, thread_name_prefix="ignis-restore-copies")
-        return self._beside
+        if self._helper_pool is None and self.claim_threads > 1:
+            self._helper_pool = ThreadPoolExecutor(self.claim_threads - 1, thread_name_prefix="ignis-restore-copies")
+        return self._helper_pool
 
     def restore(self, namespace: BlockHash, hit: TierHit, slot: int | None, pages: list[int], request_id: str = ""
                 ) -> tuple[ReuseTier, torch.Tensor | None] | None:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from engine.tiers.checked_copy import Piece
+
 
 def nbytes_of(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -27,12 +29,12 @@ def bytes_of(t: torch.Tensor) -> memoryview:
 
 @dataclass(slots=True)
 class UnpackedTag:
-    """`pieces`: (start relative to `offset`, the copy of those bytes), in arena order; the
-    logits, if copied, come to `finish` (they exist only after the last copy)."""
+    """`pieces`: the copies, each at its start relative to `offset`, in arena order; the logits,
+    if copied, come to `finish` (they exist only after the last copy)."""
     hasher: Any
     arena: torch.Tensor
     offset: int
-    pieces: list[tuple[int, torch.Tensor]]
+    pieces: list[Piece]
     logits_at: int
     nbytes: int
     _fed: int = field(default=0, init=False)  # the state's bytes the hasher has, from its start
@@ -41,10 +43,10 @@ class UnpackedTag:
     def through(self, end: int) -> None:
         """Feed every piece that ends by `end`: call it once the copies of the bytes before `end` are made."""
         while self._next < len(self.pieces):
-            start, copy = self.pieces[self._next]
-            if start + nbytes_of(copy) > end:
+            piece = self.pieces[self._next]
+            if piece.end > end:
                 return
-            self._copied(start, copy)
+            self._copied(piece.start, piece.copy)
             self._next += 1
 
     def finish(self, logits: torch.Tensor | None) -> None:
