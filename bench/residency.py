@@ -10,7 +10,11 @@ on the benchmark geometry (bench/geometry.py), CPU fp32 unless CUDA is there:
 3. inter-token latency of 4 running decodes while a ~150 MiB state spills, written on the step
    thread as the allocator reaches it vs written ahead by the copy worker, each vs nothing
    spilling (dense: its state is KV only, so 150 MiB is a prompt it can prefill);
-4. KV pool pages free with 8 retained states in host slots vs in device slots (hybrid).
+4. KV pool pages free with 8 retained states in host slots vs in device slots (hybrid);
+5. same-class pressure (dense, issue 49): 6 requests that each grow to 7 pages arrive together on a
+   16-page pool, all interactive: move-down vs recompute vs a pool with room to spare. Live moves
+   once traded the room back and forth here forever; every request must finish, each moved a few
+   times at most.
 
     python -m bench.residency [--hidden 1024 --layers 16] [--repeats 5] [--smoke] [--out DIR]
 
@@ -73,6 +77,10 @@ class Sizes:
     decoder_tokens: int = 48
     retained: int = 8
     retained_tokens: int = 1024
+    crowd: int = 6  # same-class pressure: requests, each prompt + tokens, on crowd_pages pages
+    crowd_prompt: int = 20
+    crowd_tokens: int = 80
+    crowd_pages: int = 16
 
     @classmethod
     def smoke(cls) -> Sizes:
@@ -300,6 +308,59 @@ PRESSURE_HEADERS = ["mode", "interactive TTFT p50 ms", "max ms", "agents done p5
                     "sequences recomputed", "recomputed tokens", "extra forward tokens", "greedy outputs vs other mode"]
 
 
+# --- 5. same-class pressure: every request finishes ------------------------------------------
+
+def crowd(model: Model, store: Service, z: Sizes) -> dict[str, Any]:
+    """z.crowd interactive requests arrive together on z.crowd_pages pages, each growing to more than a
+    third of the pool: moved down (a tierstore), recomputed (none), and with room to spare (the baseline)."""
+    prompts = {f"crowd{i}": random_prompt(z.crowd_prompt, 500 + i) for i in range(z.crowd)}
+    pages_each = -(-(z.crowd_prompt + z.crowd_tokens - 1) // P)
+    modes: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, dict[str, list[int]]] = {}
+    for mode, address, pages in (("room to spare", "", z.crowd * pages_each), ("move-down", store.address, z.crowd_pages),
+                                 ("recompute", "", z.crowd_pages)):
+        s = Stepper(model, kv_cache_bytes=pages * page_bytes(model), max_num_seqs=z.crowd, reuse_prompt=False,
+                    tierstore_address=address, tier_timeout=30.0)
+        try:
+            s.warm_up()
+            base, steps = s.core.stats(), s.steps
+            t0 = time.perf_counter()
+            for rid, prompt in prompts.items():
+                s.submit(rid, prompt, z.crowd_tokens)
+            s.step_until(lambda: all(s.done(r) for r in prompts), limit=100 * z.crowd * (z.crowd_prompt + z.crowd_tokens))
+            wall = time.perf_counter() - t0
+            stats = s.core.stats()
+            outputs[mode] = {rid: s.tokens(rid) for rid in prompts}
+            moves = {done.request_id: done.moves for _, done in s.core.outputs.recent if done.request_id in prompts}
+            modes[mode] = {
+                "pages": pages, "wall_s": wall, "steps": s.steps - steps,
+                "tokens": sum(len(t) for t in outputs[mode].values()),
+                "sequences_moved": moved(stats) - moved(base), "max_moves": max(moves.values()),
+                "thrash": stats.sequence_thrash - base.sequence_thrash,
+                "sequences_recomputed": stats.sequences_recomputed - base.sequences_recomputed,
+                "recomputed_tokens": s.lost_tokens,
+            }
+        finally:
+            s.close()
+    baseline = outputs["room to spare"]
+    for mode, m in modes.items():
+        m["identical"] = sum(1 for r in prompts if outputs[mode][r] == baseline[r])
+    return {"pages_each": pages_each, "requests": z.crowd, "modes": modes}
+
+
+def crowd_rows(res: dict[str, Any]) -> list[list[Any]]:
+    return [[mode, m["pages"], round(m["wall_s"], 2), m["steps"], round(m["tokens"] / m["wall_s"], 1),
+             m["sequences_moved"], m["max_moves"], m["thrash"], m["sequences_recomputed"], m["recomputed_tokens"],
+             f"identical ({m['identical']}/{res['requests']})" if m["identical"] == res["requests"]
+             else f"**differ** ({res['requests'] - m['identical']}/{res['requests']})"]
+            for mode, m in res["modes"].items()]
+
+
+CROWD_HEADERS = ["mode", "pool pages", "all done s", "steps", "tokens/s", "sequences moved down",
+                 "most moves of one request", "thrash", "sequences recomputed", "recomputed tokens",
+                 "greedy outputs vs room to spare"]
+
+
 # --- 2. the reuse tax --------------------------------------------------------------------------
 
 def reuse_tax(model: Model, z: Sizes) -> dict[str, Any]:
@@ -495,7 +556,7 @@ RING_NOTE = ("Device-slot captures copy the slot and a partial page inside the s
 
 
 def render(a: argparse.Namespace, z: Sizes, res: dict[str, Any], loads: tuple[float, float]) -> str:
-    p, t, sp, room = res["pressure"], res["tax"], res["spill"], res["room"]
+    p, t, sp, room, cr = res["pressure"], res["tax"], res["spill"], res["room"], res["crowd"]
     device = "CUDA" if torch.cuda.is_available() else f"CPU fp32, {res['threads']} threads"
     recompute = p["modes"]["recompute"]
     parts = [
@@ -549,6 +610,14 @@ def render(a: argparse.Namespace, z: Sizes, res: dict[str, Any], loads: tuple[fl
         "step (the staging ring, where built) hold their pages until the copy is collected; the figures are "
         "taken once they are. The retry claims one state back: from a device "
         "slot by sharing its pages, from a host slot by one host-to-device copy.",
+        f"#### 5. {z.crowd} requests of {cr['pages_each']} pages arrive together on {z.crowd_pages} (dense, one class)",
+        table.markdown(CROWD_HEADERS, crowd_rows(cr)),
+        f"All interactive, {z.crowd_prompt}-token prompts, {z.crowd_tokens} greedy tokens each (ignore_eos), "
+        "submitted in one step. *Room to spare*: a pool of every request's pages at once, the baseline for time and "
+        "tokens. *Most moves of one request*: the `moves` of its `ignis.request.done` line; *thrash*: "
+        "`ignis_sequence_thrash_total` (moved again with nothing computed since it resumed). Before issue 49's fix "
+        "the move-down row never finished: a move's freed room was admitted back to the moved sequence before the "
+        "decode it was freed for could take it.",
     ]
     return "\n\n".join(parts)
 
@@ -599,6 +668,7 @@ def main(argv: list[str] | None = None) -> int:
             del model
             dense_model = (load_model(dense, onednn_linears=True), Tokenizer.from_dir(dense))
             section("spill", "3. decodes while a state spills", lambda: spill_itl(dense_model, store, z))
+            section("crowd", "5. same-class pressure", lambda: crowd(dense_model, store, z))
     finally:
         torch.set_num_threads(threads)
         store.stop()

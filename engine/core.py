@@ -218,6 +218,7 @@ class EngineCore:
             sequences_moved=dict(self.moves.counters.moved),
             sequences_recomputed=t.preempted + self.moves.counters.restore_failures,
             moving=len(self.moves.moving),
+            sequence_thrash=self.moves.counters.thrash,
         )
 
     def request_snapshot(self) -> Future[EngineSnapshot]:

@@ -51,6 +51,9 @@ class MoveCounters:
     moved: dict[ReuseTier, int]  # committed below, by the tier they went to
     restore_failures: int = 0  # moved down, but the state could not be copied back: recomputed
     restored: int = 0
+    # Moved down again having computed nothing since it last resumed: the scheduler's rules make
+    # this impossible (a resumed sequence keeps its room for a hold), so each one is a bug to look at.
+    thrash: int = 0
 
 
 class LiveMoves:
@@ -81,6 +84,10 @@ class LiveMoves:
         reservation = self.link.reserve(name, seq.namespace, nbytes, seq.request.request_class, LIVE_PROTECT_SECONDS)
         if reservation is None:
             return False
+        if seq.moved_without_progress:
+            self.counters.thrash += 1
+            log.warning("request %s moved down again with no token computed since it resumed (move %d): "
+                        "this is a bug", seq.request.request_id, seq.moves + 1)
         self._moving[seq.seq_id] = _Move(seq, reservation, tokens, -(-tokens // self.page_size),
                                          started=time.perf_counter())
         seq.start_moving()

@@ -52,12 +52,13 @@ class FinishedRequest:
     tokens_out: int  # generated tokens, all choices
     finish_reason: str  # stop | length | abort | error
     duration_ms: float  # arrival to the last update
+    moves: int = 0  # times its sequences were moved down a tier to make room and resumed, all choices
 
     def event_fields(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "class": self.request_class, "prompt_tokens": self.prompt_tokens,
                 "cached_tokens": self.cached_tokens, "tier": self.tier, "kind": self.kind,
                 "ttft_ms": round(self.ttft_ms, 3), "tokens_out": self.tokens_out,
-                "finish_reason": self.finish_reason, "duration_ms": round(self.duration_ms, 3)}
+                "finish_reason": self.finish_reason, "duration_ms": round(self.duration_ms, 3), "moves": self.moves}
 
 
 @dataclass(slots=True, eq=False)  # compared and hashed by identity: a sequence points to its last one
@@ -191,6 +192,8 @@ class EngineCollector(Collector):
             ("ignis_preemptions", "Sequences preempted to make room (recomputed later)", s.requests_preempted),
             ("ignis_sequences_recomputed", "Live sequences that lost their state (no tier could hold it) and "
              "prefilled it again", s.sequences_recomputed),
+            ("ignis_sequence_thrash", "Live sequences moved down again with no token computed since they "
+             "resumed (each one is a scheduling bug)", s.sequence_thrash),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         moved = CounterMetricFamily("ignis_sequences_moved", "Live sequences moved down a tier to make room, "

@@ -244,7 +244,8 @@ class OutputProcessor:
             request_id=live.request.request_id, request_class=class_name(live.request.request_class),
             prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens, tier=usage.reuse.tier.value,
             kind=usage.reuse.kind.value, ttft_ms=usage.time_to_first_token_ms, tokens_out=usage.completion_tokens,
-            finish_reason=finish_reason, duration_ms=(time.monotonic() - live.request.arrival) * 1000)
+            finish_reason=finish_reason, duration_ms=(time.monotonic() - live.request.arrival) * 1000,
+            moves=sum(seq.moves for seq in live.seqs))
         log_event(events, "ignis.request.done", **done.event_fields())
         self.recent.append((time.time(), done))
         self.metrics.on_done(done)

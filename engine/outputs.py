@@ -83,3 +83,4 @@ class EngineStats:  # noqa: D101 - a snapshot for GetStats and /metrics
     sequences_moved: dict[ReuseTier, int] = field(default_factory=dict)  # live sequences moved down, by tier
     sequences_recomputed: int = 0  # live sequences that lost their state and prefilled it again
     moving: int = 0  # live sequences being moved down now
+    sequence_thrash: int = 0  # moved down again with nothing computed since they resumed (a bug if ever > 0)

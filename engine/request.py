@@ -135,6 +135,10 @@ class EngineSequence:
         self.held_for_inflight = False  # was held at admission while another computed its reusable state
         self.moved: MovedState | None = None  # where its state waits while it is moved down a tier
         self.moves = 0
+        # Set when it resumes from a move: the scheduler step until which it keeps its room, and its
+        # computed tokens then (moved again with no more computed is a thrash: engine/scheduler.py).
+        self.hold_until_step = 0
+        self.computed_at_resume: int | None = None
         # Sort key: higher sorts later = lower rank = preempted first (kept: the scheduler sorts every step).
         self.rank_key: tuple[int, float] = (int(request.request_class), request.arrival)
 
@@ -252,6 +256,16 @@ class EngineSequence:
     def take_moved(self) -> MovedState | None:
         moved, self.moved = self.moved, None
         return moved
+
+    def resumed(self, hold_until_step: int) -> None:
+        """Its moved-down state is back: it keeps its room until `hold_until_step` (hysteresis)."""
+        self.hold_until_step = hold_until_step
+        self.computed_at_resume = self.num_computed
+
+    @property
+    def moved_without_progress(self) -> bool:
+        """Resumed from a move and computed nothing since: moving it again would be a thrash."""
+        return self.computed_at_resume is not None and self.num_computed <= self.computed_at_resume
 
     def lose_state(self) -> None:
         """Its moved-down state could not be restored: prompt + output so far are prefilled again."""

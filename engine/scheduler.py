@@ -99,6 +99,7 @@ class Scheduler:
         self.waiting: dict[RequestClass, deque[EngineSequence]] = {c: deque() for c in RequestClass}
         self.running: list[EngineSequence] = []
         self._steady: SteadyDecodes | None = None  # the last plan, while it is the steady state
+        self._step = 0  # schedule() calls so far: the clock of a resumed sequence's hold
 
     # --- queues -------------------------------------------------------------
     def add(self, seq: EngineSequence) -> None:
@@ -152,8 +153,17 @@ class Scheduler:
             return
         self._release(victim)
         victim.reset_for_recompute()
-        self.waiting[victim.request.request_class].appendleft(victim)
+        self._requeue(victim)
         plan.preempted.append(victim)
+
+    def _requeue(self, seq: EngineSequence) -> None:
+        """Put a sequence that ran back in its queue: ahead of every newcomer of its class (it keeps the
+        rank it was admitted with), behind the ones that ran before it and rank above it."""
+        queue = self.waiting[seq.request.request_class]
+        at = 0
+        while at < len(queue) and queue[at].times.admitted is not None and queue[at].rank_key < seq.rank_key:
+            at += 1
+        queue.insert(at, seq)
 
     def move_down(self, seq: EngineSequence) -> bool:
         """Move a running sequence down a tier now (what pressure does; tests force it)."""
@@ -170,11 +180,11 @@ class Scheduler:
         for seq, moved in done:
             self._release(seq)
             seq.moved_down(moved)
-            self.waiting[seq.request.request_class].appendleft(seq)
+            self._requeue(seq)
         for seq in failed:  # the store went away mid-move: recompute instead
             self._release(seq)
             seq.reset_for_recompute()
-            self.waiting[seq.request.request_class].appendleft(seq)
+            self._requeue(seq)
             plan.preempted.append(seq)
 
     def _incoming(self) -> tuple[int, int]:
@@ -184,12 +194,25 @@ class Scheduler:
         pages = {p for p in self.mover.pages_in_flight() if self.pages.refcount(p) == 1}
         return len(pages), sum(1 for s in self.mover.moving if s.slot is not None)
 
-    def _lowest_running(self) -> EngineSequence | None:
-        return max(self.running, key=_RANK, default=None)
+    def _victim_below(self, rank: tuple[int, float]) -> EngineSequence | None:
+        """The lowest-ranked running sequence ranked strictly below `rank` that may give up its room now:
+        one that just resumed from a move keeps it for its hold (else the one that displaced it would
+        take the room back the moment it resumed, and the two would trade it forever)."""
+        step = self._step
+        return max((s for s in self.running if s.rank_key > rank and s.hold_until_step <= step),
+                   key=_RANK, default=None)
+
+    def _decode_headroom(self) -> int:
+        """Free pages the running decodes take this step (each whose next position starts a page):
+        admission leaves them, so room a move freed for a decode is not handed to the queue instead."""
+        size = self.limits.page_size
+        return sum(1 for s in self.running
+                   if len(s.token_ids) - s.num_computed == 1 and s.num_computed >= len(s.page_table) * size)
 
     # --- the step -------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        self._step += 1
         self.reuse.poll()  # captures copied off the step become claimable
         self._settle_moves(plan)
         self._admit(plan)
@@ -229,11 +252,15 @@ class Scheduler:
                     if self._incoming()[0] >= seq.pages_needed(seq.num_computed + 1, page_size):
                         waits = True  # a move in progress frees the page: wait a round for it
                         break
-                    victim = self._lowest_running()
-                    assert victim is not None
-                    self._displace(victim, plan)
-                    if victim is seq:
-                        break
+                    victim = self._victim_below(seq.rank_key)
+                    if victim is not None:
+                        self._displace(victim, plan)
+                        continue
+                    if max(self.running, key=_RANK) is seq and seq.hold_until_step <= self._step:
+                        self._displace(seq, plan)  # the lowest gives way to those above it
+                    else:
+                        waits = True  # what ranks below keeps its room a few steps more
+                    break
             if seq.status is SeqStatus.RUNNING and budget > 0 and not waits:
                 chunks.append(ScheduledChunk(seq, 1))
                 budget -= 1
@@ -312,6 +339,7 @@ class Scheduler:
         assert got is not None, "resumed without its pages: this is a bug"
         if self.mover.restore(seq, moved, got):
             seq.adopt(got, moved.tokens, seq.pending_logits)  # restored pages are published again
+            seq.resumed(self._step + self.limits.page_size)  # keeps its room for a page of decode steps
         else:
             self.pages.release(got)
             seq.lose_state()
@@ -328,21 +356,34 @@ class Scheduler:
             return total
         return total - claim.num_tokens // self.limits.page_size + self.reuse.revived_free_pages(claim)
 
-    def _fits(self, seq: EngineSequence, claim: Claim | None, incoming: tuple[int, int] = (0, 0)) -> bool:
-        """Whether `seq` fits now (with `incoming`: once the moves in progress have freed their room)."""
-        if len(self.running) >= self.limits.max_num_seqs:
+    def _fits(self, seq: EngineSequence, claim: Claim | None, incoming: tuple[int, int] = (0, 0),
+              leaving: int = 0) -> bool:
+        """Whether `seq` fits now (with `incoming`: once the moves in progress have freed their room; with
+        `leaving`: once that many running sequences have left), beside the pages the running decodes
+        take this step."""
+        if len(self.running) - leaving >= self.limits.max_num_seqs:
             return False
         if self.slots is not None and self.slots.num_free + incoming[1] == 0:
             return False
-        return self.pages.can_allocate(self._pages_for(seq, claim) - incoming[0])
+        return self.pages.can_allocate(self._pages_for(seq, claim) + self._decode_headroom() - incoming[0])
+
+    def _room_of(self, seqs: list[EngineSequence]) -> tuple[int, int]:
+        """(pages, slots) that `seqs` would free: pages only they hold, and their slots."""
+        pages = {p for s in seqs for p in s.page_table if self.pages.refcount(p) == 1}
+        return len(pages), sum(1 for s in seqs if s.slot is not None)
 
     def _make_room_for(self, seq: EngineSequence, claim: Claim | None, plan: StepPlan) -> bool:
-        """Displace running sequences ranked below `seq` (agent work for interactive) until it fits:
-        moved down, the room comes back over the next steps, and `seq` waits for it at the head."""
-        while not self._fits(seq, claim, self._incoming()):
-            victim = self._lowest_running()
-            if victim is None or victim.rank_key[0] <= seq.rank_key[0]:
-                return False
+        """Displace running sequences of a lower class than `seq` (agent work for interactive) until it
+        fits: moved down, the room comes back over the next steps, and `seq` waits for it at the head.
+        Nothing is displaced unless displacing all it may would make it fit."""
+        below = sorted((s for s in self.running if s.rank_key[0] > seq.rank_key[0]
+                        and s.hold_until_step <= self._step), key=_RANK, reverse=True)
+        incoming, room = self._incoming(), self._room_of(below)
+        if not self._fits(seq, claim, (incoming[0] + room[0], incoming[1] + room[1]), len(below)):
+            return False
+        for victim in below:
+            if self._fits(seq, claim, self._incoming()):
+                break
             self._displace(victim, plan)
         return self._fits(seq, claim)
 

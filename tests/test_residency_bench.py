@@ -27,7 +27,7 @@ def test_the_table_has_every_section(result: tuple[dict[str, Any], str]) -> None
     _, text = result
     assert text.startswith("### Residency under pressure")
     for header in (residency.PRESSURE_HEADERS, residency.TAX_HEADERS, residency.SPILL_HEADERS,
-                   residency.ROOM_HEADERS):
+                   residency.ROOM_HEADERS, residency.CROWD_HEADERS):
         assert "| " + " | ".join(header) + " |" in text
     assert "prefix at 32 + opener at 64" in text and residency.RING_NOTE in text
 
@@ -68,3 +68,16 @@ def test_tax_spill_and_room(result: tuple[dict[str, Any], str]) -> None:
     assert device["retained_pages"] == 8 * 64 // 16 and host["retained_pages"] == 0
     assert host["free_pages"] - device["free_pages"] == device["retained_pages"]
     assert (device["claim_tier"], host["claim_tier"]) == ("device", "host")
+
+
+def test_same_class_pressure_finishes_with_moves_and_no_thrash(result: tuple[dict[str, Any], str]) -> None:
+    """Issue 49's load (6 requests of 7 pages on 16, one class): every mode finishes, token for token."""
+    res, text = result
+    crowd = res["crowd"]
+    assert crowd["pages_each"] == 7 and "identical (6/6)" in text
+    for mode in crowd["modes"].values():
+        assert mode["identical"] == crowd["requests"] == 6 and mode["tokens"] == 6 * 80 and mode["thrash"] == 0
+    spare, move, recompute = (crowd["modes"][m] for m in ("room to spare", "move-down", "recompute"))
+    assert spare["sequences_moved"] == move["sequences_recomputed"] == move["recomputed_tokens"] == 0
+    assert 1 <= move["max_moves"] <= move["sequences_moved"] and move["max_moves"] <= crowd["pages_each"]
+    assert recompute["sequences_moved"] == 0 and recompute["sequences_recomputed"] >= 1
