@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-import engine.core
 import engine.runner
+import engine.step_sampling
 from bench import table
 from bench.drive import random_prompt
 from bench.geometry import ensure_geometry
@@ -120,10 +120,10 @@ def measure(path: Path, batch: int, steps: int, prompt: int = 16, churn: bool = 
         for (owner, name), build in zip(builders, originals):
             wrapped = timed.wrap("build batch", build.__func__ if isinstance(build, classmethod) else build)
             setattr(owner, name, classmethod(wrapped) if isinstance(build, classmethod) else wrapped)
-        # The sampler's own call only: what EngineCore._sample does with its tokens (appending them, the
+        # The sampler's own call only: what StepSampling.sample does with its tokens (appending them, the
         # detokenizer, stop checks) is the engine's Python, in the rest of the step.
-        sampler = engine.core.sample_rows
-        engine.core.sample_rows = timed.wrap("sample", sampler)
+        sampler = engine.step_sampling.sample_rows
+        engine.step_sampling.sample_rows = timed.wrap("sample", sampler)
         step_times = []
         try:
             for _ in range(steps):
@@ -135,7 +135,7 @@ def measure(path: Path, batch: int, steps: int, prompt: int = 16, churn: bool = 
         finally:
             for (owner, name), build in zip(builders, originals):
                 setattr(owner, name, build)
-            engine.core.sample_rows = sampler
+            engine.step_sampling.sample_rows = sampler
             del model.forward
     core.stop()
     total = sum(step_times)

@@ -197,8 +197,8 @@ class Stepper:
 
     def drain_copies(self) -> None:
         """Collect every copy the worker runs off the step (what a step's poll would do)."""
-        while self.core.reuse.copying:
-            self.core.reuse.poll()
+        while self.core.residency.copying:
+            self.core.residency.poll()
             time.sleep(0.001)
 
     def close(self) -> None:
@@ -516,12 +516,12 @@ def pool_room(model: Model, z: Sizes) -> dict[str, Any]:
             rid = s.run(f"{where}-claim", prompts[0])  # an exact retry claims a retained state
             usage = s.updates[rid][-1].usage
             assert usage is not None
-            host = s.core.reuse.host_slots
-            host_mib = host[0] * s.core.reuse.host.slot_bytes / MiB if host[0] else 0.0  # type: ignore[attr-defined]
+            host = s.core.residency.host_slots
+            host_mib = host[0] * s.core.residency.states.host.slot_bytes / MiB if host[0] else 0.0  # type: ignore[union-attr]
             slot_bytes = model[0].config.state_shape().state_bytes_per_slot(model[0].model.dtype)
             out[where] = {"pool_pages": pages, "free_pages": free, "retained_pages": stats.cached_pages,
                           "staging_ring": bool(getattr(s.core.config, "staging_ring", False)) and where == "host",
-                          "device_slot_mib": s.core.reuse.retained_slots[0] * slot_bytes / MiB,
+                          "device_slot_mib": s.core.residency.retained_slots[0] * slot_bytes / MiB,
                           "states": stats.retained_slots_used + stats.retained_host_slots_used,
                           "skips": stats.retained_slot_skips, "host_mib": host_mib,
                           "claim_tier": usage.reuse.tier.value, "claim_ttft_ms": usage.time_to_first_token_ms}

@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 from torch.profiler import profile, record_function
 
-import engine.core
+import engine.step_sampling
 import kernels.select
 from engine.core import EngineCore
 from engine.model.attention import Attention
@@ -50,12 +50,12 @@ def _patch(owner: Any, name: str, label: str, undo: list[Callable[[], None]]) ->
 
 
 # (owner, attribute, scope). Functions the model modules imported by name are patched where they
-# are looked up (engine.core.sample_rows, not engine.sampling.sampler.sample_rows).
+# are looked up (engine.step_sampling.sample_rows, not engine.sampling.sampler.sample_rows).
 CLASS_SCOPES: list[tuple[Any, str, str]] = [
     (EngineCore, "step", "ignis.step"),
     (Scheduler, "schedule", "ignis.scheduler"),
     (ForwardBatch, "build", "ignis.batch_build"),
-    (engine.core, "sample_rows", "ignis.sampling"),
+    (engine.step_sampling, "sample_rows", "ignis.sampling"),
     (CausalLM, "forward", "ignis.forward"),
     (Attention, "forward", "ignis.attention"),
     (GatedDeltaNet, "forward", "ignis.gdn"),

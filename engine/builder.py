@@ -1,5 +1,6 @@
 """Wiring: from an EngineConfig and a loaded model to the device cache, its pools,
-the reuse strategy and the tier link below it. Nothing here runs per step."""
+the residency layer (and the tier link below it) and the reuse policy on top of it.
+Nothing here runs per step."""
 
 from __future__ import annotations
 
@@ -9,16 +10,21 @@ from dataclasses import dataclass
 from engine.cache.page_reuse import PageReuse
 from engine.cache.retained import RetainedStateReuse
 from engine.cache.reuse import NoReuse, PromptReuse
-from engine.cache.staging import StagingRing
 from engine.config import EngineConfig
 from engine.kv.device_cache import CacheGeometry, DeviceCache, resolve_kv_dtype
 from engine.kv.host_slots import HostSlots
 from engine.kv.page_pool import PagePool, SlotPool
 from engine.model.loader import LoadedModel
 from engine.model.state_copy import row_copier
+from engine.residency.copy_worker import CopyWorker
+from engine.residency.counters import ReuseCounters
+from engine.residency.layer import Residency
+from engine.residency.live_moves import LiveMoves
+from engine.residency.page_chains import PageChains
+from engine.residency.retained_states import RetainedStates
+from engine.residency.staging import StagingRing
 from engine.tiers.client import TierClient
 from engine.tiers.codec import StateCodec
-from engine.tiers.copy_worker import CopyWorker
 from engine.tiers.integrity import IntegrityKey
 from engine.tiers.link import TierLink
 
@@ -31,7 +37,7 @@ class EngineParts:
     pages: PagePool
     slots: SlotPool | None  # live sequences' state slots (models with recurrent layers)
     reuse: PromptReuse
-    tiers: TierLink | None
+    residency: Residency
     max_model_len: int
 
 
@@ -58,8 +64,11 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     tiers = _tier_link(loaded, config, cache)  # retained state spills there; live sequences move there
     reuse: PromptReuse
     ahead_pages = _ahead_pages(config, num_pages) if tiers is not None else 0
+    moves = LiveMoves(tiers, config.page_size, config.spill_window_pages)
+    counters = ReuseCounters()
     if not config.reuse_prompt:
         reuse = NoReuse()
+        residency = Residency(moves, tiers=tiers)
     elif recurrent:
         codec = StateCodec(cache, model_cfg.vocab_size)
         host = _host_slots(config, codec, min(model_cfg.max_position_embeddings, num_pages * config.page_size),
@@ -70,12 +79,17 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         # The ring stages the slot and one page; the worker copies the rest into the host slot or the arena.
         ring = StagingRing(codec.sections(config.page_size).logits, pin=cache.kv.device.type == "cuda",
                            worker=worker) if staged else None
-        reuse = RetainedStateReuse(cache, pages, live_slots, retained_slots, config.retained_interactive_ttl,
-                                   tiers=tiers, restore_floor=config.restore_floor, host=host, codec=codec, ring=ring,
-                                   worker=worker, ahead_pages=ahead_pages)
+        states = RetainedStates(cache, pages, live_slots, retained_slots, config.retained_interactive_ttl, counters,
+                                tiers=tiers, host=host, codec=codec, ring=ring, worker=worker, ahead_pages=ahead_pages)
+        residency = Residency(moves, worker, states=states, tiers=tiers)
+        reuse = RetainedStateReuse(states, tiers=tiers, restore_floor=config.restore_floor)
     else:
-        reuse = PageReuse(pages, config.page_size, tiers=tiers, restore_floor=config.restore_floor,
-                          worker=CopyWorker() if ahead_pages else None, ahead_pages=ahead_pages)
+        worker = CopyWorker() if ahead_pages else None  # writes finished chains ahead of need
+        chains = PageChains(pages, tiers, config.page_size, worker=worker, ahead_pages=ahead_pages,
+                            counters=counters) if tiers is not None else None
+        residency = Residency(moves, worker, chains=chains, tiers=tiers)
+        reuse = PageReuse(pages, config.page_size, tiers=tiers, restore_floor=config.restore_floor, chains=chains,
+                          counters=counters)
     capacity = num_pages * config.page_size
     limit = config.max_model_len or model_cfg.max_position_embeddings
     max_model_len = min(limit, model_cfg.max_position_embeddings, capacity)
@@ -84,7 +98,7 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         num_pages, config.page_size, num_pages * page_bytes / 2**20, str(kv_dtype).removeprefix("torch."),
         num_slots, num_slots * shape.state_bytes_per_slot(dtype) / 2**20, max_model_len,
     )
-    return EngineParts(cache, pages, SlotPool(live_slots) if recurrent else None, reuse, tiers, max_model_len)
+    return EngineParts(cache, pages, SlotPool(live_slots) if recurrent else None, reuse, residency, max_model_len)
 
 
 def _ahead_pages(config: EngineConfig, num_pages: int) -> int:

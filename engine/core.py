@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -23,8 +22,8 @@ import xxhash
 
 from engine.builder import build_parts
 from engine.config import EngineConfig
-from engine.facts import RequestClass
-from engine.live_moves import LiveMoves
+from engine.engine_stats import gather_stats
+from engine.inbox import AbortRequest, AddRequest, Inbox, TakeSnapshot
 from engine.kv.chain_hash import BlockHash, Namespace, model_fingerprint, page_hashes
 from engine.kv.device_cache import namespace_dtype
 from engine.metrics import EngineMetrics
@@ -33,16 +32,15 @@ from engine.output_processor import Deltas, LiveRequest, OutputProcessor, Reques
 from engine.outputs import EngineStats, RequestUpdate
 from engine.request import EngineRequest, EngineSequence, FinishReason, SeqStatus
 from engine.runner import ModelRunner
-from engine.sampling.sampler import RequestSampler, SampleOutput, SamplerRows, sample_rows
+from engine.sampling.sampler import RequestSampler
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.state_listing import EngineSnapshot, take_snapshot
+from engine.step_sampling import StepSampling
 from engine.text.detokenizer import TextStream
 from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger("ignis.engine")
 
-# What takes a round's sampled tokens: OutputProcessor.append_sampled, or .decoded on the decode road.
-Appender = Callable[[list[EngineSequence], SampleOutput, Deltas, dict[str, str]], None]
 _MAX_NAMESPACES = 4096  # memoised cache_salt namespaces (keyed by the salt's digest: bounded in bytes too)
 
 
@@ -61,13 +59,15 @@ class EngineCore:
         self.config = config
         parts = build_parts(loaded, config)
         self.cache, self.pages, self.slots, self.reuse = parts.cache, parts.pages, parts.slots, parts.reuse
-        self.tiers = parts.tiers
+        self.residency = parts.residency  # every move of state: copies off the step, tiers, live moves
+        self.tiers = self.residency.tiers
         self.max_model_len = parts.max_model_len
         self.runner = ModelRunner(loaded.model, self.cache)
-        self.moves = LiveMoves(self.tiers, config.page_size, config.spill_window_pages)
+        self.moves = self.residency.moves
         self.scheduler = Scheduler(
             SchedulerLimits(config.page_size, config.max_num_seqs, config.prefill_chunk_tokens),
-            self.pages, self.slots, reuse=self.reuse, fork_copy=self.runner.fork_state, mover=self.moves,
+            self.pages, self.slots, reuse=self.reuse, fork_copy=self.runner.fork_state,
+            residency=self.residency,
         )
         self._fingerprint = model_fingerprint(loaded.config.fingerprint_fields(), loaded.weights_digest)
         self._namespaces: dict[bytes, BlockHash] = {}
@@ -77,15 +77,15 @@ class EngineCore:
         self.outputs = OutputProcessor(self.scheduler, self.reuse, self.eos_ids, self.max_model_len,
                                        self.metrics, self.totals)
         self._live: dict[str, LiveRequest] = {}
-        self._inbox: deque[tuple[str, object]] = deque()
-        self._wake = threading.Event()
-        self.reuse.notify_copies(self._wake.set)  # a copy off the step is through: collect it, even when idle
+        self._inbox = Inbox()
+        self._wake = self._inbox.wake
+        self.residency.notify_copies(self._wake.set)  # a copy off the step is through: collect it, even when idle
         self._lock = threading.Lock()
         self._listeners: tuple[Callable[[], None], ...] = ()  # told after each round of updates (step thread)
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._next_seq = 0
-        self._last_rows: tuple[list[EngineSequence], SamplerRows] | None = None  # see _sampler_rows
+        self.sampling = StepSampling(self.eos_ids, self.outputs.append_sampled)
 
     # --- public, any thread -------------------------------------------------------
     def start(self) -> None:
@@ -98,9 +98,7 @@ class EngineCore:
         if self._thread is not None:
             self._thread.join(timeout)
         if self._thread is None or not self._thread.is_alive():
-            self.reuse.close()
-            if self.tiers is not None:
-                self.tiers.close()
+            self.residency.close()
 
     def validate(self, request: EngineRequest) -> None:
         """Raise ValueError (a caller mistake) before anything is queued."""
@@ -131,12 +129,10 @@ class EngineCore:
             if len(self._live) >= self.config.max_queue:
                 raise QueueFull(f"the engine queue is full ({self.config.max_queue} requests)")
             self._live[request.request_id] = LiveRequest(request, sink, [])
-            self._inbox.append(("add", request))
-        self._wake.set()
+            self._inbox.put(AddRequest(request))
 
     def abort(self, request_id: str) -> None:
-        self._inbox.append(("abort", request_id))
-        self._wake.set()
+        self._inbox.put(AbortRequest(request_id))
 
     def add_update_listener(self, listener: Callable[[], None]) -> None:
         """Call `listener` on the step thread after each round of updates it hands to sinks (a step's,
@@ -164,62 +160,8 @@ class EngineCore:
                 self._namespaces[key] = found
         return found
 
-    def _page_use(self) -> tuple[int, int]:
-        """(pages held by live sequences, pages held only for reuse). Read from another
-        thread while the engine steps: a concurrent change makes us read again."""
-        for _ in range(100):
-            try:
-                live = {p for seq in list(self.scheduler.running) for p in list(seq.page_table)}
-                retained_only = self.reuse.held_pages() - live
-                return len(live), len(retained_only) + self.pages.num_cached
-            except RuntimeError:  # a dict changed size during iteration
-                continue
-        return self.pages.num_used, self.pages.num_cached
-
     def stats(self) -> EngineStats:
-        running = list(self.scheduler.running)
-        live_pages, cached_pages = self._page_use()
-        retained_total, retained_used = self.reuse.retained_slots
-        host_total, host_used = self.reuse.host_slots
-        rc = self.reuse.counters
-        t = self.totals
-        return EngineStats(
-            waiting_interactive=len(self.scheduler.waiting[RequestClass.INTERACTIVE]),
-            waiting_agent=len(self.scheduler.waiting[RequestClass.AGENT]),
-            running_interactive=sum(1 for s in running if s.request.request_class is RequestClass.INTERACTIVE),
-            running_agent=sum(1 for s in running if s.request.request_class is RequestClass.AGENT),
-            total_pages=self.pages.num_pages,
-            used_pages=live_pages,
-            cached_pages=cached_pages,
-            page_size=self.config.page_size,
-            total_slots=self.slots.num_slots if self.slots else 0,
-            used_slots=self.slots.num_used if self.slots else 0,
-            requests_finished=t.finished,
-            requests_cancelled=t.cancelled,
-            requests_preempted=t.preempted,
-            prompt_tokens=t.prompt_tokens,
-            generated_tokens=t.generated_tokens,
-            retained_slots_total=retained_total,
-            retained_slots_used=retained_used,
-            retained_host_slots_total=host_total,
-            retained_host_slots_used=host_used,
-            retained_hits=rc.hits,
-            retained_misses=rc.misses,
-            reused_tokens=dict(rc.reused_tokens),
-            prefix_reused_tokens=rc.prefix_reused_tokens,
-            retained_slot_skips=rc.slot_skips,
-            retained_protected_skips=rc.protected_skips,
-            retained_staging_skips=rc.staging_skips,
-            spills_ahead=rc.spills_ahead,
-            spills_on_step=rc.spills_on_step,
-            copy_waits=self.reuse.copy_waits,
-            retained_promotions=rc.promotions,
-            inflight_holds=rc.inflight_holds,
-            sequences_moved=dict(self.moves.counters.moved),
-            sequences_recomputed=t.preempted + self.moves.counters.restore_failures,
-            moving=len(self.moves.moving),
-            sequence_thrash=self.moves.counters.thrash,
-        )
+        return gather_stats(self.scheduler, self.residency, self.reuse.counters, self.totals)
 
     def request_snapshot(self) -> Future[EngineSnapshot]:
         """A copy of the stats and the retained-state index for the Monitor (any thread): taken by the
@@ -228,14 +170,13 @@ class EngineCore:
         if self._thread is None or not self._thread.is_alive():  # a synchronous driver, or stopped
             future.set_result(self.snapshot())
             return future
-        self._inbox.append(("snapshot", future))
-        self._wake.set()
+        self._inbox.put(TakeSnapshot(future))
         return future
 
     def snapshot(self) -> EngineSnapshot:
         """The copy itself (the thread that steps)."""
         started = time.perf_counter()
-        return take_snapshot(self.stats(), self.reuse, self.pages, list(self._namespaces.values()),
+        return take_snapshot(self.stats(), self.residency, self.pages, list(self._namespaces.values()),
                              list(self.outputs.recent), started)
 
     def check_integrity(self) -> None:
@@ -253,8 +194,8 @@ class EngineCore:
             self.drain_inbox()
             if not self.scheduler.has_work():
                 self._updates_sent()  # what the inbox ended (cancels) is on its way before the wait
-                if self.reuse.copying:
-                    self.reuse.poll()  # frees what finished copies held; makes their states claimable
+                if self.residency.copying:
+                    self.residency.poll()  # frees what finished copies held; makes their states claimable
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
@@ -271,23 +212,17 @@ class EngineCore:
 
     def drain_inbox(self) -> None:
         """Take in what submit and abort queued (the step thread does it; synchronous drivers call it before step())."""
-        while self._inbox:
-            kind, item = self._inbox.popleft()
-            if kind == "add":
-                assert isinstance(item, EngineRequest)
-                self._add(item)
-            elif kind == "abort":
-                assert isinstance(item, str)
-                self._cancel(item)
-            elif kind == "snapshot":
-                assert isinstance(item, Future)
-                if not item.set_running_or_notify_cancel():  # the caller gave up waiting
-                    continue
+        while (message := self._inbox.take()) is not None:
+            if isinstance(message, AddRequest):
+                self._add(message.request)
+            elif isinstance(message, AbortRequest):
+                self._cancel(message.request_id)
+            elif message.future.set_running_or_notify_cancel():  # TakeSnapshot; False: the caller gave up
                 try:
-                    item.set_result(self.snapshot())
+                    message.future.set_result(self.snapshot())
                 except Exception as exc:  # a bug: the listing fails, the engine goes on
                     log.exception("taking the Monitor's snapshot failed")
-                    item.set_exception(exc)
+                    message.future.set_exception(exc)
 
     def _new_seq(self, request: EngineRequest, choice: int, sampler: RequestSampler) -> EngineSequence:
         self._next_seq += 1
@@ -372,7 +307,7 @@ class EngineCore:
             for child in self.scheduler.fork_children(seq):
                 to_sample.append((child, res.next_token_logits))
         if to_sample:
-            self._sample([seq for seq, _ in to_sample], torch.stack([row for _, row in to_sample]), deltas, failed)
+            self.sampling.sample([seq for seq, _ in to_sample], torch.stack([row for _, row in to_sample]), deltas, failed)
         self._finish_step(deltas, failed)
 
     def _decoded(self, seqs: list[EngineSequence], logits: torch.Tensor) -> None:
@@ -390,41 +325,10 @@ class EngineCore:
             seq.num_computed += 1  # mark_computed(1), whose check the plan already made (one pending each)
         # No logits: each is past its prompt's last token, where the only capture that keeps logits is made.
         self.reuse.after_decodes(seqs)
-        self._sample(seqs, logits, deltas, failed, self.outputs.decoded)
+        self.sampling.sample(seqs, logits, deltas, failed, self.outputs.decoded)
 
     def _finish_step(self, deltas: Deltas, failed: dict[str, str]) -> None:
         for rid, message in failed.items():
             deltas.pop(rid, None)
             self._fail(rid, message)
         self.outputs.emit(self._live, deltas)
-
-    def _sampler_rows(self, seqs: list[EngineSequence], device: torch.device) -> SamplerRows:
-        """The samplers of `seqs`: the last step's again when it is the same list (the steady state's)."""
-        last = self._last_rows
-        if last is not None and last[0] is seqs:
-            return last[1]
-        rows = SamplerRows.of([s.sampler for s in seqs], device)
-        self._last_rows = (seqs, rows)  # held: the list is not freed (and its id reused) while compared
-        return rows
-
-    def _sample(self, seqs: list[EngineSequence], logits: torch.Tensor, deltas: Deltas,
-                failed: dict[str, str], handle: Appender | None = None) -> None:
-        """Sample the batch (logits [B, V], row i for seqs[i]) in one call and hand the tokens to `handle`
-        (append_sampled unless told); if sampling raises, sample each sequence alone so that one request's
-        failure ends that request only (`failed`: request id -> why)."""
-        # What raises in sampling does so before any draw (the checks and logit processing come
-        # first, and capped logits keep the probabilities finite), so a retry draws what the batch
-        # would have: no generator state needs saving on every step.
-        try:
-            out = sample_rows(logits, self._sampler_rows(seqs, logits.device), self.eos_ids,
-                              lambda: [s.num_output for s in seqs])
-        except Exception:
-            if len(seqs) == 1:
-                log.exception("sampling failed for request %s", seqs[0].request.request_id)
-                failed.setdefault(seqs[0].request.request_id, "sampling failed for this request (see the engine log)")
-                return
-            log.warning("batched sampling failed: sampling the %d sequences one by one", len(seqs))
-            for i, seq in enumerate(seqs):
-                self._sample([seq], logits[i : i + 1], deltas, failed)
-            return
-        (handle or self.outputs.append_sampled)(seqs, out, deltas, failed)

@@ -19,7 +19,8 @@ from typing import overload
 from engine.cache.reuse import Claim, NoReuse, PromptReuse
 from engine.facts import RequestClass
 from engine.kv.page_pool import PagePool, SlotPool
-from engine.live_moves import LiveMoves
+from engine.residency.layer import Residency
+from engine.residency.live_moves import LiveMoves
 from engine.request import EngineSequence, MovedState, SeqStatus
 from engine.steady_decodes import SteadyDecodes
 from engine.tracing import admission_stage
@@ -89,13 +90,14 @@ class SchedulerLimits:
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, pages: PagePool, slots: SlotPool | None,
                  reuse: PromptReuse | None = None, fork_copy: ForkCopy | None = None,
-                 mover: LiveMoves | None = None) -> None:
+                 residency: Residency | None = None) -> None:
         self.limits = limits
         self.pages = pages
         self.slots = slots
         self.reuse = reuse or NoReuse()
         self._fork_copy = fork_copy
-        self.mover = mover
+        self.residency = residency
+        self.mover: LiveMoves | None = residency.moves if residency is not None else None
         self.waiting: dict[RequestClass, deque[EngineSequence]] = {c: deque() for c in RequestClass}
         self.running: list[EngineSequence] = []
         self._steady: SteadyDecodes | None = None  # the last plan, while it is the steady state
@@ -213,7 +215,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         self._step += 1
-        self.reuse.poll()  # captures copied off the step become claimable
+        if self.residency is not None:
+            self.residency.poll()  # captures copied off the step become claimable
         self._settle_moves(plan)
         self._admit(plan)
         budget = self.limits.step_token_budget
@@ -418,13 +421,14 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.pages.check_integrity()
-        self.reuse.check_integrity()
+        if self.residency is not None:
+            self.residency.check_integrity()
         if self.slots is not None:
             self.slots.check_integrity()
         held = {p for s in self.running for p in s.page_table}
-        held |= self.reuse.held_pages()
-        if self.mover is not None:
-            held |= set(self.mover.pages_in_flight())
+        if self.residency is not None:
+            held |= self.residency.held_pages()
+            held |= set(self.residency.moves.pages_in_flight())
         if len(held) != self.pages.num_used:
             # Every page in use is held by a running sequence or a retained state; otherwise it leaked.
             raise AssertionError(f"{self.pages.num_used} pages used but {len(held)} are held")

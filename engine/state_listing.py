@@ -24,8 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from common.eviction import EvictionOrder
-from engine.cache.reuse import PromptReuse
-from engine.cache.retained_state import StateView
+from engine.residency.layer import Residency
+from engine.residency.retained_state import StateView
 from engine.facts import ReuseKind, ReuseTier
 from engine.kv.page_pool import PagePool
 from engine.metrics import FinishedRequest
@@ -55,10 +55,10 @@ class EngineSnapshot:
     copy_ms: float  # what taking it cost the engine thread
 
 
-def take_snapshot(stats: EngineStats, reuse: PromptReuse, pages: PagePool, namespaces: Iterable[bytes],
+def take_snapshot(stats: EngineStats, residency: Residency, pages: PagePool, namespaces: Iterable[bytes],
                   recent: Iterable[tuple[float, FinishedRequest]], started: float) -> EngineSnapshot:
     """Engine thread: copies only. `started`: perf_counter() when the copy began (stats included)."""
-    states, names, ring = tuple(reuse.describe()), tuple(namespaces), tuple(recent)
+    states, names, ring = tuple(residency.describe()), tuple(namespaces), tuple(recent)
     return EngineSnapshot(time.monotonic(), time.time(), stats, states, names, ring, pages.num_registered,
                           (time.perf_counter() - started) * 1000)
 

@@ -95,7 +95,7 @@ class Engine:
     def settle(self) -> None:
         """Wait until the copies the engine runs off the step are collected (counters are final)."""
         deadline = time.monotonic() + 30
-        while self.core.reuse.copying:
+        while self.core.residency.copying:
             assert time.monotonic() < deadline, "copies off the step never finished"
             time.sleep(0.01)
 
@@ -287,7 +287,7 @@ def test_dense_pages_spill_when_the_pool_reuses_them_and_hit_from_ram(tmp_path: 
         assert engine.core.pages.num_pages == 16
         for topic in TOPICS:  # ~5 pages each: the later ones reuse the first ones' pages
             same(engine.run(topic), dense_oracle(topic))
-        chains = engine.core.reuse.chains  # type: ignore[attr-defined]
+        chains = engine.core.residency.chains
         assert chains.spills >= 1
         assert engine.core.pages.page_for(engine_page_hashes(engine, TOPICS[0])[0]) is None  # gone from the device
         n = len(engine.request(TOPICS[0], turns=2).prompt_ids)
@@ -313,7 +313,7 @@ def test_a_dense_chain_is_written_ahead_off_the_step_and_hits_from_ram(tmp_path:
     store = tierstore(tmp_path, arena=4 * MiB, disk=0)
     engine = Engine(*dense_model, tierstore=store.address, kv_cache_bytes=16 * page_bytes, spill_ahead_pages=16)
     try:
-        worker = engine.core.reuse.worker  # type: ignore[attr-defined]
+        worker = engine.core.residency.worker
         same(engine.run(TOPICS[0]), dense_oracle(TOPICS[0]))
         worker.running.clear()  # the write ahead starts with the next step and cannot finish
         same(engine.run(TOPICS[1]), dense_oracle(TOPICS[1]))  # ran to its end beside the write
@@ -348,7 +348,7 @@ def test_a_write_ahead_the_store_dies_under_loses_nothing_live(tmp_path: Path, d
     store = tierstore(tmp_path, arena=4 * MiB, disk=0)
     engine = Engine(*dense_model, tierstore=store.address, kv_cache_bytes=16 * page_bytes, spill_ahead_pages=16)
     try:
-        worker = engine.core.reuse.worker  # type: ignore[attr-defined]
+        worker = engine.core.residency.worker
         same(engine.run(TOPICS[0]), dense_oracle(TOPICS[0]))
         worker.running.clear()
         same(engine.run(TOPICS[1]), dense_oracle(TOPICS[1]))  # the write of TOPICS[0]'s chain is queued
@@ -399,7 +399,7 @@ def test_a_capture_straight_to_ram_is_claimed_only_once_written(tmp_path: Path, 
     try:
         for topic in TOPICS[:2]:  # the first two fill the device's two slots (protected: interactive)
             same(engine.run(topic), oracle(topic))
-        worker = engine.core.reuse.worker  # type: ignore[attr-defined]
+        worker = engine.core.residency.worker
         engine.settle()
         worker.running.clear()
         same(engine.run(TOPICS[2]), oracle(TOPICS[2]))  # its captures are staged, their writes held back

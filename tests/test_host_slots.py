@@ -35,7 +35,7 @@ def test_later_turns_and_subagents_hit_host_slots(hybrid: tuple[LoadedModel, Tok
     warm = Harness(loaded, tokenizer, reuse=True, retained_device=0, retained_host=4)
     cold = Harness(loaded, tokenizer, reuse=False)
     try:
-        assert warm.core.reuse.retained_slots == (0, 0) and warm.core.reuse.host_slots == (4, 0)
+        assert warm.core.residency.retained_slots == (0, 0) and warm.core.residency.host_slots == (4, 0)
         task = conversation("Find the flaky test.")
         first = warm.run(warm.request(task, tools=TOOLS))[0]
         same(first, cold.run(cold.request(task, tools=TOOLS))[0])
@@ -65,14 +65,14 @@ def test_a_claimed_host_state_moves_up_to_a_free_device_slot(hybrid: tuple[Loade
         task = conversation("Find the flaky test.")
         want = cold.run(cold.request(task, tools=TOOLS))[0]
         same(warm.run(warm.request(task, tools=TOOLS))[0], want)
-        assert warm.core.reuse.retained_slots == (1, 0)  # captured on the host, not the device
+        assert warm.core.residency.retained_slots == (1, 0)  # captured on the host, not the device
         tiers = []
         for _ in range(2):
             again = warm.run(warm.request(task, tools=TOOLS))[0]
             same(again, want)
             tiers.append(again.tier)
         assert tiers == ["host", "device"]
-        assert warm.core.stats().retained_promotions == 1 and warm.core.reuse.retained_slots == (1, 1)
+        assert warm.core.stats().retained_promotions == 1 and warm.core.residency.retained_slots == (1, 1)
         warm.core.check_integrity()
     finally:
         warm.close()
@@ -108,7 +108,7 @@ def test_a_capture_is_claimable_only_once_its_staged_copy_is_done(hybrid: tuple[
     warm = Harness(loaded, tokenizer, reuse=True, retained_device=0, retained_host=4)
     cold = Harness(loaded, tokenizer, reuse=False)
     try:
-        ring = warm.core.reuse.ring  # type: ignore[attr-defined]
+        ring = warm.core.residency.states.ring  # type: ignore[union-attr]
         ring.running.clear()
         task = conversation("Profile the decoder.")
         first = warm.run(warm.request(task))[0]  # its opener and reply-end captures wait in the ring
@@ -136,7 +136,7 @@ def test_a_capture_that_finds_both_staging_buffers_busy_is_skipped_and_counted(
     loaded, tokenizer = hybrid
     warm = Harness(loaded, tokenizer, reuse=True, retained_device=0, retained_host=4)
     try:
-        ring = warm.core.reuse.ring  # type: ignore[attr-defined]
+        ring = warm.core.residency.states.ring  # type: ignore[union-attr]
         ring.running.clear()
         # No system message, so no shared head: each request captures its opener and its reply's end.
         warm.run(warm.request([{"role": "user", "content": "Check the disk budget."}]))  # both buffers busy

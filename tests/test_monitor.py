@@ -366,7 +366,7 @@ def test_host_states_are_listed_in_their_own_eviction_order(tiny_model_dir: Path
         assert [r.rank for r in ready] == list(range(len(ready)))  # ranked first, least recently used first
         assert [r.idle_seconds for r in ready] == sorted((r.idle_seconds for r in ready), reverse=True)
         assert not any(r.HasField("rank") for r in rows if not r.ready)  # being copied: it cannot leave yet
-        codec = warm.core.reuse.codec  # type: ignore[attr-defined]
+        codec = warm.core.residency.states.codec  # type: ignore[union-attr]
         assert all(r.bytes in (codec.nbytes(r.tokens, False), codec.nbytes(r.tokens, True)) for r in rows)
         # A host state holds no device page, except its full pages while its staged copy still reads them.
         assert all(r.pages == 0 for r in rows if r.ready)

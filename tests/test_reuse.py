@@ -286,7 +286,7 @@ def test_retained_slots_exhausted_skip_and_count(model: tuple[str, LoadedModel, 
     cold = Harness(loaded, tokenizer, reuse=False)
     try:
         first = warm.run(warm.request([{"role": "user", "content": "interactive and protected"}], max_tokens=1))[0]
-        assert warm.core.reuse.retained_slots == (1, 1)
+        assert warm.core.residency.retained_slots == (1, 1)
         skips = warm.core.reuse.counters.slot_skips
         # An agent capture may not evict a protected interactive state: it is skipped and counted.
         req = warm.request([{"role": "user", "content": "agent work"}], max_tokens=3, cls=RequestClass.AGENT)

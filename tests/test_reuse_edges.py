@@ -318,7 +318,7 @@ def test_three_turn_lineage_keeps_only_the_newest_two_checkpoints(hybrid: Model,
     r3 = engine.run(p3, reply_len)
     assert (r3.cached, r3.kind) == (len(p2) + reply_len - 1, "checkpoint")  # turn 2's reply
     # Turn 3's opener and reply; turn 1's and turn 2's checkpoints were released.
-    states = reuse.eviction_order()  # type: ignore[attr-defined]
+    states = reuse.states.eviction_order()  # type: ignore[attr-defined]
     assert sorted(s.num_tokens for s in states) == [len(p3), len(p3) + reply_len - 1]
     assert len({s.lineage for s in states}) == 1
     # What is kept still hits; what was released does not, at any length of its own.

@@ -6,39 +6,35 @@ the rest. At least one token is always computed, so the claim stops one token
 short of the prompt's end.
 
 With a tierstore, a finished sequence's pages are written to KV-RAM when the
-device reuses them (page_chains.py), and a prompt whose pages the device no
+device reuses them (engine/residency/page_chains.py), and a prompt whose pages the device no
 longer holds is restored from the store when that beats the device match by the
 restore floor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from engine.cache.page_chains import PageChain, PageChains
-from engine.cache.retained_state import StateView
 from engine.cache.reuse import Claim, DevicePages
 from engine.cache.tier_claims import LowerTierClaims, TieredReuse
 from engine.facts import ReuseKind
 from engine.kv.chain_hash import common_pages, extend_page_hashes
 from engine.kv.page_pool import PagePool
 from engine.request import CommitPolicy, EngineSequence
-from engine.tiers.copy_worker import CopyWorker
+from engine.residency.counters import ReuseCounters
+from engine.residency.page_chains import PageChain, PageChains
 from engine.tiers.link import TierLink
 
 
 class PageReuse(TieredReuse):
     def __init__(self, pages: PagePool, page_size: int, tiers: TierLink | None = None,
-                 restore_floor: int = 32, worker: CopyWorker | None = None, ahead_pages: int = 0) -> None:
-        super().__init__()
+                 restore_floor: int = 32, chains: PageChains | None = None,
+                 counters: ReuseCounters | None = None) -> None:
+        super().__init__(counters)
         self.pages = pages
         self.page_size = page_size
-        self.worker = worker  # writes chains ahead of need (page_chains.py)
+        self.chains = chains  # the residency layer's: finished chains it writes below as they leave the device
         self.lower = LowerTierClaims(tiers, pages, page_size, restore_floor) if tiers is not None else None
-        self.chains = PageChains(pages, tiers, page_size, worker=worker, ahead_pages=ahead_pages,
-                                 counters=self.counters) if tiers is not None else None
 
     def _claimable_pages(self, seq: EngineSequence) -> int:
         """Full pages a claim may cover: one token of the prompt is always computed."""
@@ -109,36 +105,3 @@ class PageReuse(TieredReuse):
         if self.chains is not None and seq.request.publishes and seq.num_registered:
             self.chains.add(PageChain(seq.namespace, tuple(seq.page_hashes[:seq.num_registered]),
                                       seq.request.request_class))
-
-    def describe(self) -> list[StateView]:
-        """The finished page chains tracked for the tier below (one row per chain, not per page);
-        without a tierstore none are tracked and the pool's counts say it all."""
-        if self.chains is None:
-            return []
-        return self.chains.views()
-
-    def poll(self) -> None:
-        if self.worker is not None:
-            self.worker.collect()
-        if self.chains is not None:
-            self.chains.write_ahead()
-
-    def notify_copies(self, wake: Callable[[], None]) -> None:
-        if self.worker is not None:
-            self.worker.notify = wake
-
-    @property
-    def copying(self) -> bool:
-        return self.worker is not None and self.worker.in_flight > 0
-
-    @property
-    def copy_waits(self) -> int:
-        return self.worker.waits if self.worker is not None else 0
-
-    def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
-
-    def check_integrity(self) -> None:
-        if self.chains is not None:
-            self.chains.check_integrity()

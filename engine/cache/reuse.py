@@ -9,14 +9,14 @@ strategy when `reuse.prompt` is off.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from engine.cache.retained_state import RetainedState, StateView
-from engine.facts import ReuseKind, ReuseReport, ReuseTier
+from engine.facts import ReuseKind, ReuseTier
 from engine.request import EngineSequence
+from engine.residency.counters import ReuseCounters
+from engine.residency.retained_state import RetainedState
 from engine.tiers.link import TierHit
 
 
@@ -59,38 +59,12 @@ class Claim:
         return self.source.state.tier if isinstance(self.source, HeldState) else ReuseTier.DEVICE
 
 
-def _per_tier() -> dict[ReuseTier, int]:
-    return {tier: 0 for tier in ReuseTier if tier is not ReuseTier.NONE}
-
-
-@dataclass(slots=True)
-class ReuseCounters:
-    hits: int = 0
-    misses: int = 0
-    reused_tokens: dict[ReuseTier, int] = field(default_factory=_per_tier)
-    prefix_reused_tokens: int = 0
-    slot_skips: int = 0  # captures lost: no slot, no state the newcomer may displace, no tier below took it
-    protected_skips: int = 0  # captures that found the lowest-ranked state protected (not displaced)
-    captures_below: int = 0  # captures written straight to the tier below (no device slot to take)
-    staging_skips: int = 0  # host captures skipped because both staging buffers were busy
-    spills_ahead: int = 0  # states written to KV-RAM off the step, before the device gave them up
-    spills_on_step: int = 0  # states written to KV-RAM on the step, as the device gave them up
-    promotions: int = 0  # host states moved up to a free device slot when claimed
-    inflight_holds: int = 0  # admissions held back while a running sequence computed what they would claim
-    captures: int = 0
-    evictions: int = 0
-
-    def count_hit(self, seq: EngineSequence, claim: Claim, tier: ReuseTier) -> None:
-        self.hits += 1
-        self.reused_tokens[tier] += claim.num_tokens
-        if claim.kind is ReuseKind.PREFIX:
-            self.prefix_reused_tokens += claim.num_tokens
-        seq.record_reuse(ReuseReport(tier, claim.kind, claim.num_tokens))
-
-
 class PromptReuse(ABC):
-    def __init__(self) -> None:
-        self.counters = ReuseCounters()
+    """Reuse policy: what a prompt matches, how a claim is applied, where a prefill is cut to capture
+    state, what is published. Where retained state lives and how it moves is engine/residency/'s."""
+
+    def __init__(self, counters: ReuseCounters | None = None) -> None:
+        self.counters = counters if counters is not None else ReuseCounters()
 
     @abstractmethod
     def match(self, seq: EngineSequence) -> Claim | None:
@@ -141,50 +115,9 @@ class PromptReuse(ABC):
         if claim is None:
             self.counters.misses += 1
         else:
-            self.counters.count_hit(seq, claim, claim.tier)
+            self.counters.count_hit(seq, claim.kind, claim.num_tokens, claim.tier)
             if isinstance(claim.source, HeldState):
                 claim.source.state.hits += 1
-
-    def describe(self) -> list[StateView]:
-        """A copy of what it retains, one row per state (engine thread; the Monitor's listing)."""
-        return []
-
-    def held_pages(self) -> set[int]:
-        """Pages kept in use by retained state (not by any live sequence)."""
-        return set()
-
-    @property
-    def retained_slots(self) -> tuple[int, int]:
-        """(total, used) retained-state slots on the device."""
-        return (0, 0)
-
-    @property
-    def host_slots(self) -> tuple[int, int]:
-        """(total, used) retained-state slots on the host."""
-        return (0, 0)
-
-    def poll(self) -> None:
-        """At the start of each step, and when idle after `notify_copies` fired: finish work done
-        off the step (staged copies, writes ahead) and start what is due."""
-
-    def notify_copies(self, wake: Callable[[], None]) -> None:
-        """Call `wake` (from the copy worker) whenever a copy off the step is through."""
-
-    @property
-    def copying(self) -> bool:
-        """Copies off the step are in flight (the engine polls them even when it has no work)."""
-        return False
-
-    @property
-    def copy_waits(self) -> int:
-        """Times a step waited for a copy off the step to finish before reusing the memory it read."""
-        return 0
-
-    def close(self) -> None:
-        """The engine stops: finish or drop work in flight."""
-
-    def check_integrity(self) -> None:
-        pass
 
 
 class NoReuse(PromptReuse):

@@ -84,7 +84,7 @@ class LowerTierClaims:
         if restored is None or restored[0] != seq.seq_id:
             reuse.counters.misses += 1  # the restore failed: served cold
             return
-        reuse.counters.count_hit(seq, claim, restored[1])
+        reuse.counters.count_hit(seq, claim.kind, claim.num_tokens, restored[1])
 
 
 class TieredReuse(PromptReuse):

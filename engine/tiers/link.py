@@ -1,6 +1,6 @@
 """Retained states moving between the device and the tierstore: spill, look up, restore.
 
-Used on the engine thread, and by the copy worker (engine/tiers/copy_worker.py) for
+Used on the engine thread, and by the copy worker (engine/residency/copy_worker.py) for
 spills written ahead of need. Every failure ends in "nothing happened": a spill that
 fails loses the state (as without a store), a restore that fails leaves the sequence
 cold.

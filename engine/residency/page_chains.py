@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 from engine.kv.chain_hash import BlockHash
 from engine.kv.page_pool import PagePool
-from engine.cache.retained_state import StateView
-from engine.cache.reuse import ReuseCounters
+from engine.residency.retained_state import StateView
+from engine.residency.counters import ReuseCounters
 from engine.facts import RequestClass, ReuseKind, ReuseTier
-from engine.tiers.copy_worker import CopyJob, CopyWorker
+from engine.residency.copy_worker import CopyJob, CopyWorker
 from engine.tiers.link import Spillable, TierLink
 
 

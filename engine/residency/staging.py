@@ -4,7 +4,7 @@ A capture into a host slot must not make the prefill wait while its KV pages are
 copied (the bulk of a long state). On the step, only the part that keeps
 changing is copied: the sequence's recurrent slot and its partial last page go
 into a free ring buffer. Its full pages are immutable once computed; the capture
-holds a reference to them, and the worker thread (engine/tiers/copy_worker.py)
+holds a reference to them, and the worker thread (engine/residency/copy_worker.py)
 copies them, and the staged bytes, into the host slot while the engine steps on.
 The engine thread collects finished copies at the start of a step: only then is
 the state claimable and are the page references dropped. A capture that finds
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.tiers.copy_worker import CopyJob, CopyWorker
+from engine.residency.copy_worker import CopyJob, CopyWorker
 
 RING_SIZE = 2
 
