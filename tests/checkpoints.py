@@ -15,7 +15,22 @@ ARCHITECTURES = (
     "Qwen3_5ForCausalLM",
     "Qwen3NextForCausalLM",
     "Qwen3NextForCausalLM-moe",
+    # As the Qwen3.5/3.6 family and Qwen3-MoE are published: the text model nested in a multimodal one.
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3MoeForCausalLM",
 )
+# Models that route each token to its top-k experts: a rounding that moves a router's score across a
+# near tie sends a token to another expert, a step change in its logits (tests with rounding bound it).
+ROUTED_ARCHITECTURES = frozenset({"Qwen3NextForCausalLM-moe", "Qwen3_5MoeForConditionalGeneration",
+                                  "Qwen3MoeForCausalLM"})
+# A tiny vision tower for the multimodal classes (its out_hidden_size is the text model's hidden size).
+_VISION: dict[str, Any] = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8,
+                               temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+# M-RoPE as the Qwen3.5 checkpoints publish it; over a text prompt its three axes share one position.
+_MROPE: dict[str, Any] = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                              mrope_section=[1, 1, 0], mrope_interleaved=True)
+_MOE: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=512,
@@ -63,6 +78,23 @@ def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module
     elif name == "Qwen3_5ForCausalLM":
         config = tf.Qwen3_5TextConfig(**{**_HYBRID, **kwargs})  # the caller's layer_types win
         cls = tf.Qwen3_5ForCausalLM
+    elif name in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
+        text = {**_HYBRID, **kwargs, "rope_parameters": _MROPE}
+        tie = text.pop("tie_word_embeddings")
+        if name == "Qwen3_5ForConditionalGeneration":
+            config = tf.Qwen3_5Config(text_config=text, vision_config={**_VISION, "out_hidden_size": text["hidden_size"]},
+                                      tie_word_embeddings=tie)
+            cls = tf.Qwen3_5ForConditionalGeneration
+        else:
+            text.pop("intermediate_size")
+            config = tf.Qwen3_5MoeConfig(text_config={**text, **_MOE, "shared_expert_intermediate_size": 64},
+                                         vision_config={**_VISION, "out_hidden_size": text["hidden_size"]},
+                                         tie_word_embeddings=tie)
+            cls = tf.Qwen3_5MoeForConditionalGeneration
+    elif name == "Qwen3MoeForCausalLM":
+        # Layer 1 is a dense MLP (mlp_only_layers), the others routed; top-k weights not renormalised.
+        config = tf.Qwen3MoeConfig(**kwargs, **_MOE, mlp_only_layers=[1], norm_topk_prob=False)
+        cls = tf.Qwen3MoeForCausalLM
     elif name == "Qwen3NextForCausalLM":
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                    shared_expert_intermediate_size=64, decoder_sparse_step=1)
@@ -81,9 +113,24 @@ def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module
     return model
 
 
-def make_checkpoint(directory: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
-    """Save a tiny random checkpoint with save_pretrained; returns its directory."""
+def make_checkpoint(directory: Path, arch: str, seed: int = 0, max_shard_size: str | None = None,
+                    **overrides: Any) -> Path:
+    """Save a tiny random checkpoint with save_pretrained; returns its directory. The published
+    multimodal and MoE classes are sharded (many small files and an index) as they ship."""
     model = make_hf_model(arch, seed, **overrides)
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory)
+    if max_shard_size is None and arch in ARCHITECTURES[-3:]:
+        max_shard_size = "100KB"
+    model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return directory
+
+
+def load_hf(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The transformers oracle for a checkpoint: the class its config.json names (a multimodal class
+    is called with input_ids alone, as a text request is)."""
+    import json
+
+    import transformers as tf
+
+    arch = json.loads((path / "config.json").read_text())["architectures"][0]
+    return getattr(tf, arch).from_pretrained(path, dtype=dtype).eval()

@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
-from checkpoints import ARCHITECTURES
+from checkpoints import ARCHITECTURES, load_hf
 from engine.model.loader import LoadedModel, load_model
 from engine.offline import greedy_generate
 from engine.text.tokenizer import Tokenizer
@@ -55,13 +55,11 @@ def test_logits_match_transformers_on_cuda(arch: str, dtype: str, checkpoint_dir
 
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3_5ForCausalLM", "MistralForCausalLM"])
 def test_greedy_generation_matches_transformers_on_cuda(arch: str, checkpoint_dir: Callable[[str], Path]) -> None:
-    import transformers
-
     path = checkpoint_dir(arch)
     loaded = load_model(path, dtype="float32", device=CUDA)
     ids = make_prompt(24, seed=7)
     ours = greedy_generate(loaded, ids, 32, PAGE, stop_token_ids=frozenset({2}), prefill_chunk=10)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(CUDA).eval()
+    hf = load_hf(path, torch.float32).to(CUDA).eval()
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids], device=CUDA), max_new_tokens=32, do_sample=False, eos_token_id=2,
                           pad_token_id=0)

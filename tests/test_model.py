@@ -8,7 +8,7 @@ from typing import Callable
 import pytest
 import torch
 
-from checkpoints import ARCHITECTURES
+from checkpoints import ARCHITECTURES, load_hf
 from engine.kv.device_cache import CacheGeometry, DeviceCache
 from engine.model.batch import CPU_PADDED_DECODE_MAX_CONTEXT, ForwardBatch, LogitsWanted, SequenceChunk
 from engine.model.cpu_linear import OneDnnLinear
@@ -44,9 +44,7 @@ def run_chunks(loaded: LoadedModel, cache: DeviceCache, ids: list[int], sizes: l
 
 def hf_logits(path: Path, ids: list[int], dtype: torch.dtype = torch.float32, device: torch.device = CPU
               ) -> torch.Tensor:
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    hf = load_hf(path, dtype).to(device).eval()
     with torch.no_grad():
         return hf(torch.tensor([ids], device=device)).logits[0].float().cpu()
 
@@ -156,13 +154,11 @@ def test_decode_batch_of_many_sequences(arch: str, lengths: tuple[int, ...], che
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_generation_matches_transformers(arch: str, checkpoint_dir: Callable[[str], Path]) -> None:
-    import transformers
-
     path = checkpoint_dir(arch)
     loaded = load_model(path, onednn_linears=True)  # as the engine service loads it
     ids = make_prompt(24, seed=7)
     ours = greedy_generate(loaded, ids, 32, PAGE, stop_token_ids=frozenset({2}))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = load_hf(path, torch.float32).eval()
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=2, pad_token_id=0)
     assert ours.token_ids == ref[0, len(ids):].tolist()

@@ -96,13 +96,25 @@ class Harness:
         assert self.core.stats().used_pages == 0
 
 
-MODELS = ["dense", "hybrid"]
+# "hybrid" is ignis-tiny (Qwen3_5ForCausalLM); the published ones are the classes the Qwen3.5/3.6
+# family ships under (the text model nested in a multimodal one, dense MLP or MoE), hybrid too.
+MODELS = ["dense", "hybrid", "qwen3.5-published", "qwen3.5-moe-published"]
+_PUBLISHED = {"qwen3.5-published": "Qwen3_5ForConditionalGeneration",
+              "qwen3.5-moe-published": "Qwen3_5MoeForConditionalGeneration"}
 
 
 @pytest.fixture(scope="module", params=MODELS)
-def model(request: pytest.FixtureRequest, tiny_model_dir: Path, dense_chat_model_dir: Path
-          ) -> tuple[str, LoadedModel, Tokenizer]:
-    path = tiny_model_dir if request.param == "hybrid" else dense_chat_model_dir
+def model(request: pytest.FixtureRequest, tiny_model_dir: Path, dense_chat_model_dir: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> tuple[str, LoadedModel, Tokenizer]:
+    if request.param in _PUBLISHED:
+        from checkpoints import make_checkpoint
+        from engine.text.tiny_tokenizer import TINY_VOCAB_SIZE, write_tiny_tokenizer
+
+        path = make_checkpoint(tmp_path_factory.mktemp("published"), _PUBLISHED[request.param], seed=3,
+                               vocab_size=TINY_VOCAB_SIZE, hidden_size=128)
+        write_tiny_tokenizer(path)
+    else:
+        path = tiny_model_dir if request.param == "hybrid" else dense_chat_model_dir
     return request.param, load_model(path), Tokenizer.from_dir(path)
 
 
@@ -143,7 +155,7 @@ def test_same_prompt_twice(pair) -> None:  # type: ignore[no-untyped-def]
     same(first, oracle)
     same(second, oracle)
     n = len(req.prompt_ids)
-    if name == "hybrid":  # the opener checkpoint carries its logits: nothing is prefilled again
+    if name != "dense":  # the opener checkpoint carries its logits: nothing is prefilled again
         assert (second.cached, second.kind) == (n, "checkpoint")
     else:
         assert (second.cached, second.kind) == ((n - 1) // P * P, "pages")
@@ -160,7 +172,7 @@ def test_turn_two_reuses_turn_one(pair) -> None:  # type: ignore[no-untyped-def]
     same(r2, cold.run(cold.request(turn2, max_tokens=6, tools=TOOLS))[0])
     full1 = list(req1.prompt_ids) + r1.tokens[:-1]  # the last sampled token was never computed
     shared = common_prefix(full1, req2.prompt_ids)
-    if name == "hybrid":
+    if name != "dense":
         # Retained at the opener (end of prompt 1) and at the end of the reply: the longest that prefixes turn 2.
         candidates = [m for m in (len(req1.prompt_ids), len(full1)) if m <= shared]
         assert r2.cached == max(candidates) and r2.kind == "checkpoint"
@@ -181,12 +193,12 @@ def test_subagent_burst_shares_the_system_and_tools_head(pair) -> None:  # type:
         same(result, cold.run(cold.request(conversation(task), tools=TOOLS))[0])
     assert results[0].cached == 0
     for k in range(1, len(tasks)):
-        if name == "hybrid":
+        if name != "dense":
             assert (results[k].cached, results[k].kind) == (head, "prefix")
         else:
             best = max(common_prefix(requests[k].prompt_ids, requests[j].prompt_ids) for j in range(k))
             assert results[k].cached == min(best, len(requests[k].prompt_ids) - 1) // P * P >= head
-    assert warm.core.reuse.counters.prefix_reused_tokens == (4 * head if name == "hybrid" else 0)
+    assert warm.core.reuse.counters.prefix_reused_tokens == (4 * head if name != "dense" else 0)
 
 
 def test_identical_heads_arriving_together_are_prefilled_once(model: tuple[str, LoadedModel, Tokenizer]) -> None:
@@ -205,7 +217,7 @@ def test_identical_heads_arriving_together_are_prefilled_once(model: tuple[str, 
         assert results[0].cached == 0 and results[-1].cached == 0
         for result in results[1:-1]:
             assert result.cached >= head
-            if name == "hybrid":
+            if name != "dense":
                 assert result.kind == "prefix"
         assert held.core.reuse.counters.inflight_holds == len(tasks) - 1
         assert held.core.stats().inflight_holds == len(tasks) - 1
@@ -280,7 +292,7 @@ def test_misses(pair) -> None:  # type: ignore[no-untyped-def]
 
 def test_retained_slots_exhausted_skip_and_count(model: tuple[str, LoadedModel, Tokenizer]) -> None:
     name, loaded, tokenizer = model
-    if name != "hybrid":
+    if name == "dense":
         pytest.skip("retained-state slots are a hybrid-model mechanism; dense models share pages")
     warm = Harness(loaded, tokenizer, reuse=True, retained_device=1)
     cold = Harness(loaded, tokenizer, reuse=False)

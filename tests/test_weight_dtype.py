@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from checkpoints import ARCHITECTURES
+from checkpoints import ARCHITECTURES, ROUTED_ARCHITECTURES, load_hf
 from engine.model import loader
 from engine.model.cpu_linear import OneDnnLinear, onednn_available, onednn_bf16_available
 from engine.model.loader import load_model
@@ -31,7 +31,12 @@ needs_bf16 = pytest.mark.skipif(not onednn_bf16_available(),
 # top-k experts, and a near tie the sum order flips moves a token to another expert: 4 ulps
 # measured. Against the plain fp32 oracle the same logits differ by 2e-2 to 1.4e-1 (the bf16
 # rounding itself), which these bounds would not pass but for Qwen3-Next's.
+# Qwen3_5ForConditionalGeneration: 3 ulps measured. Its transformers class runs the same text model as
+# Qwen3_5ForCausalLM (fp32 logits within 7e-6 of ours, as the text class's are) in another op order, and
+# rounding every linear's input to bf16 turns a last-bit fp32 difference into ulps; ours against the text
+# class is 0.
 BF16_TOLERANCE = 2 * 2**-7
+OTHER_ORDER_TOLERANCE = 4 * 2**-7
 ROUTED_TOLERANCE = 8 * 2**-7
 # On a CPU with AMX, oneDNN's bf16 inner product runs on its tiles (TDPBF16PS), which sum in
 # another order than the AVX-512 kernels: measured on a Sapphire Rapids VM, 2.5 ulps on Qwen3,
@@ -51,9 +56,7 @@ def _amx_bf16() -> bool:
 
 
 def rounded_oracle(path: Path, ids: list[int]) -> torch.Tensor:
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = load_hf(path, torch.float32).eval()
     def bf16(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.bfloat16).float()
 
@@ -69,7 +72,7 @@ def rounded_oracle(path: Path, ids: list[int]) -> torch.Tensor:
 
 
 @needs_bf16
-@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if not a.endswith("-moe")])
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "Qwen3NextForCausalLM-moe"])
 def test_bf16_weights_match_the_rounded_oracle(arch: str, checkpoint_dir: Callable[[str], Path]) -> None:
     path = checkpoint_dir(arch)
     loaded = load_model(path, onednn_linears=True, weight_dtype="bfloat16")
@@ -82,7 +85,9 @@ def test_bf16_weights_match_the_rounded_oracle(arch: str, checkpoint_dir: Callab
     plain = (ours - hf_logits(path, ids)).abs().max().item()
     print(f"{arch}: bf16 weights, max |logit diff| vs the bf16 oracle = {diff:.3e}, vs fp32 = {plain:.3e}")
     dense_bound = AMX_TOLERANCE if _amx_bf16() else BF16_TOLERANCE
-    assert diff <= (ROUTED_TOLERANCE if arch == "Qwen3NextForCausalLM" else dense_bound)
+    routed = arch == "Qwen3NextForCausalLM" or arch in ROUTED_ARCHITECTURES
+    bound = OTHER_ORDER_TOLERANCE if arch == "Qwen3_5ForConditionalGeneration" else dense_bound
+    assert diff <= (ROUTED_TOLERANCE if routed else max(bound, dense_bound))
 
 
 @needs_bf16

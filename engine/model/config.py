@@ -22,13 +22,24 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "Qwen3ForCausalLM": {"qkv_bias": None, "qk_norm": True, "gated": False},
     "Qwen3_5ForCausalLM": {"qkv_bias": None, "qk_norm": True, "gated": True},
     "Qwen3NextForCausalLM": {"qkv_bias": None, "qk_norm": True, "gated": True},
+    "Qwen3_5MoeForCausalLM": {"qkv_bias": None, "qk_norm": True, "gated": True},
+    "Qwen3MoeForCausalLM": {"qkv_bias": None, "qk_norm": True, "gated": False},
 }
-SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
+# The classes the Qwen3.5/3.6 family is published under: a multimodal model whose text model (config.json's
+# `text_config`, weights under `model.language_model.`) is the family named here. Served text-only; the
+# vision tower's weights are kept beside it (engine/model/loader.py).
+_TEXT_MODEL_OF: dict[str, str] = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+SUPPORTED_ARCHITECTURES = (*_FAMILIES, *_TEXT_MODEL_OF)
+_HYBRID = frozenset({"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"})
+_MOE = frozenset({"Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3MoeForCausalLM"})
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    architecture: str
+    architecture: str  # as config.json names it (a published multimodal class, for one)
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -69,6 +80,7 @@ class ModelConfig:
     norm_topk_prob: bool = True
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    text_architecture: str = ""  # the text model's family when `architecture` nests one; else the same
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -152,18 +164,39 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
     return theta, scaling, partial
 
 
+def _text_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The text model's settings: `cfg` itself, or the `text_config` a multimodal class nests (its
+    top-level `tie_word_embeddings` and EOS ids, where given, are the model's)."""
+    if arch not in _TEXT_MODEL_OF:
+        return cfg
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"config.json: {arch} needs a text_config object (the text model's settings)")
+    top = {k: cfg[k] for k in ("tie_word_embeddings", "eos_token_id") if cfg.get(k) is not None}
+    return {**text, **top}
+
+
 def parse_config(cfg: dict[str, Any]) -> ModelConfig:
     archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in _FAMILIES), None)
-    if arch is None:
+    published = next((a for a in archs if a in _FAMILIES or a in _TEXT_MODEL_OF), None)
+    if published is None:
         raise CheckpointError(
             f"config.json: architectures {archs!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    arch = _TEXT_MODEL_OF.get(published, published)
+    text, raw = _text_config(cfg, published), cfg
+    quantization = raw.get("quantization_config") or text.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+        raise CheckpointError(f"config.json: quantization {method!r} is not supported; ignis serves unquantized "
+                              "checkpoints (float32, bfloat16, float16 weights)")
+    cfg = text
     traits = _FAMILIES[arch]
     hidden = int(_require(cfg, "hidden_size"))
     heads = int(_require(cfg, "num_attention_heads"))
     layers = int(_require(cfg, "num_hidden_layers"))
-    hybrid = arch in ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")
+    hybrid = arch in _HYBRID
+    moe = arch in _MOE
     layer_types = cfg.get("layer_types")
     if layer_types is None:
         if hybrid:
@@ -182,11 +215,12 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     window = cfg.get("sliding_window")
     return ModelConfig(
-        architecture=arch,
-        model_type=str(cfg.get("model_type", "")),
+        architecture=published,
+        model_type=str(raw.get("model_type", "")),
         vocab_size=int(_require(cfg, "vocab_size")),
         hidden_size=hidden,
-        intermediate_size=int(_require(cfg, "intermediate_size")),
+        # An MoE text model whose every layer is routed may have no dense MLP size.
+        intermediate_size=int(cfg.get("intermediate_size") or 0) if moe else int(_require(cfg, "intermediate_size")),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -211,16 +245,19 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
         linear_value_head_dim=int(cfg.get("linear_value_head_dim", 0)),
         linear_conv_kernel=int(cfg.get("linear_conv_kernel_dim", 0)),
         fused_gdn_projections=arch == "Qwen3NextForCausalLM",
-        num_experts=int(cfg.get("num_experts", 0) or 0) if arch == "Qwen3NextForCausalLM" else 0,
+        # transformers writes Qwen3-MoE's expert count as num_local_experts; the published configs say num_experts.
+        num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if moe else 0,
         num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0) or 0),
         moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0),
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
         decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
         mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        # Qwen3.5's router always renormalises its top-k weights (it has no such setting).
+        norm_topk_prob=True if arch == "Qwen3_5MoeForCausalLM" else bool(cfg.get("norm_topk_prob", True)),
         eos_token_ids=eos_ids,
-        torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
-        raw=cfg,
+        torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype"),
+        text_architecture=arch,
+        raw=raw,
     )
 
 

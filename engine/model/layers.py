@@ -168,7 +168,8 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Top-k routed experts plus a sigmoid-gated shared expert (Qwen3-Next)."""
+    """Top-k routed experts, plus a sigmoid-gated shared expert where the family has one (Qwen3-Next,
+    Qwen3.5-MoE; Qwen3-MoE has none)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -176,8 +177,9 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = Router(config.num_experts, config.hidden_size)
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
-        self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        shared = config.shared_expert_intermediate_size
+        self.shared_expert = MLP(config.hidden_size, shared) if shared else None
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float32)
@@ -185,5 +187,6 @@ class SparseMoE(nn.Module):
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         routed = self.experts(x, top_ids, top_w.to(x.dtype))
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed + shared
+        if self.shared_expert is None or self.shared_expert_gate is None:
+            return routed
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -7,9 +7,9 @@ from memory-mapped safetensors; only a dtype or device change makes a copy.
 from __future__ import annotations
 
 import hashlib
-
+import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,8 +22,13 @@ from engine.model.errors import CheckpointError
 from engine.model.layers import Rotary
 from engine.model.safetensors_mmap import SafetensorsFile, open_checkpoint_weights
 
-# Tensors some checkpoints carry that a text-only decoder does not use.
-_IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.)|rotary_emb\.inv_freq$")
+log = logging.getLogger("ignis.engine")
+
+# The checkpoint's own parts a text decoder does not run: kept beside it, memory-mapped and not copied,
+# for what will serve them (the vision tower for images, the MTP layer for speculative decoding), and
+# named in the load log; never dropped silently.
+_SIDE_PARTS = (("vision tower", re.compile(r"^(model\.visual\.|visual\.)")), ("mtp", re.compile(r"^mtp\.")))
+_DERIVED = re.compile(r"rotary_emb\.inv_freq$")  # recomputed from the config
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -34,6 +39,8 @@ class LoadedModel:
     path: Path
     weights_digest: bytes  # identity of the weights, for the reuse namespace
     files: tuple[SafetensorsFile, ...]  # keeps the memory maps alive
+    # The checkpoint's parts text decoding does not run, by part ("vision tower", "mtp"): name -> tensor.
+    side_weights: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 def resolve_dtype(name: str, device: torch.device, config: ModelConfig) -> torch.dtype:
@@ -45,13 +52,20 @@ def resolve_dtype(name: str, device: torch.device, config: ModelConfig) -> torch
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}") from None
 
 
-def _normalise_names(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def _normalise_names(tensors: dict[str, torch.Tensor], config: ModelConfig, side: dict[str, dict[str, torch.Tensor]]
+                     ) -> dict[str, torch.Tensor]:
+    """The decoder's tensors under its parameter names (per-expert tensors stacked); the checkpoint's
+    other parts go into `side`."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for name, tensor in tensors.items():
-        if name.startswith("model.language_model."):  # multimodal Qwen3.5 checkpoints
+        if name.startswith("model.language_model."):  # the text model of a multimodal checkpoint
             name = "model." + name[len("model.language_model."):]
-        if _IGNORED.search(name):
+        part = next((part for part, pattern in _SIDE_PARTS if pattern.search(name)), None)
+        if part is not None:
+            side.setdefault(part, {})[name] = tensor
+            continue
+        if _DERIVED.search(name):
             continue
         match = _PER_EXPERT.match(name)
         if match:  # per-expert layout on disk -> the stacked layout the model uses
@@ -87,7 +101,8 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev, config)
     tensors, digest, files = open_checkpoint_weights(path)
-    tensors = _normalise_names(tensors, config)
+    side: dict[str, dict[str, torch.Tensor]] = {}
+    tensors = _normalise_names(tensors, config, side)
 
     with torch.device("meta"):
         model = CausalLM(config)
@@ -120,6 +135,7 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
             f"({len(unexpected)} unexpected tensors)"
         )
     model.load_state_dict(state, assign=True, strict=True)
+    _log_parts(path, config, len(expected), side)
     model.rotary = Rotary(config, dev)
     model.eval()
     packed = torch_dtype if weight_dtype == "auto" else WEIGHT_DTYPES.get(weight_dtype)
@@ -137,4 +153,15 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
     if onednn_linears:
         # copies the linear weights out of the mapped files (cpu_linear.py says why)
         use_onednn_linears(model, packed if packed != torch_dtype else torch.float32)
-    return LoadedModel(model=model, config=config, path=path, weights_digest=digest, files=tuple(files))
+    return LoadedModel(model=model, config=config, path=path, weights_digest=digest, files=tuple(files),
+                       side_weights=side)
+
+
+def _log_parts(path: Path, config: ModelConfig, decoder_tensors: int, side: dict[str, dict[str, torch.Tensor]]
+               ) -> None:
+    """One line: what was loaded for text decoding, and what the checkpoint carries that was not."""
+    kept = [f"{part} ({len(ts)} tensors, {sum(t.numel() * t.element_size() for t in ts.values()) / 2**20:.1f} MiB)"
+            for part, ts in sorted(side.items())]
+    text = f" (the text model of {config.architecture})" if config.text_architecture != config.architecture else ""
+    log.info("loaded %s: %s%s, %d tensors; %s", path.name, config.text_architecture or config.architecture, text,
+             decoder_tensors, "kept, not run by text decoding: " + ", ".join(kept) if kept else "nothing else in it")

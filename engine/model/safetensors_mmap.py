@@ -92,7 +92,9 @@ def open_checkpoint_weights(checkpoint: Path) -> tuple[dict[str, torch.Tensor], 
     for name in shard_names:
         shard_path = checkpoint / name
         if not shard_path.is_file():
-            raise CheckpointError(f"{index}: shard {name} is listed but missing")
+            held = sorted(t for t, shard in weight_map.items() if shard == name)
+            more = f" and {len(held) - 1} more" if len(held) > 1 else ""
+            raise CheckpointError(f"{index}: shard {name} is listed but missing (it holds {held[0]!r}{more})")
         shard = open_safetensors(shard_path)
         files.append(shard)
         digest.update(shard.digest)

@@ -1,0 +1,163 @@
+"""Checkpoints as the Qwen3.5/3.6 family and Qwen3-MoE are published (issue 42).
+
+Their logits, chunking, batching and greedy generation against transformers are in
+tests/test_model.py (the classes are in checkpoints.ARCHITECTURES), and reuse against
+cold prefills in tests/test_reuse.py. Here: what the loader keeps beside the text
+model and says about it, an MTP layer's weights, the load errors a broken download
+gets, and state of an MoE model moved through the tierstore and back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from checkpoints import load_hf, make_checkpoint
+from engine.model.config import SUPPORTED_ARCHITECTURES
+from engine.model.errors import CheckpointError
+from engine.model.loader import load_model
+from test_model import make_cache, make_prompt, run_chunks
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3_5_cg"), "Qwen3_5ForConditionalGeneration", seed=4)
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def add_shard(path: Path, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Write one more safetensors shard and name its tensors in the index, as a checkpoint that ships it would."""
+    save_file(tensors, str(path / name))
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update({k: name for k in tensors})
+    index_path.write_text(json.dumps(index))
+
+
+def test_the_published_class_is_served_text_only_and_its_vision_tower_is_kept_and_named(
+        published: Path, caplog: pytest.LogCaptureFixture) -> None:
+    config = json.loads((published / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "text_config" in config
+    assert len(list(published.glob("*.safetensors"))) > 1  # sharded, with an index, as published
+    with caplog.at_level(logging.INFO, logger="ignis.engine"):
+        loaded = load_model(published)
+    assert loaded.config.architecture == "Qwen3_5ForConditionalGeneration"
+    assert loaded.config.text_architecture == "Qwen3_5ForCausalLM" and loaded.config.is_hybrid
+    vision = loaded.side_weights["vision tower"]
+    hf = load_hf(published)
+    assert set(vision) == {k for k in hf.state_dict() if k.startswith("model.visual.")}
+    for name, tensor in vision.items():
+        assert torch.equal(tensor, hf.state_dict()[name])  # kept as stored, not dropped
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith(f"loaded {published.name}"))
+    assert "the text model of Qwen3_5ForConditionalGeneration" in line
+    assert f"vision tower ({len(vision)} tensors" in line and "mtp" not in line
+
+
+def test_mtp_weights_are_kept_apart_and_change_nothing_else(published: Path, tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Published Qwen3.5 checkpoints carry a multi-token-prediction layer (`mtp.*`): it is kept for
+    speculative decoding and named in the log; the decoder's logits are those without it."""
+    with_mtp = copy_checkpoint(published, tmp_path / "with_mtp")
+    g = torch.Generator().manual_seed(0)
+    mtp = {"mtp.fc.weight": torch.randn(64, 128, generator=g), "mtp.norm.weight": torch.randn(64, generator=g),
+           "mtp.layers.0.mlp.down_proj.weight": torch.randn(64, 128, generator=g)}
+    add_shard(with_mtp, "model-mtp.safetensors", mtp)
+    with caplog.at_level(logging.INFO, logger="ignis.engine"):
+        loaded = load_model(with_mtp)
+    assert set(loaded.side_weights["mtp"]) == set(mtp)
+    assert all(torch.equal(loaded.side_weights["mtp"][k], v) for k, v in mtp.items())
+    assert any("mtp (3 tensors" in r.getMessage() for r in caplog.records)
+    ids = make_prompt(40, seed=3)
+    plain = load_model(published)
+    want = run_chunks(plain, make_cache(plain), ids, [40], list(range(3)))
+    assert torch.equal(run_chunks(loaded, make_cache(loaded), ids, [40], list(range(3))), want)
+
+
+def test_a_broken_download_fails_at_load_naming_the_tensor(published: Path, tmp_path: Path) -> None:
+    index = json.loads((published / "model.safetensors.index.json").read_text())["weight_map"]
+    # A shard that is missing: the tensors it held are named.
+    missing = copy_checkpoint(published, tmp_path / "missing")
+    shard = index["model.language_model.layers.1.self_attn.q_proj.weight"]
+    (missing / shard).unlink()
+    with pytest.raises(CheckpointError, match=shard.replace(".", r"\.") + r" is listed but missing \(it holds '"):
+        load_model(missing)
+    # A tensor no part of the model has.
+    unknown = copy_checkpoint(published, tmp_path / "unknown")
+    add_shard(unknown, "model-extra.safetensors", {"model.language_model.layers.0.bogus.weight": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.bogus\.weight"):
+        load_model(unknown)
+    # A text_config that does not match the weights.
+    wrong = copy_checkpoint(published, tmp_path / "wrong")
+    config = json.loads((wrong / "config.json").read_text())
+    config["text_config"]["intermediate_size"] = 96
+    (wrong / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"mlp\.(gate|up|down)_proj\.weight.*has shape"):
+        load_model(wrong)
+
+
+def test_an_unserved_class_names_itself_and_what_is_served(tmp_path: Path, published: Path) -> None:
+    other = copy_checkpoint(published, tmp_path / "other")
+    config = json.loads((other / "config.json").read_text())
+    config["architectures"] = ["Qwen3VLForConditionalGeneration"]
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as raised:
+        load_model(other)
+    message = str(raised.value)
+    assert "Qwen3VLForConditionalGeneration" in message
+    for served in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration", "Qwen3MoeForCausalLM"):
+        assert served in SUPPORTED_ARCHITECTURES and served in message
+
+
+def test_an_moe_model_s_states_spill_to_ram_and_come_back_equal_to_cold(tmp_path: Path) -> None:
+    """Qwen3.5-MoE as published, served through the engine with a tierstore: 2 device retained slots,
+    so each conversation's states spill to KV-RAM as the next arrives; asked again, each is restored
+    from RAM and answers as a cold prefill does."""
+    from engine.text.tiny_tokenizer import TINY_VOCAB_SIZE, write_tiny_tokenizer
+    from engine.text.tokenizer import Tokenizer
+    from test_engine_tiers import TOPICS, Engine, same, tierstore
+
+    path = make_checkpoint(tmp_path / "moe", "Qwen3_5MoeForConditionalGeneration", seed=6,
+                           vocab_size=TINY_VOCAB_SIZE, hidden_size=128)
+    write_tiny_tokenizer(path)
+    model = (load_model(path), Tokenizer.from_dir(path))
+    assert model[0].config.num_experts == 4 and model[0].config.is_hybrid
+    cold = Engine(*model, reuse=False)
+    store = tierstore(tmp_path, arena=16 * MiB, disk=0)
+    warm = Engine(*model, tierstore=store.address)
+    try:
+        want = {topic: cold.run(topic) for topic in TOPICS}
+        for topic in TOPICS:
+            same(warm.run(topic), want[topic])
+        assert warm.core.tiers is not None and warm.core.tiers.spills >= 2 * (len(TOPICS) - 1)
+        for topic in TOPICS[:3]:
+            got = warm.run(topic)
+            same(got, want[topic])
+            assert got.tier == "ram" and got.cached == len(warm.request(topic).prompt_ids)
+        warm.check()
+    finally:
+        warm.close()
+        cold.close()
+        store.stop()
+
+
+def test_a_quantized_checkpoint_names_its_quantization(tmp_path: Path, published: Path) -> None:
+    """FP8 releases (block-scaled `weight_scale_inv`) are not served yet: one line says so at load."""
+    fp8 = copy_checkpoint(published, tmp_path / "fp8")
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"quantization 'fp8' is not supported"):
+        load_model(fp8)
