@@ -95,6 +95,11 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         except Abort as exc:
             await context.abort(exc.code, exc.message)
             return
+        except Exception:  # a bug: INTERNAL with a message, not an UNKNOWN from grpc
+            log.exception("admitting request %s failed", request.request_id or "(no id)")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error while admitting the request "
+                                "(see the engine log)")
+            return
         done = False
         first = True
         try:
@@ -152,6 +157,12 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             )
         except ValueError as exc:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except (Abort, asyncio.CancelledError):
+            raise
+        except Exception:  # a bug in rendering, checking or compiling: this call ends with a status, nothing leaks
+            log.exception("preparing request %s failed", request.request_id or "(no id)")
+            raise Abort(grpc.StatusCode.INTERNAL, "internal error while preparing the request (see the engine log)"
+                        ) from None
         return engine_request
 
     def formats(self, core: EngineCore) -> ModelFormats:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Generic, Iterator, Protocol, TypeVar
@@ -32,6 +33,8 @@ from engine.outputs import RequestUpdate
 from engine.proto_convert import fill_update_messages
 from engine.request import EngineRequest
 from ignis.v1 import engine_pb2
+
+log = logging.getLogger("ignis.engine")
 
 
 class Servicer(Protocol):
@@ -194,6 +197,10 @@ class GenerateSession:
         except Abort as exc:
             self._end(call, exc.code, exc.message)
             return exc.code
+        except Exception:  # a bug: the call still ends with a status, and its place on the stream is free again
+            log.exception("admitting the call of tag %d failed", call.tag)
+            self._end(call, grpc.StatusCode.INTERNAL, "internal error while admitting the request (see the engine log)")
+            return grpc.StatusCode.INTERNAL
         call.core = core
         return await asyncio.shield(call.ended)  # set when the last update goes out (or the call closes)
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.guided.matcher import GrammarDeadEnd
 from engine.output_processor import Deltas
 from engine.request import EngineSequence
 from engine.sampling.sampler import SampleOutput, SamplerRows, sample_rows
@@ -48,10 +49,15 @@ class StepSampling:
         try:
             out = sample_rows(logits, self._sampler_rows(seqs, logits.device), self.eos_ids,
                               lambda: [s.num_output for s in seqs])
-        except Exception:
+        except Exception as exc:
             if len(seqs) == 1:
-                log.exception("sampling failed for request %s", seqs[0].request.request_id)
-                failed.setdefault(seqs[0].request.request_id, "sampling failed for this request (see the engine log)")
+                rid = seqs[0].request.request_id
+                if isinstance(exc, GrammarDeadEnd):  # the request's grammar, not the engine: say why
+                    log.info("request %s: %s", rid, exc)
+                    failed.setdefault(rid, f"guided decoding: {exc}")
+                    return
+                log.exception("sampling failed for request %s", rid)
+                failed.setdefault(rid, "sampling failed for this request (see the engine log)")
                 return
             log.warning("batched sampling failed: sampling the %d sequences one by one", len(seqs))
             for i, seq in enumerate(seqs):

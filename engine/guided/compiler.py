@@ -68,6 +68,7 @@ class GuidedCompiler:
                 self.hits += 1
         if grammar is None:
             grammar = self._compile(spec)
+            _check_some_output(grammar, spec)
             with self._lock:
                 self.misses += 1
                 self._cache[spec] = grammar
@@ -101,8 +102,20 @@ class GuidedCompiler:
             return self._xgr.compile_grammar(_mended(xgr.Grammar.from_structural_tag(tag)))
         except GuidedError:
             raise
-        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar raises RuntimeError from C++
+        except Exception as exc:  # noqa: BLE001 - the request's input: xgrammar raises RuntimeError from C++,
+            # and its builders assert (a tool whose `parameters` is not an object): every one is the input's fault
             raise GuidedError(f"invalid {what}: {_reason(exc)}") from None
+
+
+def _check_some_output(grammar: xgr.CompiledGrammar, spec: GuidedSpec) -> None:
+    """GuidedError when no first token is allowed: the grammar's language is empty (`root ::= root "a"`),
+    and the request would fail at its first sampled token."""
+    matcher = xgr.GrammarMatcher(grammar)
+    bitmask = xgr.allocate_token_bitmask(1, grammar.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    if not bool(bitmask.any()) and not matcher.is_completed():
+        raise GuidedError(f"invalid {spec.kind.value}: it accepts no output (no derivation of its root ends; "
+                          "is a rule only ever defined through itself?)")
 
 
 def _json_grammar(schema: str, strict: bool) -> xgr.Grammar:

@@ -37,6 +37,11 @@ class CompiledGuide:
         return guide if self.reasoning is None else AfterReasoning(guide, self.reasoning)
 
 
+class GrammarDeadEnd(RuntimeError):
+    """The grammar allows no token where the output stands and is not complete: it cannot be finished.
+    Its message is for the client (the request fails with it); the engine is fine."""
+
+
 class GrammarGuide:
     """One sequence's position in its grammar."""
 
@@ -48,6 +53,9 @@ class GrammarGuide:
         if self._matcher.is_terminated():
             raise RuntimeError("asked for the next tokens of a finished grammar: this is a bug")
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if not bool(bitmask[row].any()):
+            raise GrammarDeadEnd("the grammar allows no token at this point of the output and is not complete: "
+                                 "no output can satisfy it (is a rule only ever defined through itself?)")
 
     def accept(self, token_id: int) -> None:
         if not self._matcher.accept_token(token_id):
