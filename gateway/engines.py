@@ -48,6 +48,10 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+# Probes in a row that time out before a serving engine leaves routing. One slow answer is load (a long
+# prefill holds the engine's CPU), not an outage: taking the only engine out answered 503 to requests it
+# would have served. An engine that refuses the connection or says NOT_SERVING leaves at once.
+SLOW_PROBES_TO_MARK_DOWN = 3
 
 
 @dataclass(eq=False, slots=True)
@@ -63,6 +67,7 @@ class EngineClient:
     in_flight: int = 0  # this gateway's Generate calls on it now: the routing rule's load
     retired: bool = False  # left the engine set (DNS): no new call; the channel closes after the last one
     watch: asyncio.Task[None] | None = None
+    slow_probes: int = 0  # probes in a row that timed out while it was serving
     # Its Generate calls, multiplexed on one stream (gateway/session.py); None: a Generate call each
     # (--upstream calls, or an engine that does not serve GenerateSession).
     session: EngineSession | None = None
@@ -216,9 +221,19 @@ class EnginePool:
                 engine.engine_id = models.engine_id
                 if engine.session is not None and self.session_sockets and on_this_host(engine.address):
                     engine.session.socket_path = models.session_socket
+            engine.slow_probes = 0
             self._set_health(engine, ok, "" if ok else "not serving")
         except grpc.aio.AioRpcError as exc:
-            self._set_health(engine, False, f"{exc.code().name}: {exc.details()}")
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and engine.healthy:
+                engine.slow_probes += 1
+                if engine.slow_probes < SLOW_PROBES_TO_MARK_DOWN:
+                    log.info("engine %s answered no probe within %.1f s (%d in a row): kept in routing",
+                             engine.address, self.probe_timeout, engine.slow_probes)
+                    return True
+                reason = f"{engine.slow_probes} probes in a row timed out ({self.probe_timeout:.1f} s each)"
+                self._set_health(engine, False, reason)
+            else:
+                self._set_health(engine, False, f"{exc.code().name}: {exc.details()}")
         return engine.healthy
 
     def mark_down(self, engine: EngineClient, reason: str) -> None:

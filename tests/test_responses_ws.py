@@ -284,3 +284,19 @@ def test_closed_sockets_leave_the_open_connections_gauge(gateway: RunningService
     while open_connections(gateway) != before:
         assert time.monotonic() < deadline, "the gauge kept the closed sockets"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("where", ["input", "metadata", "stream_id", "a key"])
+def test_a_lone_surrogate_is_an_error_event_and_the_socket_stays_open(gateway: RunningService, where: str) -> None:
+    """Issue 49, attack item 4: over HTTP the same field is a clean 400; the socket once crashed with
+    UnicodeEncodeError and closed (1000, no error event)."""
+    fields = {"input": '"input": "bad \\ud800 text"', "metadata": '"metadata": {"k": "\\udfff"}',
+              "stream_id": '"stream_id": "lane-\\ud83d"', "a key": '"metadata": {"\\ud800": "v"}'}[where]
+    event = '{"type": "response.create", "model": "%s", "max_output_tokens": 4, "input": "x", %s}' % (MODEL, fields)
+    with socket(gateway) as ws:
+        ws.send(event)
+        got = json.loads(ws.recv(timeout=60))
+        assert got["type"] == "error" and got["status"] == 400, got
+        assert "unpaired surrogate" in got["error"]["message"] and "stream_id" not in got
+        good = final(turn(ws, input="Still here?"))
+        assert good["status"] in ("completed", "incomplete")

@@ -30,7 +30,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway.aliases import JSONObject
-from gateway.body import Fields
+from gateway.body import Fields, check_strings
 from gateway.errors import OpenAIError, invalid
 from gateway.routes.responses import Conversation, prepare
 from gateway.state import GatewayState
@@ -64,6 +64,8 @@ class _Socket:
             raise invalid(f"the event is not valid JSON: {exc}", code="invalid_json") from None
         if not isinstance(event, dict):
             raise invalid("an event must be a JSON object", code="invalid_event")
+        if "\\u" in text:  # only a \uD800-\uDFFF escape puts a lone surrogate in a decoded str
+            check_strings(event)  # a 400 naming the field, as over HTTP: it could never be sent back as UTF-8
         kind = event.get("type")
         if kind != "response.create":
             raise invalid(f"unknown event type {kind!r}: send 'response.create'", param="type",
