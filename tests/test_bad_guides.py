@@ -148,3 +148,32 @@ def test_any_exception_while_preparing_a_call_ends_it_with_internal(tiny_model_d
         asyncio.run(asyncio.wait_for(run(), 120))  # before the fix the call never ended: fail, do not hang
     finally:
         core.stop()
+
+
+@pytest.mark.parametrize("schema, construct", [
+    ({"type": "object", "required": ["a"], "additionalProperties": False}, "required property 'a'"),
+    ({"not": {}}, "'not'"),
+    ({"anyOf": []}, "empty 'anyOf'"),
+    ({"type": "object", "properties": {"x": {"if": {"type": "string"}, "then": {"minLength": 2}}}}, "'if'"),
+    ({"allOf": [{"type": "object"}, {"required": []}]}, "'allOf' of more than one"),
+])
+def test_a_schema_the_grammar_would_not_enforce_is_a_400_naming_the_construct(
+        http: httpx.Client, schema: dict[str, object], construct: str) -> None:
+    """Issue 49, attack item 8: these produced output that violates them ({} for a required property,
+    a number for not-anything, an empty string for anyOf of nothing)."""
+    reply = chat(http, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    assert reply.status_code == 400, reply.text
+    assert "invalid json_schema" in reply.json()["error"]["message"] and construct in reply.json()["error"]["message"]
+
+
+def test_the_schema_check_names_the_path_and_passes_what_it_enforces() -> None:
+    from engine.guided.schema_support import unenforced_construct
+
+    nested = {"type": "object", "properties": {"items": {"type": "array", "items": {"not": {"type": "null"}}}},
+              "required": ["items"]}
+    assert unenforced_construct(nested) == \
+        "'not' (a schema the output must fail) is not enforced (at #/properties/items/items/not)"
+    enforced = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"anyOf": [{"type": "string"},
+                {"type": "null"}]}, "c": {"allOf": [{"$ref": "#/$defs/C"}]}}, "required": ["a", "b"],
+                "additionalProperties": False, "$defs": {"C": {"type": "object", "properties": {}}}}
+    assert unenforced_construct(enforced) is None

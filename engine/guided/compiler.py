@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import xgrammar as xgr
 
 from engine.guided.matcher import CompiledGuide, ReasoningTokens
+from engine.guided.schema_support import unenforced_construct
 from engine.guided.spec import GuideKind, GuidedSpec
 from engine.guided.tool_grammar import tool_call_tag
 from engine.text.tokenizer import Tokenizer
@@ -85,6 +86,9 @@ class GuidedCompiler:
                 return self._xgr.compile_grammar(_json_grammar('{"type": "object"}', strict=False))
             if spec.kind is GuideKind.JSON_SCHEMA:
                 _check_json(spec.source, "json_schema")
+                why = unenforced_construct(json.loads(spec.source))
+                if why is not None:
+                    raise GuidedError(f"invalid json_schema: {why}")
                 return self._xgr.compile_grammar(_json_grammar(spec.source, spec.strict))
             if spec.kind is GuideKind.REGEX:
                 return self._xgr.compile_regex(spec.source)
