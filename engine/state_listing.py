@@ -183,10 +183,19 @@ _TIERS = {t.value: t for t in ReuseTier}
 _KINDS = {k.value: k for k in ReuseKind}
 
 
+def redacted_id(request_id: str) -> str:
+    """A request id as the Monitor shows it: its kind and its last 4 characters. A stored response's
+    full id is all a client needs to read or delete it (`resp_...` in the unsalted scope), and the
+    listing is served to every client of the gateway; the id stays whole in the engine's log."""
+    kind, sep, _ = request_id.partition("_") if "_" in request_id else request_id.partition("-")
+    head = kind + sep if sep and len(kind) <= 12 else ""
+    return f"{head}…{request_id[-4:]}" if len(request_id) > len(head) + 4 else head + "…"
+
+
 def _recent_row(finished_at: float, r: FinishedRequest) -> engine_pb2.RecentRequest:
     agent = r.request_class == "agent"
     return engine_pb2.RecentRequest(
-        request_id=r.request_id,
+        request_id=redacted_id(r.request_id),
         request_class=common_pb2.REQUEST_CLASS_AGENT if agent else common_pb2.REQUEST_CLASS_INTERACTIVE,
         prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
         tier=reuse_tier_pb(_TIERS.get(r.tier, ReuseTier.NONE)), kind=reuse_kind_pb(_KINDS.get(r.kind, ReuseKind.NONE)),

@@ -373,3 +373,20 @@ def test_host_states_are_listed_in_their_own_eviction_order(tiny_model_dir: Path
         assert reply.stats.retained_host_slots.used == len(rows) and not reply.tiers.configured
     finally:
         warm.close()
+
+
+def test_the_listing_never_hands_out_a_stored_response_s_id(stack: Stack) -> None:
+    """Issue 49, attack item 3: `recent[].request_id` carried the full `resp_...` id, all an anonymous
+    client needed to read or delete another's stored response. It shows the kind and 4 characters."""
+    with stack.client() as client:
+        response = client.responses.create(model="ignis-tiny", input="Remember the tides.", max_output_tokens=2)
+    assert response.id.startswith("resp_") and client_can_read(stack, response.id)
+    body = stack.state().text
+    assert response.id not in body and response.id[5:] not in body
+    shown = [r.request_id for r in list_state(stack).recent]
+    assert f"resp_…{response.id[-4:]}" in shown and all(len(r) <= 16 for r in shown)
+
+
+def client_can_read(stack: Stack, response_id: str) -> bool:
+    with stack.client() as client:
+        return client.responses.retrieve(response_id).id == response_id
