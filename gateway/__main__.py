@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import resource
@@ -60,6 +61,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
                         help="an engine's gRPC address; repeat for several engines")
     parser.add_argument("--api-key", default=os.environ.get("IGNIS_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $IGNIS_API_KEY, or none)")
+    parser.add_argument("--allow-unauthenticated", action="store_true",
+                        help="serve on a --host beyond loopback without an API key (anyone who reaches the port "
+                             "may use every API, stored responses and the Monitor included)")
     parser.add_argument("--metrics-auth", action="store_true",
                         help="require the API key on /metrics too (default: /metrics and /health are open)")
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving (for tests)")
@@ -127,7 +131,20 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
                                reasoning_parser=args.reasoning_parser, allowed_origins=args.allowed_origins)
     except ValueError as exc:
         parser.error(str(exc))
+    if config.api_key is None and not _loopback(args.host) and not args.allow_unauthenticated:
+        parser.exit(2, f"ignis-gateway: error: --host {args.host} is reachable beyond this machine and no API key is "
+                       "set: give --api-key (or $IGNIS_API_KEY), or say --allow-unauthenticated\n")
     return args, config
+
+
+def _loopback(host: str) -> bool:
+    """Whether binding `host` serves this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
 
 
 def _size(text: str) -> int:
