@@ -3,7 +3,7 @@
     python -m bench.chaos [--minutes 10 | --smoke] [--concurrency 4] [--seed 0] [--out DIR] [--keep]
 
 It starts a tierstore, an engine (the built-in ignis-tiny) and a gateway as processes
-(bench/launch.py), with budgets so small that states leave the device at once: 2 retained
+(common/launch.py), with budgets so small that states leave the device at once: 2 retained
 device slots, a KV-RAM arena of a few states and a KV-disk tier smaller than the run's states
 (so it evicts too), in the run's scratch folder, nothing protected
 (`reuse.retained_interactive_ttl=0`). Traffic: OpenAI chat requests through the gateway
@@ -67,7 +67,7 @@ import httpx
 
 from bench.chaos_stack import ENGINE_ARGS, FULL, ROWS, SMOKE, TIERSTORE_ARGS, Mode, Stack, references, rss_mib
 from bench.chaos_traffic import Record, Traffic
-from bench.launch import launch
+from common.launch import launch
 from bench.table import RESULTS, markdown, save
 from ignis.v1 import tierstore_pb2
 

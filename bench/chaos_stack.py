@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import httpx
 
-from bench.launch import Service, grpc_serving, launch, launch_gateway
+from common.launch import Service, grpc_serving, launch, launch_gateway
 from bench.workload import WORDS
 from ignis.v1 import engine_pb2, engine_pb2_grpc, tierstore_pb2
 from tierstore.client import TierStoreClient

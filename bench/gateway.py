@@ -25,7 +25,7 @@
   front of the same engine, each phase interleaving direct / variant 1 /
   variant 2 ..., so a library's effect is measured side by side.
 
-It starts its own engine and gateway processes (bench/launch.py) on loopback;
+It starts its own engine and gateway processes (common/launch.py) on loopback;
 all processes (and this client) share this machine's cores, as they would on
 one host. On a small machine the streaming ratio is mostly that contention, so
 the streams' client is as lean as the gRPC one: aiohttp (its HTTP parser in C;
@@ -56,7 +56,7 @@ import httpx
 import numpy as np
 import orjson
 
-from bench.launch import Service, launch, launch_engine, launch_gateway
+from common.launch import Service, launch, launch_engine, launch_gateway
 from bench.table import markdown, save
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from bench.browser import Page, chromium, chromium_path
-from bench.launch import launch_engine, launch_gateway
+from common.launch import launch_engine, launch_gateway
 from bench.table import markdown, save
 
 SCROLL = """(() => { const v = document.querySelector('.engine .viewport'); const t = performance.now();

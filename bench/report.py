@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.launch import ROOT
+from common.launch import ROOT
 from bench.table import RESULTS
 
 # (section title, result names, what it answers), in reading order.

@@ -19,7 +19,7 @@ on the benchmark geometry (bench/geometry.py), CPU fp32 unless CUDA is there:
     python -m bench.residency [--hidden 1024 --layers 16] [--repeats 5] [--smoke] [--out DIR]
 
 Every engine is an EngineCore stepped on this thread (never started), so the figures are the
-step's own wall time; the tierstore is a process of its own (bench/launch.py).
+step's own wall time; the tierstore is a process of its own (common/launch.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 from bench import table
 from bench.drive import random_prompt
 from bench.geometry import ensure_geometry
-from bench.launch import Service, launch_tierstore
+from common.launch import Service, launch_tierstore
 from common.logs import event_of
 from engine.config import EngineConfig
 from engine.core import EngineCore

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import httpx
 from websockets.sync.client import ClientConnection, connect
 
-from bench.launch import launch_engine, launch_gateway
+from common.launch import launch_engine, launch_gateway
 from bench.table import markdown, save
 
 MODEL = "ignis-tiny"

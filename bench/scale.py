@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 
 from bench.geometry import ensure_geometry
-from bench.launch import Service, free_port, grpc_serving, launch, launch_gateway
+from common.launch import Service, free_port, grpc_serving, launch, launch_gateway
 from bench.swarm_stats import summarize
 from bench.table import RESULTS, markdown, save
 from bench.workload import (Message, RequestRecord, Trace, WorkloadConfig, chat_chunks, chunk_text, make_trace,

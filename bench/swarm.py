@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from bench.geometry import ensure_geometry
-from bench.launch import Service, grpc_serving, launch, launch_gateway
+from common.launch import Service, grpc_serving, launch, launch_gateway
 from bench.swarm_stats import plot, ratios, summarize, table
 from bench.table import RESULTS, save
 from bench.workload import RequestRecord, Trace, WorkloadConfig, make_trace, run_trace, stream_chat

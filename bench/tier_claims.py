@@ -42,7 +42,7 @@ import torch
 
 from bench.drive import random_prompt, run
 from bench.geometry import ensure_geometry, geometry_config
-from bench.launch import Service, launch_tierstore
+from common.launch import Service, launch_tierstore
 from common.logs import event_of
 from engine.config import EngineConfig
 from engine.core import EngineCore

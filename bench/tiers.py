@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from bench import tier_claims
-from bench.launch import launch_tierstore
+from common.launch import launch_tierstore
 from bench.table import markdown, save
 from common.prefault import Prefault
 from engine.tiers.client import TierClient

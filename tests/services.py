@@ -1,6 +1,6 @@
 """Start the real services as processes on free loopback ports, and stop them.
 
-The launcher is bench/launch.py (benchmarks and tests start services the same
+The launcher is common/launch.py (benchmarks and tests start services the same
 way); readiness is polled (port file, then gRPC health or HTTP), never slept for.
 """
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.launch import Service as RunningService
-from bench.launch import free_port, grpc_serving, launch
+from common.launch import Service as RunningService
+from common.launch import free_port, grpc_serving, launch
 
 __all__ = ["RunningService", "start_engine", "start_gateway", "start_tierstore"]
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from bench.gateway import Stream, _sse_stream, listening
-from bench.launch import launch
+from common.launch import launch
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 from services import RunningService
 

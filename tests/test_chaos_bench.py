@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from bench import chaos
-from bench.launch import ROOT
+from common.launch import ROOT
 
 
 @pytest.fixture(scope="module")

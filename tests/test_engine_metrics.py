@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.launch import free_port
+from common.launch import free_port
 from ignis.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services import RunningService, start_engine, start_tierstore
 

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import pytest
 
-from bench.launch import free_port
+from common.launch import free_port
 from gateway.engines import SLOW_PROBES_TO_MARK_DOWN, EnginePool
 from services import RunningService, start_engine
 

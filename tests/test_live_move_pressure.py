@@ -229,7 +229,7 @@ def test_the_issue_load_end_to_end_through_the_gateway(tmp_path: Path, model: Mo
     import openai
     from test_engine_metrics import scrape, value
 
-    from bench.launch import free_port
+    from common.launch import free_port
     from services import start_engine, start_gateway
 
     path = model[1].path  # type: ignore[attr-defined]

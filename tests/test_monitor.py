@@ -18,7 +18,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from bench.launch import free_port
+from common.launch import free_port
 from engine.state_listing import MAX_PAGE_ROWS, Throughput, parse_page
 from ignis.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services import RunningService, start_engine, start_gateway, start_tierstore

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.browser import Page, chromium, chromium_path
-from bench.launch import free_port
+from common.launch import free_port
 from test_monitor import KEY, LONG_SYSTEM, cached_tokens, chat, start_stack, stop_stack
 
 pytestmark = pytest.mark.skipif(chromium_path() is None,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.geometry import ensure_geometry
-from bench.launch import Service
+from common.launch import Service
 from bench.peers.llama_cpp import convert_to_gguf, is_built, launch_llama_server, server_binary
 from engine.model.loader import load_model
 from engine.offline import greedy_generate

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.launch import free_port
+from common.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

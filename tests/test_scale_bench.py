@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from bench import scale
-from bench.launch import ROOT
+from common.launch import ROOT
 
 
 @pytest.fixture(scope="module")

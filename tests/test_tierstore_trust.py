@@ -22,7 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from bench.launch import ROOT, free_port
+from common.launch import ROOT, free_port
 from engine.tiers.client import TierClient
 from ignis.v1 import common_pb2, tierstore_pb2, tierstore_pb2_grpc
 from services import RunningService, start_tierstore

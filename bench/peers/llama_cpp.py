@@ -16,7 +16,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from bench.launch import ROOT, Service, free_port, http_healthy, launch_binary
+from common.launch import ROOT, Service, free_port, http_healthy, launch_binary
 
 # Newest llama-cpp-python whose vendored llama.cpp converts both Qwen3ForCausalLM and the
 # Qwen3.5 hybrid Qwen3_5ForCausalLM (conversion/qwen.py registers both).

@@ -1,4 +1,4 @@
-"""Start the services as processes on free loopback ports for a benchmark, and stop them.
+"""Start the services as processes on free loopback ports (tests and benchmarks), and stop them.
 
 Each service is told ``--port 0 --port-file F``; readiness is polled (the port
 file, then gRPC health or HTTP /health), never slept for. The tierstore serves a
