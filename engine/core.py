@@ -24,7 +24,7 @@ from engine.builder import build_parts
 from engine.config import EngineConfig
 from engine.engine_stats import gather_stats
 from engine.inbox import AbortRequest, AddRequest, Inbox, TakeSnapshot
-from engine.kv.chain_hash import BlockHash, Namespace, model_fingerprint, page_hashes
+from engine.kv.chain_hash import StateHash, Namespace, model_fingerprint, page_hashes
 from engine.kv.device_cache import namespace_dtype
 from engine.metrics import EngineMetrics
 from engine.model.loader import LoadedModel
@@ -70,7 +70,7 @@ class EngineCore:
             residency=self.residency,
         )
         self._fingerprint = model_fingerprint(loaded.config.fingerprint_fields(), loaded.weights_digest)
-        self._namespaces: dict[bytes, BlockHash] = {}
+        self._namespaces: dict[bytes, StateHash] = {}
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(loaded.config.eos_token_ids)
         self.totals = RequestTotals()
         self.metrics = EngineMetrics(self.stats, lambda: self.tiers)
@@ -149,7 +149,7 @@ class EngineCore:
         for listener in self._listeners:  # a tuple replaced whole: read without the lock
             listener()
 
-    def namespace_hash(self, cache_salt: str) -> BlockHash:
+    def namespace_hash(self, cache_salt: str) -> StateHash:
         """h0 of the request's chain: the model's namespace, salted by the tenant's cache_salt."""
         key = xxhash.xxh3_128_digest(cache_salt.encode("utf-8", "surrogatepass"))
         found = self._namespaces.get(key)

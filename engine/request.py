@@ -14,7 +14,7 @@ from opentelemetry.context import Context
 
 from engine.facts import RequestClass, ReuseReport
 from engine.guided.matcher import CompiledGuide
-from engine.kv.chain_hash import BlockHash
+from engine.kv.chain_hash import StateHash
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import RequestSampler
 from engine.text.detokenizer import TextStream
@@ -76,7 +76,7 @@ class EngineRequest:
 class MovedState:
     """A live sequence's state, committed to a lower tier under a private name until it resumes."""
 
-    name: BlockHash
+    name: StateHash
     tokens: int  # its computed tokens when it moved
 
 
@@ -125,8 +125,8 @@ class EngineSequence:
         self.times = SeqTimes()
         self.unforked: list[EngineSequence] = []  # choices 1..n-1, forked from this one after its prompt
         # Reuse state: the namespace hash h0, the chain hashes of its full pages (computed once), what it claimed.
-        self.namespace: BlockHash = BlockHash(b"")
-        self.page_hashes: list[BlockHash] = []
+        self.namespace: StateHash = StateHash(b"")
+        self.page_hashes: list[StateHash] = []
         self.num_cached = 0
         self.reuse = ReuseReport()
         self.num_registered = 0  # leading pages of page_table already published by hash
@@ -158,7 +158,7 @@ class EngineSequence:
         return max(0, -(-total_tokens // page_size) - len(self.page_table))
 
     # --- naming (set once when the request reaches the engine thread) ---------------------------
-    def name_pages(self, namespace: BlockHash, page_hashes: list[BlockHash]) -> None:
+    def name_pages(self, namespace: StateHash, page_hashes: list[StateHash]) -> None:
         self.namespace, self.page_hashes = namespace, page_hashes
 
     def hold_forks(self, children: list[EngineSequence]) -> None:

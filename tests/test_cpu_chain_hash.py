@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.kv import chain_hash
-from engine.kv.chain_hash import BlockHash, Namespace, page_hashes, python_page_hashes, token_bytes
+from engine.kv.chain_hash import StateHash, Namespace, page_hashes, python_page_hashes, token_bytes
 from kernels.cpu import chain_hash as c_chain
 from cpu_kernels import built_kernel
 
@@ -27,13 +27,13 @@ def kernel() -> c_chain.ChainPages:
 def test_the_c_chain_is_the_python_chain(kernel: c_chain.ChainPages, tokens: list[int], page_size: int,
                                          parent: bytes) -> None:
     raw = token_bytes(tokens)
-    assert kernel(parent, raw, page_size) == python_page_hashes(BlockHash(parent), raw, page_size)
+    assert kernel(parent, raw, page_size) == python_page_hashes(StateHash(parent), raw, page_size)
 
 
 def test_a_long_chain_crosses_the_digest_groups(kernel: c_chain.ChainPages) -> None:
     raw = os.urandom(4 * 16 * 1000 + 12)  # 1000 pages of 16 (4 groups of 256 digests minus some) and a tail
     got = kernel(b"\x07" * 16, raw, 16)
-    assert got == python_page_hashes(BlockHash(b"\x07" * 16), raw, 16)
+    assert got == python_page_hashes(StateHash(b"\x07" * 16), raw, 16)
     assert got is not None and len(got) == 1000 and all(type(h) is bytes and len(h) == 16 for h in got)
 
 

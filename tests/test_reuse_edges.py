@@ -20,7 +20,7 @@ from engine.cache.page_reuse import PageReuse
 from engine.cache.reuse import DevicePages
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.kv.chain_hash import BlockHash, page_hashes
+from engine.kv.chain_hash import StateHash, page_hashes
 from engine.kv.page_pool import PagePool
 from engine.model.loader import LoadedModel, load_model
 from engine.offline import run_to_completion
@@ -185,7 +185,7 @@ def test_prefill_state_only_keeps_generated_state_private(model: Model, engines:
 # --- 3. admission that revives cached free pages, at the free-list boundary ------------------
 
 PS = 4  # page size of the scheduler-level scenarios
-SEED = BlockHash(bytes(16))
+SEED = StateHash(bytes(16))
 PREFIX = tuple(range(1, 10))  # 9 tokens: two full pages registered, a partial third
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.kv.chain_hash import BlockHash
+from engine.kv.chain_hash import StateHash
 from engine.kv.page_pool import PagePool, SlotPool
 from engine.facts import RequestClass
 from engine.request import EngineRequest, EngineSequence
@@ -110,7 +110,7 @@ def test_held_admission_waits_for_the_running_head_and_lets_others_pass() -> Non
     for seq, tokens in ((a, head + [1, 2]), (b, head + [3, 4, 5, 6, 7]), (c, list(range(200, 260)))):
         seq.token_ids = list(tokens)
         seq.num_prompt = len(tokens)
-        namespace = BlockHash(b"s" * 16)
+        namespace = StateHash(b"s" * 16)
         seq.name_pages(namespace, page_hashes(namespace, tokens, 4))
         s.add(seq)
 

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NewType
 
 import xxhash
 
+from common.state_hash import HASH_BYTES, StateHash
 from ignis.v1 import common_pb2, tierstore_pb2
 from tierstore.errors import InvalidArgument
 
-HASH_BYTES = 16
 MAX_ENGINE_TAG = 64  # bytes of StateMetadata.engine_tag the store keeps (the engine's is 32: a nonce and its GMAC)
-StateHash = NewType("StateHash", bytes)  # a 16-byte link of the chain hash (docs/architecture.md "The key")
 
 _KINDS = (common_pb2.REUSE_KIND_CHECKPOINT, common_pb2.REUSE_KIND_PREFIX, common_pb2.REUSE_KIND_PAGES)
 _CLASSES = (common_pb2.REQUEST_CLASS_UNSPECIFIED, common_pb2.REQUEST_CLASS_INTERACTIVE, common_pb2.REQUEST_CLASS_AGENT)

@@ -15,14 +15,14 @@ import json
 import sys
 from array import array
 from dataclasses import dataclass
-from typing import NewType, Sequence
+from typing import Sequence
 
 import numpy as np
 import xxhash
 
+from common.state_hash import StateHash
 from kernels.cpu import chain_hash as c_chain
 
-BlockHash = NewType("BlockHash", bytes)  # always 16 bytes; never an int, never hex except in logs
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +32,11 @@ class Namespace:
     page_size: int
     cache_salt: str = ""
 
-    def digest(self) -> BlockHash:
+    def digest(self) -> StateHash:
         """h0, the root of every chain in this namespace."""
         payload = json.dumps([self.model_fingerprint.hex(), self.kv_dtype, self.page_size, self.cache_salt],
                              ensure_ascii=False).encode("utf-8", "surrogatepass")
-        return BlockHash(xxhash.xxh3_128_digest(payload))
+        return StateHash(xxhash.xxh3_128_digest(payload))
 
 
 def model_fingerprint(config_fields: dict[str, object], weights_digest: bytes) -> bytes:
@@ -59,8 +59,8 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def chain(parent: BlockHash, page_tokens: bytes, media: bytes = b"") -> BlockHash:
-    return BlockHash(xxhash.xxh3_128_digest(parent + page_tokens + media))
+def chain(parent: StateHash, page_tokens: bytes, media: bytes = b"") -> StateHash:
+    return StateHash(xxhash.xxh3_128_digest(parent + page_tokens + media))
 
 
 # The chain in one C call (kernels/cpu/chain_hash.c); None without the built library.
@@ -68,8 +68,8 @@ _C_PAGES = c_chain.load()
 _C_FROM_PAGES = 4  # below this, the call's fixed cost is more than the Python loop's
 
 
-def page_hashes(namespace: BlockHash, tokens: Sequence[int], page_size: int, start: int = 0,
-                parent: BlockHash | None = None) -> list[BlockHash]:
+def page_hashes(namespace: StateHash, tokens: Sequence[int], page_size: int, start: int = 0,
+                parent: StateHash | None = None) -> list[StateHash]:
     """Hashes of the full pages of `tokens` from page index `start` on (parent = hash before it)."""
     width = 4 * page_size
     h = namespace if parent is None else parent
@@ -78,11 +78,11 @@ def page_hashes(namespace: BlockHash, tokens: Sequence[int], page_size: int, sta
     if _C_PAGES is not None and end - start >= _C_FROM_PAGES:
         hashes = _C_PAGES(h, raw[: (end - start) * width], page_size)
         if hashes is not None:
-            return hashes  # type: ignore[return-value]  # BlockHash is bytes
+            return hashes  # type: ignore[return-value]  # StateHash is bytes
     return python_page_hashes(h, raw, page_size)
 
 
-def python_page_hashes(parent: BlockHash, raw: bytes, page_size: int) -> list[BlockHash]:
+def python_page_hashes(parent: StateHash, raw: bytes, page_size: int) -> list[StateHash]:
     """The chain over the full pages of `raw` (little-endian uint32 ids) in Python: the C kernel's
     oracle, and what runs without it."""
     width = 4 * page_size
@@ -93,7 +93,7 @@ def python_page_hashes(parent: BlockHash, raw: bytes, page_size: int) -> list[Bl
     return out
 
 
-def extend_page_hashes(namespace: BlockHash, hashes: list[BlockHash], tokens: Sequence[int], num_tokens: int,
+def extend_page_hashes(namespace: StateHash, hashes: list[StateHash], tokens: Sequence[int], num_tokens: int,
                        page_size: int) -> None:
     """Grow `hashes` in place to cover the full pages of tokens[:num_tokens] (generated tokens)."""
     full = num_tokens // page_size
@@ -103,7 +103,7 @@ def extend_page_hashes(namespace: BlockHash, hashes: list[BlockHash], tokens: Se
                                   parent=hashes[-1] if have else None))
 
 
-def common_pages(a: Sequence[BlockHash], b: Sequence[BlockHash], limit: int) -> int:
+def common_pages(a: Sequence[StateHash], b: Sequence[StateHash], limit: int) -> int:
     """How many leading pages two chains share (at most `limit`). A page's hash covers every
     page before it, so equality is monotone: bisect for the last equal one."""
     lo, hi = 0, min(limit, len(a), len(b))
@@ -116,17 +116,17 @@ def common_pages(a: Sequence[BlockHash], b: Sequence[BlockHash], limit: int) -> 
     return lo
 
 
-def state_name(namespace: BlockHash, hashes: Sequence[BlockHash], tokens: Sequence[int], n: int,
-               page_size: int) -> BlockHash:
+def state_name(namespace: StateHash, hashes: Sequence[StateHash], tokens: Sequence[int], n: int,
+               page_size: int) -> StateHash:
     """The name of the state after the first n tokens, given the page hashes of `tokens`."""
     full = n // page_size
     base = namespace if full == 0 else hashes[full - 1]
     if n % page_size == 0:
         return base
-    return BlockHash(xxhash.xxh3_128_digest(base + token_bytes(tokens[full * page_size : n])))
+    return StateHash(xxhash.xxh3_128_digest(base + token_bytes(tokens[full * page_size : n])))
 
 
-def state_matches(name: bytes, num_tokens: int, namespace: BlockHash, hashes: Sequence[BlockHash],
+def state_matches(name: bytes, num_tokens: int, namespace: StateHash, hashes: Sequence[StateHash],
                   tokens: Sequence[int], page_size: int) -> bool:
     """Whether a state of `num_tokens` named `name` is the state of these tokens' first
     `num_tokens`: the one test before any retained state is claimed."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from engine.kv.chain_hash import BlockHash
+from engine.kv.chain_hash import StateHash
 
 
 class PagePool:
@@ -26,12 +26,12 @@ class PagePool:
         self._blank: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages))
         # Content-addressed pages: a full page whose KV is known to be the state of its
         # hash chain. Stays findable while free, until allocate() hands it out fresh.
-        self._hash_of: dict[int, BlockHash] = {}
-        self._page_of: dict[BlockHash, int] = {}
+        self._hash_of: dict[int, StateHash] = {}
+        self._page_of: dict[StateHash, int] = {}
         self._num_cached_free = 0
         # Called with (page, hash) just before a findable free page is handed out fresh,
         # its content still intact: the moment to move that content down a tier.
-        self.on_evict: Callable[[int, BlockHash], None] | None = None
+        self.on_evict: Callable[[int, StateHash], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -47,10 +47,10 @@ class PagePool:
         """Free pages holding no findable content: allocate() hands these out first."""
         return len(self._blank)
 
-    def next_cached(self, limit: int) -> list[tuple[int, BlockHash]]:
+    def next_cached(self, limit: int) -> list[tuple[int, StateHash]]:
         """The first `limit` cached free pages allocate() will give up, in that order, with their
         hashes (after the blank ones): what to write below before the pool needs them."""
-        out: list[tuple[int, BlockHash]] = []
+        out: list[tuple[int, StateHash]] = []
         for page in self._free:
             if len(out) >= limit:
                 break
@@ -95,7 +95,7 @@ class PagePool:
         return pages
 
     # --- content addressing -------------------------------------------------------
-    def register(self, page: int, page_hash: BlockHash) -> None:
+    def register(self, page: int, page_hash: StateHash) -> None:
         """Record that `page` (in use, full) holds the state named `page_hash`."""
         if self._refcount[page] <= 0:
             raise RuntimeError(f"register of free page {page}: this is a bug")
@@ -104,7 +104,7 @@ class PagePool:
         self._hash_of[page] = page_hash
         self._page_of[page_hash] = page
 
-    def page_for(self, page_hash: BlockHash) -> int | None:
+    def page_for(self, page_hash: StateHash) -> int | None:
         return self._page_of.get(page_hash)
 
     def is_free(self, page: int) -> bool:

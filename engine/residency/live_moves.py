@@ -25,7 +25,7 @@ import xxhash
 
 from common.logs import log_event
 from engine.facts import ReuseKind, ReuseTier
-from engine.kv.chain_hash import BlockHash
+from engine.kv.chain_hash import StateHash
 from engine.request import EngineSequence, MovedState
 from engine.tiers.link import Reservation, TierHit, TierLink
 
@@ -79,7 +79,7 @@ class LiveMoves:
         if tokens == 0:
             return False  # nothing computed: recomputing costs nothing
         nbytes = self.link.codec.nbytes(tokens, with_logits=False)
-        name = BlockHash(xxhash.xxh3_128_digest(self._nonce + seq.seq_id.to_bytes(8, "little")
+        name = StateHash(xxhash.xxh3_128_digest(self._nonce + seq.seq_id.to_bytes(8, "little")
                                                 + seq.moves.to_bytes(4, "little")))
         reservation = self.link.reserve(name, seq.namespace, nbytes, seq.request.request_class, LIVE_PROTECT_SECONDS)
         if reservation is None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.kv.chain_hash import BlockHash
+from engine.kv.chain_hash import StateHash
 from engine.kv.page_pool import PagePool
 from engine.residency.retained_state import StateView
 from engine.residency.counters import ReuseCounters
@@ -31,8 +31,8 @@ from engine.tiers.link import Spillable, TierLink
 
 @dataclass(frozen=True, slots=True)
 class PageChain:
-    namespace: BlockHash
-    hashes: tuple[BlockHash, ...]  # h_1 .. h_k: the chain's name is h_k
+    namespace: StateHash
+    hashes: tuple[StateHash, ...]  # h_1 .. h_k: the chain's name is h_k
     request_class: RequestClass
 
 
@@ -45,9 +45,9 @@ class PageChains:
         self.max_chains = max_chains
         self.worker = worker
         self.ahead_pages = ahead_pages
-        self._chains: OrderedDict[BlockHash, PageChain] = OrderedDict()  # by last hash, oldest first
-        self._holders: dict[BlockHash, set[BlockHash]] = {}  # page hash -> chains containing it
-        self._writing: dict[BlockHash, BlockHash] = {}  # page hash -> the chain being written ahead holding it
+        self._chains: OrderedDict[StateHash, PageChain] = OrderedDict()  # by last hash, oldest first
+        self._holders: dict[StateHash, set[StateHash]] = {}  # page hash -> chains containing it
+        self._writing: dict[StateHash, StateHash] = {}  # page hash -> the chain being written ahead holding it
         self.spills = 0
         self.counters = counters or ReuseCounters()  # spills_ahead / spills_on_step: off or on the step
         pages.on_evict = self._evicting
@@ -68,7 +68,7 @@ class PageChains:
         while len(self._chains) > self.max_chains:
             self._forget(next(iter(self._chains)))  # untracked chains just are not spilled
 
-    def _evicting(self, page: int, page_hash: BlockHash) -> None:
+    def _evicting(self, page: int, page_hash: StateHash) -> None:
         """PagePool hook: `page` (content intact) is about to be handed out fresh."""
         writing = self._writing.get(page_hash)
         if writing is not None and self.worker is not None:
@@ -79,7 +79,7 @@ class PageChains:
                 self.counters.spills_on_step += 1
                 self.spills += int(self.link.spill(spillable))
 
-    def _take(self, name: BlockHash) -> Spillable | None:
+    def _take(self, name: StateHash) -> Spillable | None:
         """Stop tracking chain `name`; what writing it below needs, if all its pages are intact."""
         chain = self._chains.get(name)
         if chain is None:
@@ -120,7 +120,7 @@ class PageChains:
 
         self.worker.submit(CopyJob(name, lambda: link.spill(spillable), done))
 
-    def _forget(self, name: BlockHash) -> None:
+    def _forget(self, name: StateHash) -> None:
         chain = self._chains.pop(name)
         for h in chain.hashes:
             holders = self._holders.get(h)
@@ -140,7 +140,7 @@ class PageChains:
                 for name, c in self._chains.items()]
 
     def check_integrity(self) -> None:
-        want: dict[BlockHash, set[BlockHash]] = {}
+        want: dict[StateHash, set[StateHash]] = {}
         for name, chain in self._chains.items():
             if chain.hashes[-1] != name:
                 raise AssertionError("page chain filed under another name")

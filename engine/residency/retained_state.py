@@ -9,7 +9,7 @@ import torch
 
 from common.eviction import Resident
 from engine.facts import RequestClass, ReuseKind, ReuseTier
-from engine.kv.chain_hash import BlockHash
+from engine.kv.chain_hash import StateHash
 
 
 @dataclass(eq=False)
@@ -19,8 +19,8 @@ class RetainedState:
     private). On the host: all of it, and its logits, in one host slot. Immutable once
     captured: a claim copies it."""
 
-    name: BlockHash
-    anchor: BlockHash  # hash of the last full page at or before the end (the index key)
+    name: StateHash
+    anchor: StateHash  # hash of the last full page at or before the end (the index key)
     num_tokens: int
     kind: ReuseKind  # CHECKPOINT | PREFIX
     tier: ReuseTier  # DEVICE: a device slot and device pages; HOST: one host slot holds it all
@@ -29,8 +29,8 @@ class RetainedState:
     request_class: RequestClass
     lineage: int | None
     logits: torch.Tensor | None  # next-token logits at the end (opener checkpoints): a retry prefills nothing
-    namespace: BlockHash  # h0 of its chain (for the tierstore)
-    page_hashes: tuple[BlockHash, ...]  # hashes of its full pages (for the tierstore)
+    namespace: StateHash  # h0 of its chain (for the tierstore)
+    page_hashes: tuple[StateHash, ...]  # hashes of its full pages (for the tierstore)
     last_used: float = field(default_factory=time.monotonic)
     ready: bool = True  # False while a staged copy is still filling its host slot: not claimable yet
     below: bool = False  # a copy is committed in KV-RAM (written ahead of its eviction): leaving costs no copy
@@ -53,7 +53,7 @@ class RetainedState:
 class StateView:
     """One retained state (or an attention-only page chain) as the Monitor lists it."""
 
-    name: BlockHash
+    name: StateHash
     kind: ReuseKind
     tier: ReuseTier
     request_class: RequestClass

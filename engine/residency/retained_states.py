@@ -31,7 +31,7 @@ from common.logs import log_event
 from engine.residency.retained_state import RetainedState, StateView
 from engine.residency.counters import ReuseCounters
 from engine.facts import RequestClass, ReuseKind, ReuseTier
-from engine.kv.chain_hash import BlockHash
+from engine.kv.chain_hash import StateHash
 from engine.kv.device_cache import DeviceCache
 from engine.kv.host_slots import HostSlots
 from engine.kv.page_pool import PagePool
@@ -66,8 +66,8 @@ class RetainedStates:
         self.max_per_lineage = max_per_lineage
         self._free_slots = deque(range(first_slot, first_slot + num_slots))
         self.num_slots = num_slots
-        self._by_name: dict[BlockHash, RetainedState] = {}
-        self._by_anchor: dict[BlockHash, list[RetainedState]] = {}
+        self._by_name: dict[StateHash, RetainedState] = {}
+        self._by_anchor: dict[StateHash, list[RetainedState]] = {}
         self._lineages: dict[int, deque[RetainedState]] = {}
         self.pending: list[RetainedState] = []  # captures whose staged copy is not done: claimable soon
         # Called once a capture landed in the tier below (a claimant held for it asks the store again).
@@ -77,11 +77,11 @@ class RetainedStates:
     def __bool__(self) -> bool:
         return bool(self._by_name)
 
-    def anchored(self, anchor: BlockHash) -> Iterable[RetainedState]:
+    def anchored(self, anchor: StateHash) -> Iterable[RetainedState]:
         """The states whose last full page (or namespace, for none) is `anchor`."""
         return self._by_anchor.get(anchor, ())
 
-    def touch(self, name: BlockHash, logits: torch.Tensor | None) -> bool:
+    def touch(self, name: StateHash, logits: torch.Tensor | None) -> bool:
         """A capture of a state already held (a retry, a burst mate): it is used now, and keeps the
         logits if it had none. False if no state is held under `name`."""
         existing = self._by_name.get(name)
@@ -162,7 +162,7 @@ class RetainedStates:
         seq.adopt(table, state.num_tokens, state.logits)
 
     # --- captures: where a new state goes ---------------------------------------------
-    def capture(self, seq: EngineSequence, name: BlockHash, m: int, kind: ReuseKind, logits: torch.Tensor | None,
+    def capture(self, seq: EngineSequence, name: StateHash, m: int, kind: ReuseKind, logits: torch.Tensor | None,
                 lineage: int | None) -> None:
         """Retain `seq`'s state at `m` under `name`: in a host slot, a device slot, or the tier below, as
         the free slots and the eviction order allow; skipped and counted when none can take it."""
@@ -205,7 +205,7 @@ class RetainedStates:
             return 0
         return self.codec.tokens_fitting(self.host.slot_bytes)
 
-    def _capture_to_host(self, seq: EngineSequence, name: BlockHash, m: int, kind: ReuseKind,
+    def _capture_to_host(self, seq: EngineSequence, name: StateHash, m: int, kind: ReuseKind,
                          logits: torch.Tensor | None, lineage: int | None) -> None:
         """The whole state (slot, pages, logits) into one host slot: no device page or slot kept.
         With the staging ring only the slot and the partial last page are copied on the step."""
@@ -262,7 +262,7 @@ class RetainedStates:
 
         self.ring.submit(StagedCopy(buffer, copy, done))
 
-    def _stage_below(self, seq: EngineSequence, name: BlockHash, m: int, kind: ReuseKind,
+    def _stage_below(self, seq: EngineSequence, name: StateHash, m: int, kind: ReuseKind,
                      logits: torch.Tensor | None, buffer: int) -> None:
         """A capture straight to KV-RAM through the ring: on the step the slot and the partial
         page into the buffer and a reference to the full pages; the worker reserves, writes
@@ -378,7 +378,7 @@ class RetainedStates:
             while len(chain) > self.max_per_lineage:  # a conversation keeps its newest two
                 self._drop(chain.popleft())
 
-    def _capture_below(self, seq: EngineSequence, name: BlockHash, m: int, kind: ReuseKind,
+    def _capture_below(self, seq: EngineSequence, name: StateHash, m: int, kind: ReuseKind,
                        logits: torch.Tensor | None) -> None:
         """Write the state at `m` from the sequence's own slot and pages to the tier below;
         without one the capture is skipped (never allocated on the fly). With the staging ring

@@ -35,7 +35,7 @@ from opentelemetry import trace
 
 from common.logs import log_event
 from engine.facts import RequestClass, ReuseKind, ReuseTier
-from engine.kv.chain_hash import BlockHash, state_matches, state_name
+from engine.kv.chain_hash import StateHash, state_matches, state_name
 from engine.proto_convert import request_class_pb, reuse_kind, reuse_kind_pb, reuse_tier
 from engine.tiers.client import TierClient
 from engine.tiers.checked_copy import copy_and_check
@@ -73,12 +73,12 @@ class TierHit:
 class Spillable:
     """What a spill needs of a retained state (kept free of engine.cache imports)."""
 
-    name: BlockHash
-    namespace: BlockHash
+    name: StateHash
+    namespace: StateHash
     tokens: int
     kind: ReuseKind
     request_class: RequestClass
-    page_hashes: tuple[BlockHash, ...]
+    page_hashes: tuple[StateHash, ...]
     slot: int | None  # None: an attention-only model (no recurrent state)
     pages: list[int]
     logits: torch.Tensor | None
@@ -88,8 +88,8 @@ class Spillable:
 class Reservation:
     """An arena extent reserved for a state being written."""
 
-    name: BlockHash
-    namespace: BlockHash
+    name: StateHash
+    namespace: StateHash
     offset: int
     nbytes: int
     instance: str  # the store instance whose arena holds the extent
@@ -123,15 +123,15 @@ class TierLink:
                                 lambda arena, offset: self.codec.pack(arena, offset, s.tokens, s.slot, s.pages,
                                                                       s.logits))
 
-    def spill_bytes(self, name: BlockHash, namespace: BlockHash, tokens: int, kind: ReuseKind,
-                    request_class: RequestClass, page_hashes: tuple[BlockHash, ...], data: torch.Tensor) -> bool:
+    def spill_bytes(self, name: StateHash, namespace: StateHash, tokens: int, kind: ReuseKind,
+                    request_class: RequestClass, page_hashes: tuple[StateHash, ...], data: torch.Tensor) -> bool:
         """Write a state already in the arena's byte layout (`data`, uint8: a host slot) into KV-RAM:
         one copy."""
         return self.write_state(name, namespace, tokens, kind, request_class, page_hashes, len(data),
                                 lambda arena, offset: arena[offset:offset + len(data)].copy_(data), source="host")
 
-    def write_state(self, name: BlockHash, namespace: BlockHash, tokens: int, kind: ReuseKind,
-                    request_class: RequestClass, page_hashes: tuple[BlockHash, ...], nbytes: int,
+    def write_state(self, name: StateHash, namespace: StateHash, tokens: int, kind: ReuseKind,
+                    request_class: RequestClass, page_hashes: tuple[StateHash, ...], nbytes: int,
                     write: Callable[[torch.Tensor, int], object], source: str = "device") -> bool:
         """Reserve `nbytes`, let `write(arena, offset)` fill them in the codec's layout, Commit; True if
         the store now holds the state. Runs on the engine thread or the copy worker."""
@@ -158,7 +158,7 @@ class TierLink:
                           bytes=nbytes, ms=round((time.perf_counter() - started) * 1000, 3), source=source)
             return spilled
 
-    def reserve(self, name: BlockHash, namespace: BlockHash, nbytes: int, request_class: RequestClass,
+    def reserve(self, name: StateHash, namespace: StateHash, nbytes: int, request_class: RequestClass,
                 protect_seconds: float = 0.0) -> Reservation | None:
         """An arena extent to write a state into, in the arena mapped now; None (counted as a
         failed spill unless the state exists already) when the store is down or has no room."""
@@ -187,7 +187,7 @@ class TierLink:
             return self.client.arena if self.still_mapped(reservation) else None
 
     def commit(self, reservation: Reservation, tokens: int, kind: ReuseKind, request_class: RequestClass,
-               page_hashes: tuple[BlockHash, ...] = (), arena: torch.Tensor | None = None) -> bool:
+               page_hashes: tuple[StateHash, ...] = (), arena: torch.Tensor | None = None) -> bool:
         """Publish a written reservation (written into `arena`, the one mapped now if not given);
         on failure the reservation is abandoned."""
         r = reservation
@@ -213,14 +213,14 @@ class TierLink:
             self.spill_failures += 1
         return False
 
-    def drop(self, name: BlockHash) -> None:
+    def drop(self, name: StateHash) -> None:
         """Remove a state from every tier (a live sequence's, once it is restored or cancelled)."""
         with self._lock:
             if self.client.available:
                 self.client.drop(name)
 
     # --- lookup --------------------------------------------------------------------------
-    def find(self, namespace: BlockHash, page_hashes: list[BlockHash], tokens: list[int]) -> TierHit | None:
+    def find(self, namespace: StateHash, page_hashes: list[StateHash], tokens: list[int]) -> TierHit | None:
         """The longest usable state below the device for this prompt.
 
         Match resolves page-aligned names and the whole prompt's name (the tail); states
@@ -231,7 +231,7 @@ class TierLink:
         with self._lock:
             return self._find(namespace, page_hashes, tokens)
 
-    def _find(self, namespace: BlockHash, page_hashes: list[BlockHash], tokens: list[int]) -> TierHit | None:
+    def _find(self, namespace: StateHash, page_hashes: list[StateHash], tokens: list[int]) -> TierHit | None:
         if not self.client.available:
             return None
         n = len(tokens)
@@ -316,7 +316,7 @@ class TierLink:
         return hit.tokens < n or (hit.tokens == n and self.codec.has_logits(hit.tokens, hit.nbytes))
 
     # --- up ------------------------------------------------------------------------------
-    def connect(self, namespace: BlockHash) -> bool:
+    def connect(self, namespace: StateHash) -> bool:
         """Register `namespace` and map the arena now, ahead of the first request: the mapping's pages are
         then mapped in (common/prefault.py) before a claim copies through them, not while it does."""
         with self._lock:
@@ -334,7 +334,7 @@ class TierLink:
             self._helper_pool = ThreadPoolExecutor(self.claim_threads - 1, thread_name_prefix="ignis-restore-copies")
         return self._helper_pool
 
-    def restore(self, namespace: BlockHash, hit: TierHit, slot: int | None, pages: list[int], request_id: str = ""
+    def restore(self, namespace: StateHash, hit: TierHit, slot: int | None, pages: list[int], request_id: str = ""
                 ) -> tuple[ReuseTier, torch.Tensor | None] | None:
         """Copy a stored state into `slot` and `pages`; (from tier, logits) or None if it failed.
 
@@ -344,7 +344,7 @@ class TierLink:
         with self._lock:
             return self._restore(namespace, hit, slot, pages, request_id)
 
-    def _restore(self, namespace: BlockHash, hit: TierHit, slot: int | None, pages: list[int], request_id: str
+    def _restore(self, namespace: StateHash, hit: TierHit, slot: int | None, pages: list[int], request_id: str
                  ) -> tuple[ReuseTier, torch.Tensor | None] | None:
         if not self.client.ensure(namespace):
             self.restore_failures += 1
