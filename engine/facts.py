@@ -7,10 +7,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from common.request_class import RequestClass
 
-class RequestClass(enum.IntEnum):
-    INTERACTIVE = 0  # ranked above agent work: admitted first, preempted last, evicted last
-    AGENT = 1
+__all__ = ["RequestClass", "ReuseKind", "ReuseReport", "ReuseTier"]
+
 
 
 class ReuseTier(enum.Enum):

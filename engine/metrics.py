@@ -35,7 +35,7 @@ _DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 1
 
 
 def class_name(request_class: RequestClass) -> str:
-    return request_class.name.lower()
+    return request_class.label
 
 
 @dataclass(frozen=True, slots=True)

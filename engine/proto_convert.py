@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from common.request_class import from_pb as class_from_pb
 from engine.facts import RequestClass, ReuseKind, ReuseTier
 from engine.guided.spec import GuideKind, GuidedSpec
 from engine.outputs import RequestUpdate, TokenLogprob
@@ -20,8 +21,6 @@ _FINISH = {
     FinishReason.LENGTH: engine_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: engine_pb2.FINISH_REASON_ABORT,
 }
-_CLASS_PB = {RequestClass.INTERACTIVE: common_pb2.REQUEST_CLASS_INTERACTIVE,
-             RequestClass.AGENT: common_pb2.REQUEST_CLASS_AGENT}
 _TIER_PB = {ReuseTier.NONE: common_pb2.REUSE_TIER_NONE, ReuseTier.DEVICE: common_pb2.REUSE_TIER_DEVICE,
             ReuseTier.HOST: common_pb2.REUSE_TIER_HOST, ReuseTier.RAM: common_pb2.REUSE_TIER_RAM,
             ReuseTier.DISK: common_pb2.REUSE_TIER_DISK}
@@ -32,12 +31,12 @@ _KIND_FROM_PB = {v: k for k, v in _KIND_PB.items()}
 
 
 def request_class(value: int) -> RequestClass:
-    """UNSPECIFIED (and anything unknown) is interactive."""
-    return RequestClass.AGENT if value == common_pb2.REQUEST_CLASS_AGENT else RequestClass.INTERACTIVE
+    """UNSPECIFIED is interactive; a number the enum does not define is ValueError (INVALID_ARGUMENT)."""
+    return class_from_pb(value)
 
 
 def request_class_pb(value: RequestClass) -> common_pb2.RequestClass:
-    return _CLASS_PB[value]
+    return value.pb
 
 
 def reuse_tier_pb(tier: ReuseTier) -> common_pb2.ReuseTier:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from common.eviction import EvictionOrder
 from engine.residency.layer import Residency
 from engine.residency.retained_state import StateView
-from engine.facts import ReuseKind, ReuseTier
+from engine.facts import RequestClass, ReuseKind, ReuseTier
 from engine.kv.page_pool import PagePool
 from engine.metrics import FinishedRequest
 from engine.outputs import EngineStats
@@ -196,7 +196,7 @@ def _recent_row(finished_at: float, r: FinishedRequest) -> engine_pb2.RecentRequ
     agent = r.request_class == "agent"
     return engine_pb2.RecentRequest(
         request_id=redacted_id(r.request_id),
-        request_class=common_pb2.REQUEST_CLASS_AGENT if agent else common_pb2.REQUEST_CLASS_INTERACTIVE,
+        request_class=request_class_pb(RequestClass.AGENT if agent else RequestClass.INTERACTIVE),
         prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
         tier=reuse_tier_pb(_TIERS.get(r.tier, ReuseTier.NONE)), kind=reuse_kind_pb(_KINDS.get(r.kind, ReuseKind.NONE)),
         ttft_ms=r.ttft_ms, completion_tokens=r.tokens_out, finish_reason=r.finish_reason, finished_at=finished_at)

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 from starlette.datastructures import Headers
 
+from common.request_class import NAMES, RequestClass, from_name
 from gateway.body import Fields
 from gateway.errors import invalid
 from ignis.v1 import common_pb2, engine_pb2
 
 CLASS_HEADER = "x-ignis-class"
-_CLASSES: dict[str, common_pb2.RequestClass] = {"interactive": common_pb2.REQUEST_CLASS_INTERACTIVE, "agent": common_pb2.REQUEST_CLASS_AGENT}
 _LOOKUP = {"use_cache": engine_pb2.ReusePolicy.LOOKUP_USE_CACHE, "bypass": engine_pb2.ReusePolicy.LOOKUP_BYPASS}
 _COMMIT = {"all": engine_pb2.ReusePolicy.COMMIT_INCLUDING_GENERATED_TOKENS,
            "prefill": engine_pb2.ReusePolicy.COMMIT_PREFILL_STATE_ONLY,
@@ -40,11 +40,11 @@ class EngineOptions:
 
 def engine_options(body: Fields, headers: Headers) -> EngineOptions:
     ignis = body.obj("ignis")
-    name = ignis.string("class", choices=tuple(_CLASSES)) if ignis is not None else None
+    name = ignis.string("class", choices=NAMES) if ignis is not None else None
     if name is None and CLASS_HEADER in headers:
         name = headers[CLASS_HEADER].strip().lower()
-        if name not in _CLASSES:
-            raise invalid(f"the X-Ignis-Class header must be one of {', '.join(_CLASSES)}, got {name!r}",
+        if name not in NAMES:
+            raise invalid(f"the X-Ignis-Class header must be one of {', '.join(NAMES)}, got {name!r}",
                           param="X-Ignis-Class")
     reuse = None
     if ignis is not None and (ignis.has("lookup") or ignis.has("commit")):
@@ -52,7 +52,7 @@ def engine_options(body: Fields, headers: Headers) -> EngineOptions:
         commit = ignis.string("commit", choices=tuple(_COMMIT)) or "all"
         reuse = engine_pb2.ReusePolicy(lookup=_LOOKUP[lookup], commit=_COMMIT[commit])
     return EngineOptions(
-        request_class=_CLASSES[name or "interactive"],
+        request_class=from_name(name).pb if name else RequestClass.INTERACTIVE.pb,
         cache_salt=body.string("cache_salt") or "",
         reuse=reuse,
         route_key=body.string("prompt_cache_key"),

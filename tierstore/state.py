@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from common.request_class import from_pb
 from common.state_hash import HASH_BYTES, StateHash
 from ignis.v1 import common_pb2, tierstore_pb2
 from tierstore.errors import InvalidArgument
@@ -13,7 +14,6 @@ from tierstore.errors import InvalidArgument
 MAX_ENGINE_TAG = 64  # bytes of StateMetadata.engine_tag the store keeps (the engine's is 32: a nonce and its GMAC)
 
 _KINDS = (common_pb2.REUSE_KIND_CHECKPOINT, common_pb2.REUSE_KIND_PREFIX, common_pb2.REUSE_KIND_PAGES)
-_CLASSES = (common_pb2.REQUEST_CLASS_UNSPECIFIED, common_pb2.REQUEST_CLASS_INTERACTIVE, common_pb2.REQUEST_CLASS_AGENT)
 
 
 def check_hash(value: bytes, what: str = "hash") -> StateHash:
@@ -35,11 +35,11 @@ def checksum(data: bytes | memoryview) -> bytes:
 
 
 def normal_class(request_class: int) -> int:
-    """UNSPECIFIED is INTERACTIVE (common.proto)."""
-    if request_class not in _CLASSES:
-        raise InvalidArgument(f"unknown request_class {request_class}")
-    return common_pb2.REQUEST_CLASS_INTERACTIVE if request_class == common_pb2.REQUEST_CLASS_UNSPECIFIED \
-        else request_class
+    """The class as the store keeps it: UNSPECIFIED is INTERACTIVE; unknown is InvalidArgument (common/request_class.py)."""
+    try:
+        return int(from_pb(request_class).pb)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from common.request_class import from_pb
 from gateway.aliases import JSONObject, SSEBytes
 from gateway.engines import EngineClient
 from gateway.errors import OpenAIError, from_grpc, invalid
@@ -45,7 +46,10 @@ _KIND = {v: k.removeprefix("REUSE_KIND_").lower() for k, v in common_pb2.ReuseKi
 
 
 def _class(value: int) -> str:
-    return "agent" if value == common_pb2.REQUEST_CLASS_AGENT else "interactive"
+    try:
+        return from_pb(value).label
+    except ValueError:  # an engine newer than this gateway: show what it sent
+        return str(value)
 
 
 def _limit(request: Request) -> int:
