@@ -92,6 +92,10 @@ async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest, key: b
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not started:
                 full = exc
                 continue
+            if code == grpc.StatusCode.UNAVAILABLE:  # started: what was sent stands, no other engine can go on
+                raise OpenAIError(502, f"engine {engine.address} failed after output began "
+                                       f"({exc.details() or 'unavailable'}): the output ends here",
+                                  code="engine_failed") from None
             raise from_grpc(exc, prompt_param=spec.prompt_param, max_tokens_param=spec.max_tokens_param) from None
         finally:
             call.cancel()  # no-op when the call already ended; frees the engine's work when it did not
