@@ -102,6 +102,7 @@ class Scheduler:
         self.running: list[EngineSequence] = []
         self._steady: SteadyDecodes | None = None  # the last plan, while it is the steady state
         self._step = 0  # schedule() calls so far: the clock of a resumed sequence's hold
+        self._headroom: int | None = None  # this step's _decode_headroom, counted once when admission asks
 
     # --- queues -------------------------------------------------------------
     def add(self, seq: EngineSequence) -> None:
@@ -206,15 +207,20 @@ class Scheduler:
 
     def _decode_headroom(self) -> int:
         """Free pages the running decodes take this step (each whose next position starts a page):
-        admission leaves them, so room a move freed for a decode is not handed to the queue instead."""
-        size = self.limits.page_size
-        return sum(1 for s in self.running
-                   if len(s.token_ids) - s.num_computed == 1 and s.num_computed >= len(s.page_table) * size)
+        admission leaves them, so room a move freed for a decode is not handed to the queue instead.
+        Counted once a step: what admission does next only lowers it (a displaced sequence leaves, an
+        admitted one has its pages), so the first count is the safe one."""
+        if self._headroom is None:
+            size = self.limits.page_size
+            self._headroom = sum(1 for s in self.running if len(s.token_ids) - s.num_computed == 1
+                                 and s.num_computed >= len(s.page_table) * size)
+        return self._headroom
 
     # --- the step -------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         self._step += 1
+        self._headroom = None
         if self.residency is not None:
             self.residency.poll()  # captures copied off the step become claimable
         self._settle_moves(plan)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import os
 import resource
@@ -27,6 +26,7 @@ from gateway.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_STREAM_BUFFER_
 from gateway.connection_faults import UvicornWarnings
 from gateway.event_loop import LOOPS, install, running_loop
 from gateway.http_protocol import HTTP_PARSERS, protocol_class
+from gateway.session_socket import loopback_host
 from gateway.state import GatewayState
 
 log = logging.getLogger("ignis.gateway")
@@ -131,20 +131,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
                                reasoning_parser=args.reasoning_parser, allowed_origins=args.allowed_origins)
     except ValueError as exc:
         parser.error(str(exc))
-    if config.api_key is None and not _loopback(args.host) and not args.allow_unauthenticated:
+    if config.api_key is None and not loopback_host(args.host) and not args.allow_unauthenticated:
         parser.exit(2, f"ignis-gateway: error: --host {args.host} is reachable beyond this machine and no API key is "
                        "set: give --api-key (or $IGNIS_API_KEY), or say --allow-unauthenticated\n")
     return args, config
 
-
-def _loopback(host: str) -> bool:
-    """Whether binding `host` serves this machine only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve anywhere
 
 
 def _size(text: str) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from starlette.datastructures import Headers
 
-from common.request_class import NAMES, RequestClass, from_name
+from common.request_class import NAMES, from_name
 from gateway.body import Fields
 from gateway.errors import invalid
 from ignis.v1 import common_pb2, engine_pb2
@@ -52,7 +52,7 @@ def engine_options(body: Fields, headers: Headers) -> EngineOptions:
         commit = ignis.string("commit", choices=tuple(_COMMIT)) or "all"
         reuse = engine_pb2.ReusePolicy(lookup=_LOOKUP[lookup], commit=_COMMIT[commit])
     return EngineOptions(
-        request_class=from_name(name).pb if name else RequestClass.INTERACTIVE.pb,
+        request_class=from_name(name or "interactive").pb,
         cache_salt=body.string("cache_salt") or "",
         reuse=reuse,
         route_key=body.string("prompt_cache_key"),

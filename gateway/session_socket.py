@@ -32,13 +32,18 @@ def on_this_host(address: str) -> bool:
     if address.startswith("unix:") or address.startswith("unix-abstract:"):
         return True
     host = address.rsplit(":", 1)[0] if ":" in address else address
-    host = host.removeprefix("ipv4:").removeprefix("ipv6:").strip("[]")
+    return loopback_host(host.removeprefix("ipv4:").removeprefix("ipv6:"))
+
+
+def loopback_host(host: str) -> bool:
+    """Whether `host` (an address or a name, IPv6 in brackets or not) is this machine only."""
+    host = host.strip("[]")
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return False
+        return False  # another name: it may resolve anywhere
 
 
 class SocketStream(asyncio.Protocol):

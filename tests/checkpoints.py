@@ -30,6 +30,9 @@ _VISION: dict[str, Any] = dict(depth=1, hidden_size=32, intermediate_size=64, nu
 # M-RoPE as the Qwen3.5 checkpoints publish it; over a text prompt its three axes share one position.
 _MROPE: dict[str, Any] = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
                               mrope_section=[1, 1, 0], mrope_interleaved=True)
+# Written in many small shards with an index, as these classes are published.
+PUBLISHED_SHARDED = frozenset({"Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                               "Qwen3MoeForCausalLM"})
 _MOE: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
 
 _COMMON: dict[str, Any] = dict(
@@ -119,7 +122,7 @@ def make_checkpoint(directory: Path, arch: str, seed: int = 0, max_shard_size: s
     multimodal and MoE classes are sharded (many small files and an index) as they ship."""
     model = make_hf_model(arch, seed, **overrides)
     directory.mkdir(parents=True, exist_ok=True)
-    if max_shard_size is None and arch in ARCHITECTURES[-3:]:
+    if max_shard_size is None and arch in PUBLISHED_SHARDED:
         max_shard_size = "100KB"
     model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return directory

@@ -77,7 +77,7 @@ def test_a_grammar_that_cannot_finish_is_refused_at_admission(engine: RunningSer
     assert chat(http).status_code == 200
 
 
-def test_the_compiler_turns_every_builder_failure_into_the_inputs_error(tiny_model_dir: Path) -> None:
+def test_the_compiler_refuses_an_empty_language_and_compiles_a_finishing_grammar(tiny_model_dir: Path) -> None:
     tokenizer = Tokenizer.from_dir(tiny_model_dir)
     compiler = GuidedCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
     with pytest.raises(GuidedError, match="accepts no output"):
@@ -177,3 +177,29 @@ def test_the_schema_check_names_the_path_and_passes_what_it_enforces() -> None:
                 {"type": "null"}]}, "c": {"allOf": [{"$ref": "#/$defs/C"}]}}, "required": ["a", "b"],
                 "additionalProperties": False, "$defs": {"C": {"type": "object", "properties": {}}}}
     assert unenforced_construct(enforced) is None
+
+
+def test_a_grammar_that_dead_ends_mid_output_fails_its_request_only(tiny_model_dir: Path) -> None:
+    """`x` can never finish, so after "a" nothing is allowed: that request fails saying so (not "this is a
+    bug"), and the request batched beside it finishes as it would alone."""
+    from engine.offline import run_to_completion
+    from engine.request import EngineRequest
+    from engine.sampling.params import SamplingParams
+
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    core = EngineCore(load_model(tiny_model_dir), tokenizer, EngineConfig(page_size=16, kv_cache_bytes=8 << 20,
+                                                                          max_num_seqs=4))
+    compiler = GuidedCompiler(tokenizer, core.loaded.config.vocab_size, core.eos_ids)
+    guide = compiler.compile(GuidedSpec(GuideKind.GRAMMAR, 'root ::= "a" x\nx ::= x "b"'))
+    prompt = tuple(tokenizer.encode("Say something:"))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    try:
+        alone, = run_to_completion(core, EngineRequest("alone", prompt, params), start=True)
+        stuck, beside = run_to_completion(core, EngineRequest("stuck", prompt, params, guided=guide),
+                                          EngineRequest("beside", prompt, params))
+    finally:
+        core.stop()
+    assert stuck[-1].error is not None and "guided decoding: the grammar allows no token" in stuck[-1].error
+    assert [t for u in stuck for d in u.deltas for t in d.token_ids] == tokenizer.encode("a")
+    tokens = [[t for u in run for d in u.deltas for t in d.token_ids] for run in (alone, beside)]
+    assert beside[-1].error is None and tokens[0] == tokens[1] and len(tokens[0]) == 8

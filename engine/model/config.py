@@ -184,13 +184,12 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
             f"config.json: architectures {archs!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     arch = _TEXT_MODEL_OF.get(published, published)
-    text, raw = _text_config(cfg, published), cfg
-    quantization = raw.get("quantization_config") or text.get("quantization_config")
+    raw, cfg = cfg, _text_config(cfg, published)  # the file as written; the text model's settings
+    quantization = raw.get("quantization_config") or cfg.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
         raise CheckpointError(f"config.json: quantization {method!r} is not supported; ignis serves unquantized "
                               "checkpoints (float32, bfloat16, float16 weights)")
-    cfg = text
     traits = _FAMILIES[arch]
     hidden = int(_require(cfg, "hidden_size"))
     heads = int(_require(cfg, "num_attention_heads"))
