@@ -173,6 +173,7 @@ class Scheduler:
         if seq not in self.running or self.mover is None or not self.mover.begin(seq):
             return False
         self.running.remove(seq)
+        self._steady = None  # the kept batch points at pages this move frees
         return True
 
     def _settle_moves(self, plan: StepPlan) -> None:
@@ -344,6 +345,7 @@ class Scheduler:
     def _resume(self, seq: EngineSequence, moved: MovedState) -> None:
         """Copy a moved-down sequence's state back; if that fails it is recomputed."""
         assert self.mover is not None
+        self._steady = None  # a batch kept from before the move reads its old pages and slot
         got = self.pages.allocate(-(-moved.tokens // self.limits.page_size))
         assert got is not None, "resumed without its pages: this is a bug"
         if self.mover.restore(seq, moved, got):

@@ -21,7 +21,7 @@ from engine.core import EngineCore
 from engine.facts import RequestClass, ReuseTier
 from engine.model.loader import LoadedModel, load_model
 from engine.outputs import RequestUpdate
-from engine.request import EngineRequest, EngineSequence, SeqStatus
+from engine.request import EngineRequest, EngineSequence, MovedState, SeqStatus
 from engine.sampling.params import SamplingParams
 from engine.text.tokenizer import Tokenizer
 from services import RunningService, start_tierstore
@@ -65,6 +65,7 @@ class Driver:
         self.core = EngineCore(loaded, tokenizer, EngineConfig(
             page_size=P, kv_cache_bytes=pages * page_bytes, tierstore_address=tierstore, **settings))  # type: ignore[arg-type]
         self.updates: dict[str, list[RequestUpdate]] = {}
+        self.poisoned: list[int] = []  # pages poisoned before each resume (move_at)
 
     def submit(self, request: EngineRequest) -> None:
         self.updates[request.request_id] = []
@@ -134,19 +135,49 @@ def stored_states(store: RunningService) -> int:
     return stats.states_ram + stats.states_disk
 
 
+def poison_unowned_state(core: EngineCore, slot: int | None) -> int:
+    """Fill every free page, every free slot and `slot` with finite garbage; the number of pages filled.
+    Run just before a restore: whatever the resumed sequence then reads that its restore did not write
+    (a page or slot it left, a partial page never copied back) changes its tokens."""
+    pages = [p for p in range(core.pages.num_pages) if core.pages.is_free(p)]
+    noise = torch.Generator().manual_seed(99)
+    kv = core.cache.kv
+    kv[pages] = (torch.randn(kv[pages].shape, generator=noise) * 8).to(kv.dtype)
+    rows = core.cache.state_rows
+    free_slots = list(core.slots._free) if core.slots is not None else []  # SlotPool's free list, read here only
+    for s in free_slots + ([slot] if slot is not None else []):
+        rows[s] = 0x3F  # 0x3F3F3F3F is 0.747 as float32: finite, and never the state
+    return len(pages)
+
+
 def move_at(driver: Driver, rid: str, when: Callable[[EngineSequence], bool]) -> None:
-    """Step until `when(seq)`, then move the sequence down; it must stop running until it resumes."""
+    """Step until `when(seq)`, then move the sequence down; it must stop running until it resumes.
+    Its resume then starts on poisoned memory (poison_unowned_state): the tokens that follow match
+    only if they are decoded from what the restore wrote."""
     driver.step_until(lambda: driver.running_and(rid, when))
     seq = driver.seq(rid)
     assert driver.core.scheduler.move_down(seq)
     assert seq.status is SeqStatus.MOVING
+    scheduler = driver.core.scheduler
+    resume = scheduler._resume
+    poisoned: list[int] = []
+
+    def resume_on_poison(resumed: EngineSequence, moved: MovedState) -> None:
+        poisoned.append(poison_unowned_state(driver.core, resumed.slot))
+        resume(resumed, moved)
+    scheduler._resume = resume_on_poison  # type: ignore[method-assign]
+    driver.poisoned = poisoned
 
 
 @pytest.mark.parametrize("reuse", [False, True], ids=["cold", "claimed"])
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-def test_moved_mid_decode_resumes_bit_exact(model, store: RunningService, seeded: bool, reuse: bool) -> None:  # type: ignore[no-untyped-def]
-    """With reuse on, the moved request starts from the first one's retained state (or pages)."""
-    prompt = make_prompt(40, seed=1)
+@pytest.mark.parametrize("prompt_tokens", [19, 40, 100], ids=["one-window", "two-windows", "four-windows"])
+def test_moved_mid_decode_resumes_bit_exact(model, store: RunningService, seeded: bool, reuse: bool,  # type: ignore[no-untyped-def]
+                                            prompt_tokens: int) -> None:
+    """With reuse on, the moved request starts from the first one's retained state (or pages). The
+    move is written in windows of 2 pages: 25 computed tokens move in one, 46 in two, 106 in four (each
+    with a partial last page)."""
+    prompt = make_prompt(prompt_tokens, seed=1)
     driver = Driver(model, store.address, reuse_prompt=reuse)
     try:
         want = driver.run(make_request("alone", prompt, seeded=seeded))
@@ -154,6 +185,7 @@ def test_moved_mid_decode_resumes_bit_exact(model, store: RunningService, seeded
         move_at(driver, "moved", lambda s: s.num_output == 7)
         driver.step_until(lambda: driver.done("moved"))
         same(driver.result("moved"), want)
+        assert len(driver.poisoned) == 1 and driver.poisoned[0] > 0  # it resumed on poisoned memory
         stats = driver.core.stats()
         assert stats.sequences_moved[ReuseTier.RAM] == 1 and stats.sequences_recomputed == 0
         driver.core.check_integrity()
