@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from websockets.sync.client import ClientConnection, connect
+from websockets.sync.client import connect
+from websockets.sync.connection import Connection  # what `with connect(...)` yields
 
 CHROMIUM = "chromium"
 
@@ -31,7 +32,7 @@ def chromium_path() -> str | None:
 class Page:
     """One tab, over its DevTools websocket."""
 
-    def __init__(self, ws: ClientConnection) -> None:
+    def __init__(self, ws: Connection) -> None:
         self.ws = ws
         self._ids = 0
 

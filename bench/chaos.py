@@ -42,8 +42,9 @@ when it was killed), reuse (completed answers by the tier their reuse came from)
 the window drains: the engine runs nothing and holds no pages, the tierstore holds no leases
 or reservations and counts every blob file against its budget). Target, shown and not asserted:
 0 wrong, 0 lost, 0 failed but the allowed, idle after every window, and the fault seen by the
-store (a PROBLEM in the row otherwise); engine RSS within ±5%. Writes chaos.json and chaos.md
-(bench/table.save). A run whose targets are not all met keeps its scratch folder (the logs).
+store (a PROBLEM in the row otherwise); engine RSS within ±5%. Writes chaos.md and chaos.json
+(bench/table.save: the JSON in raw/ under bench/results/). A run whose targets are not all met
+keeps its scratch folder (the logs).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
 
 Without CUDA only --tiny runs (the CPU's kernels are the torch references, so the kernel rows
 then compare the reference with itself); a full run refuses. GB/s counts bytes copied or
-read once. Writes DIR/gpu.md and DIR/gpu.json (default bench/results/).
+read once. Writes DIR/gpu.md and DIR/gpu.json (default bench/results/, its JSON in raw/).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ states per engine (the baseline) and with all of them:
 - update: the JS time of one redraw at 1 Hz (median of --repeats updates);
 - scroll: redrawing the virtualised list after a jump to its end; and how many rows the DOM holds.
 
-Prints a Markdown table, writes bench/results/monitor.md and .json.
+Prints a Markdown table, writes bench/results/monitor.md (and raw/monitor.json).
 """
 
 from __future__ import annotations

@@ -514,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight-dtype", choices=["auto", "bfloat16"], default="auto",
                         help="engine.weight_dtype of ignis' linears; bfloat16 also gives llama.cpp a bf16 GGUF "
                              "(results: ...-w-bfloat16)")
-    parser.add_argument("--out", type=Path, default=table.RESULTS, help="where profile-<kind>.{json,md} go")
+    parser.add_argument("--out", type=Path, default=table.RESULTS,
+                        help="where profile-<kind>.{json,md} go (bench/results/: the .json in raw/)")
     parser.add_argument("--models", type=Path, default=None, help="checkpoint cache (default: ignis' own)")
     a = parser.parse_args(argv)
     for kind in a.kind.split(","):

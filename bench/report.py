@@ -1,9 +1,11 @@
 """`python -m bench.report`: every benchmark's results in one page, bench/results/REPORT.md.
 
-Each benchmark writes `<name>.json` (figures and the machine it ran on) and
-`<name>.md` (its table). This gathers them in a fixed reading order, the
-headline (the swarm against llama.cpp) first, says when and where each ran,
-and links the plots. Results it does not know go last, so none is dropped.
+Each benchmark writes `<name>.md` (its table and the machine it ran on, both
+committed) and `<name>.json` (its raw figures, in the ignored raw/; see
+bench/table.py). This gathers the tables in a fixed reading order, the headline
+(the swarm against llama.cpp) first, says when and where each ran (from the
+table, or from the JSON for a table written before it said so), and links the
+plots. Results it does not know go last, so none is dropped.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from common.launch import ROOT
-from bench.table import RESULTS
+from bench.table import RESULTS, machine_of, raw_folder, without_machine
 
 # (section title, result names, what it answers), in reading order.
 SECTIONS: list[tuple[str, list[str], str]] = [
@@ -66,39 +68,61 @@ SECTIONS: list[tuple[str, list[str], str]] = [
 ]
 
 
-def _provenance(result: dict[str, Any]) -> str:
-    m = result.get("machine") or {}
+def _provenance(m: dict[str, Any]) -> str:
     parts = [f"run {m['when']}" if m.get("when") else None, m.get("platform"),
              f"torch {m['torch']}" if m.get("torch") else None,
              f"{m['threads']} threads" if m.get("threads") else None, m.get("cuda")]
     return "_" + ", ".join(p for p in parts if p) + "_" if any(parts) else ""
 
 
+def _machine(results: Path, name: str, table: str | None) -> dict[str, Any]:
+    """Where a result ran: its table's machine line, else its raw JSON (raises if that is unreadable)."""
+    if table is not None and (machine := machine_of(table)) is not None:
+        return machine
+    result = json.loads((raw_folder(results) / f"{name}.json").read_text())
+    return dict(result.get("machine") or {})
+
+
 def _entry(results: Path, name: str) -> str:
     """One result: where and when it ran, its table, and its plot if it has one."""
-    json_path, md_path, png_path = (results / f"{name}{ext}" for ext in (".json", ".md", ".png"))
+    md_path, png_path = results / f"{name}.md", results / f"{name}.png"
+    table = md_path.read_text() if md_path.is_file() else None
     try:
-        result = json.loads(json_path.read_text())
+        machine = _machine(results, name, table)
     except (OSError, json.JSONDecodeError) as err:
-        return f"`{name}`: no readable result ({err.__class__.__name__}); run its benchmark."
-    parts = [f"`{name}.json` — {_provenance(result)}"]
-    parts.append(md_path.read_text().strip() if md_path.is_file() else f"(no `{name}.md` table)")
+        if table is None:
+            return f"`{name}`: no readable result ({err.__class__.__name__}); run its benchmark."
+        machine = {}  # a table from before tables named their machine, without its JSON here
+    source = f"{name}.md" if table is not None else f"{name}.json"
+    parts = [f"`{source}` — {_provenance(machine)}"]
+    parts.append(without_machine(table) if table is not None else f"(no `{name}.md` table)")
     if png_path.is_file():
         parts.append(f"![{name}]({png_path.name})")
     return "\n\n".join(parts)
 
 
+def _names(results: Path) -> set[str]:
+    """Every result in `results`: a table, or raw JSON without one."""
+    tables = {p.stem for p in results.glob("*.md") if p.name != "REPORT.md"}
+    return tables | {p.stem for p in raw_folder(results).glob("*.json")}
+
+
+def _shown(folder: Path) -> Path:
+    where = folder.resolve()
+    return where.relative_to(ROOT) if where.is_relative_to(ROOT) else where
+
+
 def build(results: Path) -> str:
     known = {n for _, names, _ in SECTIONS for n in names}
-    others = sorted(p.stem for p in results.glob("*.json") if p.stem not in known)
+    found = _names(results)
+    others = sorted(found - known)
     sections = SECTIONS + ([("Other results", others, "Results without a section of their own.")] if others else [])
-    where = results.resolve()
-    shown = where.relative_to(ROOT) if where.is_relative_to(ROOT) else where
     out = ["# ignis benchmark report",
-           f"Gathered {time.strftime('%Y-%m-%d %H:%M:%S')} by `python -m bench.report` from `{shown}/*.json` "
-           "and their tables; each benchmark measures its baseline in the same run. `make bench` runs them all."]
+           f"Gathered {time.strftime('%Y-%m-%d %H:%M:%S')} by `python -m bench.report` from `{_shown(results)}/*.md` "
+           f"(the raw figures: `{_shown(raw_folder(results))}/*.json`); each benchmark measures its baseline in the "
+           "same run. `make bench` runs them all."]
     for title, names, what in sections:
-        present = [n for n in names if (results / f"{n}.json").is_file()]
+        present = [n for n in names if n in found]
         out.append(f"## {title}\n\n{what}")
         if not present:
             out.append("_Not run yet._")

@@ -632,7 +632,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spill-mib", type=int, default=None, help="size of the spilled state (default 150)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default torch's; --smoke 1)")
     parser.add_argument("--smoke", action="store_true", help="a tiny checkpoint and tiny sizes (tests)")
-    parser.add_argument("--out", type=Path, default=table.RESULTS, help="where residency.{json,md} go")
+    parser.add_argument("--out", type=Path, default=table.RESULTS,
+                        help="where residency.{json,md} go (bench/results/: the .json in raw/)")
     parser.add_argument("--models", type=Path, default=None, help="checkpoint cache (default: ignis' own)")
     a = parser.parse_args(argv)
     z = Sizes.smoke() if a.smoke else Sizes()

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import httpx
-from websockets.sync.client import ClientConnection, connect
+from websockets.sync.client import connect
+from websockets.sync.connection import Connection  # what `with connect(...)` yields
 
 from common.launch import launch_engine, launch_gateway
 from bench.table import markdown, save
@@ -115,7 +116,7 @@ def by_id(client: httpx.Client, loop: Loop) -> None:
     loop.run(step)
 
 
-def over_socket(ws: ClientConnection, loop: Loop) -> None:
+def over_socket(ws: Connection, loop: Loop) -> None:
     def send(body: dict[str, Any]) -> dict[str, Any]:
         data = json.dumps({"type": "response.create", **body})
         loop.sent += len(data.encode())

@@ -22,7 +22,7 @@ it (a stream cut mid-way is the client's to see), and the time
 from the kill until the gateway stops routing to that engine (its
 `ignis_gateway_engine_up` falls to 0).
 
-Writes `scale.json` and `scale.md` to --out.
+Writes `scale.md` to --out and `scale.json` beside it (in raw/ when --out is bench/results/, bench/table.py).
 """
 
 from __future__ import annotations
@@ -371,8 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"workload": asdict(config), "counts": counts, "rules": rules, "repeats": args.repeats,
                "threads": args.threads,
                "slots": args.slots, "hidden": args.hidden, "layers": args.layers, "runs": runs, "kill": kill}
-    save("scale", payload, text, args.out)
-    print(f"wrote {args.out / 'scale.json'} (.md)", flush=True)
+    print(f"wrote {save('scale', payload, text, args.out)} (.md in {args.out})", flush=True)
     return 0
 
 

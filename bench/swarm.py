@@ -12,7 +12,8 @@ number of slots (the trace's concurrency); llama-server's per-slot context is
 sized to hold the longest conversation, and its prompt cache (`--cache-ram`)
 is on. Where the peer cannot be built, ignis runs alone and the table says so.
 
-Writes `swarm-<kind>.json`, `.md` and `.png` (TTFT per turn) to --out.
+Writes `swarm-<kind>.md` and `.png` (TTFT per turn) to --out and `swarm-<kind>.json` beside them (in raw/
+when --out is bench/results/, bench/table.py).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def slot_tokens(trace: Trace, tokenizer: Tokenizer) -> int:
     """Tokens of the longest agent conversation (replies taken as max_tokens one-token words), +10% and a page."""
     config = trace.config
     reply = " ".join(["word"] * config.max_tokens)
-    longest = max(len(tokenizer.render_chat_ids(trace.conversation(a, [reply] * (config.turns - 1))))
+    longest = max(len(tokenizer.render_chat(trace.conversation(a, [reply] * (config.turns - 1)))[1])
                   for a in range(config.agents))
     return math.ceil((longest + config.max_tokens) * 1.1 / 256) * 256
 
@@ -164,7 +165,7 @@ def bench_kind(kind: str, args: argparse.Namespace, config: WorkloadConfig, out:
     tokenizer = Tokenizer.from_dir(checkpoint)
     trace = make_trace(config, lambda text: len(tokenizer.encode(text)))
     setup = Setup(args.threads, config.concurrency, slot_tokens(trace, tokenizer), args.tierstore)
-    head = len(tokenizer.render_chat_ids(trace.first_messages("")[:1], add_generation_prompt=False))
+    head = len(tokenizer.render_chat(trace.first_messages("")[:1], add_generation_prompt=False)[1])
     print(f"\n== swarm, {kind} (hidden {args.hidden}, {args.layers} layers): {config.agents} agents x "
           f"{config.turns} turns, {len(trace.bursts)} bursts of {config.burst_size}, head {head} tokens, "
           f"{setup.threads} threads, {setup.slots} slots of {setup.slot_tokens} tokens", flush=True)
@@ -199,10 +200,10 @@ def bench_kind(kind: str, args: argparse.Namespace, config: WorkloadConfig, out:
                "peer": PEER, "peer_note": note, "summaries": summaries,
                "ratios": ratios(summaries["ignis"], summaries[PEER]) if PEER in summaries else None,
                "records": {s: [asdict(r) for r in rs] for s, rs in series.items()}}
-    save(f"swarm-{kind}", payload, text, out)
+    path = save(f"swarm-{kind}", payload, text, out)
     plot(out / f"swarm-{kind}.png", f"TTFT per turn, {kind} (hidden {args.hidden}, {args.layers} layers)",
          series, trace)
-    print(f"wrote {out / f'swarm-{kind}.json'} (.md, .png)", flush=True)
+    print(f"wrote {path} (.md, .png in {out})", flush=True)
     return ok
 
 

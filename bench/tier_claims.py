@@ -42,6 +42,7 @@ import torch
 
 from bench.drive import random_prompt, run
 from bench.geometry import ensure_geometry, geometry_config
+from bench.tier_baselines import MiB, drop_cache
 from common.launch import Service, launch_tierstore
 from common.logs import event_of
 from engine.config import EngineConfig
@@ -54,7 +55,6 @@ from engine.sampling.params import SamplingParams
 from engine.text.tokenizer import Tokenizer
 from engine.tiers.integrity import IntegrityKey
 
-MiB = 1 << 20
 P = 16
 
 
@@ -105,7 +105,7 @@ class SameBytes:
         t = time.perf_counter()
         np.copyto(self.dst, self.src)
         hashed = self.key.hasher(b"n" * 16, b"s" * 16, 1, len(self.dst))
-        hashed.update(self.dst)
+        hashed.update(self.dst.data)
         hashed.digest()
         return (time.perf_counter() - t) * 1000
 
@@ -184,8 +184,6 @@ class Scenario:
                 self.once(first, "push_c", "C")  # B follows it, pushing A on to KV-disk
             finally:
                 first.stop()
-            from bench.tiers import drop_cache  # (bench.tiers imports this module)
-
             for blob in (workdir / "kv-disk").rglob("*"):
                 if blob.is_file():
                     drop_cache(blob)
