@@ -31,6 +31,7 @@ from gateway.state import GatewayState
 
 log = logging.getLogger("ignis.gateway")
 BACKLOG = 1024  # listen queue; also how many connections asyncio accepts per wake-up at most
+WS_PING_INTERVAL = WS_PING_TIMEOUT = 20.0  # seconds (uvicorn's defaults, said here)
 
 
 class _Server(uvicorn.Server):
@@ -103,8 +104,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
                         help="seconds between the summary log lines of slow, refused and malformed connections "
                              "(default: 10)")
     parser.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN",
-                        help="a browser origin allowed to call the API (CORS; repeatable, '*' for any; "
-                             "default: none)")
+                        help="a browser origin allowed to call the API (CORS) and open a WebSocket (repeatable, "
+                             "'*' for any; default: no CORS, WebSockets from loopback pages only)")
     parser.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral", "qwen3_coder"],
                         default="", help="how tool calls are read from model text, for every model "
                                          "(default: what each engine reads off its chat template, else hermes)")
@@ -168,9 +169,12 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
     port = sock.getsockname()[1]
     app = create_app(config)
     state: GatewayState = app.state.gateway
+    # An upgraded WebSocket's liveness is its ping/pong (a ping every 20 s, the pong due within 20 s),
+    # never the HTTP header deadline (gateway/http_protocol.py stops watching it once upgraded).
     uv_config = uvicorn.Config(app, log_level="info", access_log=args.access_log,
                                timeout_graceful_shutdown=args.grace, lifespan="on", log_config=None,
-                               http=protocol_class(config, state.faults, state.metrics, args.http), backlog=BACKLOG)
+                               http=protocol_class(config, state.faults, state.metrics, args.http), backlog=BACKLOG,
+                               ws_ping_interval=WS_PING_INTERVAL, ws_ping_timeout=WS_PING_TIMEOUT)
     # Connections, plus one accept batch (asyncio takes up to `backlog` per wake-up) and some to spare.
     _raise_fd_limit(config.max_connections + BACKLOG + 256)
     # Floods of broken clients are counted into one summary line, not logged one by one.

@@ -9,7 +9,6 @@ from typing import AsyncIterator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route, WebSocketRoute
 from starlette.types import Receive, Scope, Send
 
@@ -20,6 +19,7 @@ from gateway.connection_faults import ConnectionFaults
 from gateway.engines import EnginePool
 from gateway.errors import UnexpectedErrors, handle_http_exception
 from gateway.metrics import GatewayMetrics, MetricsMiddleware
+from gateway.origins import OriginsMiddleware
 from gateway.routes.chat import chat_completions
 from gateway.routes.completions import completions
 from gateway.routes.health import health
@@ -81,11 +81,11 @@ def create_app(config: GatewayConfig) -> Starlette:
         *(Route(path, monitor_file, methods=["GET"]) for path in MONITOR_PATHS),
     ]
     # Outermost first: unexpected errors end as a 500 here, metrics see every answer (401s included),
-    # then the trace span, the key check, and the body deadline around the routes' reads.
+    # then the origin check (CORS), the trace span, the key check, and the body deadline around the routes' reads.
     middleware = [Middleware(UnexpectedErrors), Middleware(MetricsMiddleware, metrics=state.metrics)]
-    if config.allowed_origins:  # outside the key check: a browser's preflight carries no key
-        middleware.append(Middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_headers=["*"],
-                                     allow_methods=["GET", "POST", "DELETE"], expose_headers=["X-Request-Id"]))
+    # Outside the key check: a browser's preflight carries no key. Always there: it checks the Origin of
+    # every WebSocket handshake, and is CORS for HTTP only with --allowed-origins (gateway/origins.py).
+    middleware.append(Middleware(OriginsMiddleware, allowed_origins=config.allowed_origins))
     if config.tracing:  # without an exporter the spans would go nowhere: skip their per-request cost
         middleware.append(Middleware(TracingMiddleware))
     if config.api_key is not None:

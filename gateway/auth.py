@@ -10,9 +10,8 @@ import hmac
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
-from starlette.websockets import WebSocket
 
-from gateway.errors import OpenAIError, error_response
+from gateway.errors import OpenAIError, refuse
 
 
 class APIKeyMiddleware:
@@ -28,21 +27,13 @@ class APIKeyMiddleware:
             if not auth:
                 err = OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
                                   headers={"WWW-Authenticate": "Bearer"})
-                await _refuse(err, scope, receive, send)
+                await refuse(err, scope, receive, send)
                 return
             # compare_digest: the time taken does not tell how much of the key matched.
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
                 err = OpenAIError(401, "incorrect API key provided", code="invalid_api_key",
                                   headers={"WWW-Authenticate": "Bearer"})
-                await _refuse(err, scope, receive, send)
+                await refuse(err, scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-
-async def _refuse(err: OpenAIError, scope: Scope, receive: Receive, send: Send) -> None:
-    if scope["type"] == "http":
-        await error_response(err)(scope, receive, send)
-    elif "websocket.http.response" in scope.get("extensions", {}):
-        await WebSocket(scope, receive, send).send_denial_response(error_response(err))
-    else:
-        await send({"type": "websocket.close", "code": 1008, "reason": err.message})

@@ -44,7 +44,8 @@ class GatewayConfig:
     # Output parsers (gateway/output_formats.py); "": the one the engine reads off the chat template.
     tool_call_parser: str = ""  # hermes | llama3_json | mistral | qwen3_coder
     reasoning_parser: str = ""  # qwen3 | deepseek_r1 | none
-    # Browser origins allowed to call the API (CORS, preflight answered); empty: none (no CORS headers).
+    # Browser origins allowed to call the API (CORS, preflight answered) and open a WebSocket; empty: no CORS
+    # headers, and WebSockets from loopback pages only (gateway/origins.py).
     allowed_origins: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:

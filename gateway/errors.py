@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.websockets import WebSocket
 
 log = logging.getLogger("ignis.gateway")
 
@@ -68,6 +69,17 @@ def error_response(err: OpenAIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers)
 
 
+async def refuse(err: OpenAIError, scope: Scope, receive: Receive, send: Send) -> None:
+    """Answer `err` instead of serving an HTTP request or opening a WebSocket: a handshake gets the
+    HTTP answer where the server can send one (uvicorn can), else it is closed (1008) before it opens."""
+    if scope["type"] == "http":
+        await error_response(err)(scope, receive, send)
+    elif "websocket.http.response" in scope.get("extensions", {}):
+        await WebSocket(scope, receive, send).send_denial_response(error_response(err))
+    else:
+        await send({"type": "websocket.close", "code": 1008, "reason": err.message})
+
+
 def from_grpc(err: grpc.aio.AioRpcError | grpc.RpcError, *, prompt_param: str | None = None,
               max_tokens_param: str = "max_tokens") -> OpenAIError:
     """Map an engine's status to the HTTP status and OpenAI body the client sees.
@@ -83,8 +95,8 @@ def from_grpc(err: grpc.aio.AioRpcError | grpc.RpcError, *, prompt_param: str | 
         if "not served here" in details:  # an engine from before NOT_FOUND
             return OpenAIError(404, details, param="model", code="model_not_found")
         if "context" in details:
-            param = max_tokens_param if "max_tokens" in details else prompt_param
-            return OpenAIError(400, details, param=param, code="context_length_exceeded")
+            return OpenAIError(400, details, param=_context_param(details, prompt_param, max_tokens_param),
+                               code="context_length_exceeded")
         return invalid(details, param=_engine_param(details, max_tokens_param))
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return OpenAIError(429, f"the engine is at capacity, retry later: {details}", code="rate_limit_exceeded",
@@ -102,6 +114,19 @@ def from_grpc(err: grpc.aio.AioRpcError | grpc.RpcError, *, prompt_param: str | 
 
 def unavailable(message: str) -> OpenAIError:
     return OpenAIError(503, message, code="service_unavailable", headers={"Retry-After": "1"})
+
+
+# The engine's context error, in OpenAI's words (clients such as litellm match them).
+_CONTEXT_ERROR = re.compile(r"maximum context length is (\d+) tokens\. However, you requested \d+ tokens "
+                            r"\((\d+) in the messages, \d+ in the completion\)")
+
+
+def _context_param(details: str, prompt_param: str | None, max_tokens_param: str) -> str | None:
+    """The field to blame: the token limit when the prompt alone would fit, else the prompt."""
+    match = _CONTEXT_ERROR.search(details)
+    if match is not None and int(match.group(2)) < int(match.group(1)):
+        return max_tokens_param
+    return prompt_param
 
 
 def _engine_param(details: str, max_tokens_param: str) -> str | None:

@@ -18,6 +18,9 @@ by default, h11 in pure Python as before):
   (h11's own bound; llhttp has none, so the httptools protocol counts the bytes read after the
   one the head began in).
 
+A connection upgraded to a WebSocket leaves all of these for good: its liveness is the WebSocket's
+ping/pong (gateway/__main__.py), and an idle socket or a long prefill is not a slow client.
+
 Each close is counted in `ConnectionFaults` (metrics, and one summary log line per interval).
 """
 
@@ -61,6 +64,9 @@ class _Guard(asyncio.Protocol):
 
     _timer: asyncio.TimerHandle | None = None
     _phase: Phase | None = None
+    # Set once the WebSocket protocol owns the connection: its liveness is ping/pong from then on
+    # (uvicorn's ws_ping_interval/ws_ping_timeout), never these deadlines.
+    _upgraded = False
 
     # uvicorn's protocols have these (set in their __init__ / connection_made)
     transport: asyncio.Transport
@@ -86,6 +92,7 @@ class _Guard(asyncio.Protocol):
     def handle_websocket_upgrade(self, *event: Any) -> None:
         """The WebSocket protocol takes the connection over; this one's connection_lost never runs,
         so the socket's own lowers the open-connections gauge when it goes."""
+        self._upgraded = True  # before the disarm: the read that carried the handshake ends in _watch()
         self._disarm()
         super().handle_websocket_upgrade(*event)  # type: ignore[misc]
         socket = self.transport.get_protocol()
@@ -118,7 +125,7 @@ class _Guard(asyncio.Protocol):
 
     def _watch(self) -> None:
         """Keep the timer that fits what the client owes now, or none."""
-        if self.transport.is_closing():
+        if self._upgraded or self.transport.is_closing():
             self._disarm()
             return
         phase = self._owed()

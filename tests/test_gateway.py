@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import time
 from pathlib import Path
@@ -368,14 +369,30 @@ def test_every_client_error_has_its_status_and_body(http: httpx.Client) -> None:
     assert_error(post({"model": MODEL, "prompt": [1, "a"]}, "/v1/completions"), 400, param="prompt")
     assert_error(post({"model": MODEL, "prompt": "x", "max_tokens": 0}, "/v1/completions"), 400, param="max_tokens")
     assert_error(post({**chat, "model": "gpt-17"}), 404, param="model", code="model_not_found")
-    # Beyond the 32k context: as token ids (fast: nothing to tokenize), and by max_tokens.
-    assert_error(post({"model": MODEL, "prompt": [5] * 33000}, "/v1/completions"), 400, param="prompt",
-                 code="context_length_exceeded")
-    assert_error(post({**chat, "max_tokens": 40000}), 400, param="max_tokens", code="context_length_exceeded")
+    # Beyond the 32k context: as token ids (fast: nothing to tokenize), and by max_tokens. In OpenAI's
+    # words, which clients match (litellm raises ContextWindowExceededError on them, else BadRequestError).
+    context = http.post("/tokenize", json={"model": MODEL, "prompt": "x"}).json()["max_model_len"]
+    long_prompt = assert_error(post({"model": MODEL, "prompt": [5] * 33000}, "/v1/completions"), 400,
+                               param="prompt", code="context_length_exceeded")
+    limit, asked, prompt, completion = context_error(long_prompt["message"])
+    assert (limit, prompt) == (context, 33000) and asked == prompt + completion
+    long_answer = assert_error(post({**chat, "max_tokens": 40000}), 400, param="max_tokens",
+                               code="context_length_exceeded")
+    limit, asked, prompt, completion = context_error(long_answer["message"])
+    assert (limit, completion) == (context, 40000) and asked == prompt + completion and 0 < prompt < context
     assert_error(http.get("/v1/nothing"), 404)
     assert_error(http.get("/v1/chat/completions"), 405)
     ok = post(chat)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
+
+
+def context_error(message: str) -> tuple[int, ...]:
+    """The numbers of OpenAI's context-length message (the whole message must be in its words)."""
+    match = re.fullmatch(r"This model's maximum context length is (\d+) tokens\. However, you requested (\d+) "
+                         r"tokens \((\d+) in the messages, (\d+) in the completion\)\. Please reduce the "
+                         r"length of the messages or completion\.", message)
+    assert match is not None, message
+    return tuple(int(n) for n in match.groups())
 
 
 def test_sdk_raises_the_matching_exceptions(client: openai.OpenAI) -> None:
@@ -385,6 +402,7 @@ def test_sdk_raises_the_matching_exceptions(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=40000)
     assert bad.value.code == "context_length_exceeded"
+    assert "This model's maximum context length is" in str(bad.value)  # what litellm looks for
 
 
 def test_api_key(engine: RunningService, tmp_path: Path) -> None:

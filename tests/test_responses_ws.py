@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
 import time
+from socket import SHUT_RDWR, create_connection
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -300,3 +302,104 @@ def test_a_lone_surrogate_is_an_error_event_and_the_socket_stays_open(gateway: R
         assert "unpaired surrogate" in got["error"]["message"] and "stream_id" not in got
         good = final(turn(ws, input="Still here?"))
         assert good["status"] in ("completed", "incomplete")
+
+
+def metric(gateway: RunningService, name: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{gateway.port}/metrics", timeout=10).text
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_an_idle_socket_outlives_the_header_timeout(engine: RunningService, parser: str,
+                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Issue 47, item 1: the --header-timeout deadline re-armed on the upgraded connection (httptools) and
+    closed an idle socket (or a long prefill) with no close frame. A socket's liveness is its ping/pong."""
+    gw = start_gateway(tmp_path_factory.mktemp(f"idle-{parser}"), [engine.address],
+                       ["--header-timeout", "1", "--http", parser])
+    try:
+        with socket(gw) as ws:
+            time.sleep(3.5)  # several header deadlines pass with nothing sent either way
+            assert final(turn(ws, input="Still there?", store=False))["status"] in ("completed", "incomplete")
+            time.sleep(2.5)  # and again after an answer
+            assert final(turn(ws, input="And now?", store=False))["status"] in ("completed", "incomplete")
+        assert metric(gw, 'ignis_gateway_slow_connections_closed_total{phase="headers"}') == 0
+        # The deadline still holds for HTTP: a connection that never sends its headers is closed.
+        with contextlib.closing(create_connection(("127.0.0.1", gw.port))) as raw:
+            raw.settimeout(30)
+            assert raw.recv(1024) == b""
+        assert metric(gw, 'ignis_gateway_slow_connections_closed_total{phase="headers"}') == 1
+    finally:
+        assert gw.stop() == 0, gw.log()
+
+
+def test_a_client_close_logs_one_line_and_no_traceback(gateway: RunningService) -> None:
+    """Issue 47, item 2: every close (a normal one included) logged 'Exception in ASGI application' with
+    a traceback: the server's close after the client's raised WebSocketDisconnect."""
+    start = len(gateway.log())
+    with socket(gateway) as ws:  # a normal close (1000), after a turn
+        final(turn(ws, input="Bye soon.", store=False))
+    with socket(gateway) as ws:  # an abrupt one, mid-response: the connection drops with no close frame
+        ws.send(json.dumps({"type": "response.create", "model": MODEL, "input": "Go on forever.",
+                            "max_output_tokens": 20000, "ignore_eos": True, "store": False}))
+        while json.loads(ws.recv(timeout=120))["type"] != "response.output_text.delta":
+            pass
+        ws.socket.shutdown(SHUT_RDWR)
+    closes: list[str] = []
+    log = ""
+    deadline = time.monotonic() + 30
+    while len(closes) < 2 and "Traceback" not in log:  # the gateway has seen both closes, or failed
+        assert time.monotonic() < deadline, log
+        time.sleep(0.05)
+        log = gateway.log()[start:]
+        closes = [line for line in log.splitlines() if "closed its WebSocket" in line]
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log
+    assert not [line for line in log.splitlines() if " ERROR " in line], log
+    said = [line.split(" INFO ")[1] for line in closes]
+    assert said[0] == "ignis.gateway: the client closed its WebSocket on /v1/responses (code 1000)", said
+    # Dropped with no close frame: no status came (1005/1006, as uvicorn reports it).
+    assert re.fullmatch(r"ignis\.gateway: the client closed its WebSocket on /v1/responses \(code 100[56]\)",
+                        said[1]), said
+
+
+@pytest.fixture(scope="module")
+def app_gateway(engine: RunningService, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
+    """A gateway that lets one browser origin in (--allowed-origins)."""
+    service = start_gateway(tmp_path_factory.mktemp("origins"), [engine.address],
+                            ["--allowed-origins", "https://app.example"])
+    yield service
+    assert service.stop() == 0, service.log()
+
+
+def refused_origin(gateway: RunningService, origin: str) -> dict[str, Any]:
+    with pytest.raises(InvalidStatus) as refused:
+        connect(f"ws://127.0.0.1:{gateway.port}/v1/responses", origin=origin, open_timeout=30)  # type: ignore[arg-type]
+    assert refused.value.response.status_code == 403
+    error: dict[str, Any] = json.loads(refused.value.response.body or b"{}")["error"]
+    assert error["code"] == "origin_not_allowed" and origin in error["message"]
+    return error
+
+
+def test_a_websocket_from_an_origin_not_allowed_is_refused(app_gateway: RunningService) -> None:
+    """Issue 47, item 5: a browser applies no CORS to a WebSocket; the handshake's Origin is checked
+    against --allowed-origins. No Origin (not a browser page) is unaffected."""
+    for origin in ("https://evil.example", "http://app.example", "https://app.example:8443", "null",
+                   "http://localhost:5173"):  # with a list, loopback pages are not let in either
+        refused_origin(app_gateway, origin)
+    url = f"ws://127.0.0.1:{app_gateway.port}/v1/responses"
+    with connect(url, origin="https://app.example", open_timeout=30) as ws:  # type: ignore[arg-type]
+        assert final(turn(ws, input="From the app.", store=False))["status"] in ("completed", "incomplete")
+    with connect(url, open_timeout=30) as ws:
+        assert final(turn(ws, input="No origin.", store=False))["status"] in ("completed", "incomplete")
+
+
+def test_without_allowed_origins_only_loopback_pages_open_a_websocket(gateway: RunningService) -> None:
+    """The default, as local dev servers do: a page on this machine works, any other site is refused."""
+    for origin in ("https://evil.example", "http://localhost.evil.example", "http://127.0.0.1.nip.io:8000",
+                   "null"):
+        refused_origin(gateway, origin)
+    url = f"ws://127.0.0.1:{gateway.port}/v1/responses"
+    for origin in ("http://localhost:5173", "http://127.0.0.1:8000", "http://[::1]:3000", "http://localhost"):
+        with connect(url, origin=origin, open_timeout=30) as ws:  # type: ignore[arg-type]
+            if origin == "http://localhost:5173":
+                assert final(turn(ws, input="A local page.", store=False))["status"] in ("completed", "incomplete")

@@ -16,7 +16,8 @@ connection, claims it.
 
 Errors are ``{"type": "error", "status", "error": {"type", "code", "message",
 "param"}}`` events (OpenAI's shape); a malformed event gets one and the socket
-stays open. The client closing mid-response cancels the engine call.
+stays open. The client closing mid-response cancels the engine call; a client's close, however it
+comes, is the normal end of a socket (one INFO line, no traceback).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import json
 import logging
 from typing import Any
 
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from gateway.aliases import JSONObject
 from gateway.body import Fields, check_strings
@@ -106,12 +107,15 @@ async def responses_socket(ws: WebSocket) -> None:
     await ws.accept()
     sock = _Socket(ws, state)
     inbox: asyncio.Queue[str | None] = asyncio.Queue()
+    client_close: int | None = None  # the code of the client's close (1005/1006: it went without one)
 
     async def read() -> None:
+        nonlocal client_close
         try:
             while True:
                 message = await ws.receive()
                 if message["type"] == "websocket.disconnect":
+                    client_close = int(message.get("code", 1005))
                     break
                 text = message.get("text")
                 if text is None and message.get("bytes") is not None:
@@ -130,7 +134,7 @@ async def responses_socket(ws: WebSocket) -> None:
                 await asyncio.wait({running, reader}, return_when=asyncio.FIRST_COMPLETED)
                 if reader.done() and not running.done():
                     running.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect, RuntimeError):
+                    with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect, RuntimeError, OSError):
                         await running
                     return
             exc = running.exception()
@@ -142,5 +146,18 @@ async def responses_socket(ws: WebSocket) -> None:
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reader
-        with contextlib.suppress(RuntimeError, OSError):
-            await ws.close()
+        await _close(ws)
+        if client_close is not None:  # the normal end of a socket: one line, no traceback
+            log.info("the client closed its WebSocket on /v1/responses (code %d)", client_close)
+
+
+async def _close(ws: WebSocket) -> None:
+    """Close our side unless the client already went: a client's close is the normal end, not an error.
+
+    Starlette raises WebSocketDisconnect for a send after the client left (uvicorn's ClientDisconnected
+    under it), and RuntimeError when the close was already sent: either way the socket is gone.
+    """
+    if ws.client_state is not WebSocketState.CONNECTED or ws.application_state is not WebSocketState.CONNECTED:
+        return
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+        await ws.close()
