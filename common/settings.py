@@ -30,7 +30,7 @@ import os
 import tempfile
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from common.sizes import parse_size
@@ -290,15 +290,21 @@ class Settings:
             if not isinstance(getattr(self, f.name), _SECTIONS[f.name]):
                 raise SettingsError(f"{f.name}: expected a {_SECTIONS[f.name].__name__}", key=f.name)
 
-    def as_dict(self) -> dict[str, dict[str, Any]]:
-        """Plain nested dict ``{section: {key: value}}``, for logging."""
-        return asdict(self)
+    def value(self, key: str) -> Any:
+        """The value of ``section.key``."""
+        section, _, name = key.partition(".")
+        return getattr(getattr(self, section), name)
+
+
+def default_value(key: str) -> Any:
+    """A setting's built-in default (parsed: a path expanded), for records built from settings."""
+    section, _, name = key.partition(".")
+    return getattr(_SECTIONS[section](), name)
 
 
 def _default_of(key: str) -> object:
     """A setting's built-in default, as `--help` shows it."""
-    section, name = key.split(".", 1)
-    value = getattr(_SECTIONS[section](), name)
+    value = default_value(key)
     return value if value != "" else "empty"
 
 

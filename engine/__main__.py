@@ -76,16 +76,7 @@ def build_core(model_path: Path, settings: Settings) -> EngineCore:
     loaded = load_model(model_path, dtype=e.dtype, device=resolve_device(e.device),
                         onednn_linears=e.cpu_linear == "onednn", weight_dtype=e.weight_dtype)
     tokenizer = Tokenizer.from_dir(model_path)
-    config = EngineConfig(
-        page_size=e.page_size, kv_dtype=e.kv_dtype, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,
-        prefill_chunk_tokens=e.prefill_chunk_tokens, max_queue=e.max_queue, max_model_len=e.max_model_len,
-        reuse_prompt=settings.reuse.prompt, retained_device=settings.reuse.retained_device,
-        retained_host=settings.reuse.retained_host, retained_host_tokens=settings.reuse.retained_host_tokens,
-        retained_interactive_ttl=settings.reuse.retained_interactive_ttl,
-        tierstore_address=settings.tierstore.address, spill_window_pages=e.spill_window_pages,
-        integrity_key_file=e.integrity_key_file, tierstore_secret_file=settings.tierstore.secret_file,
-    )
-    return EngineCore(loaded, tokenizer, config)
+    return EngineCore(loaded, tokenizer, EngineConfig.from_settings(settings))
 
 
 async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = False) -> int:

@@ -30,7 +30,7 @@ from engine.metrics import EngineMetrics
 from engine.model.loader import LoadedModel
 from engine.output_processor import Deltas, LiveRequest, OutputProcessor, RequestTotals, Sink
 from engine.outputs import EngineStats, RequestUpdate
-from engine.request import EngineRequest, EngineSequence, FinishReason, SeqStatus
+from engine.request import EngineRequest, EngineSequence, FinishReason, SeqStatus, context_length_message
 from engine.runner import ModelRunner
 from engine.sampling.sampler import RequestSampler
 from engine.scheduler import Scheduler, SchedulerLimits
@@ -107,15 +107,9 @@ class EngineCore:
         bad = next((t for t in request.prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens but this model's context is {self.max_model_len} tokens"
-            )
-        if n + request.params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens and max_tokens is {request.params.max_tokens}, more than "
-                f"this model's context of {self.max_model_len} tokens"
-            )
+        wanted = request.params.max_tokens or 0  # none: the rest of the context, whatever it is
+        if n >= self.max_model_len or n + wanted > self.max_model_len:
+            raise ValueError(context_length_message(self.max_model_len, n, wanted))
         request.params.check_vocabulary(vocab)
 
     def submit(self, request: EngineRequest, sink: Sink) -> None:
@@ -264,13 +258,13 @@ class EngineCore:
         if live is not None:
             self.totals.cancelled += 1
             usage = self.outputs.usage(live)
-            self.outputs.request_done(live, usage, FinishReason.ABORT.value)
+            self.outputs.request_done(live, usage, FinishReason.ABORT)
             live.sink(RequestUpdate(request_id, usage=usage))
 
     def _fail(self, request_id: str, message: str) -> None:
         live = self._abort_all(request_id)
         if live is not None:
-            self.outputs.request_done(live, self.outputs.usage(live), "error")
+            self.outputs.request_done(live, self.outputs.usage(live), FinishReason.ERROR)
             live.sink(RequestUpdate(request_id, error=message))
 
     def step(self) -> None:

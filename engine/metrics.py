@@ -25,8 +25,8 @@ from prometheus_client.registry import Collector
 
 from common.metrics import labelled_gauge
 from engine.outputs import EngineStats
-from engine.facts import RequestClass
-from engine.request import EngineSequence
+from engine.facts import RequestClass, ReuseKind, ReuseTier
+from engine.request import EngineSequence, FinishReason
 from engine.tiers.link import TierLink
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -34,31 +34,28 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 _DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
-def class_name(request_class: RequestClass) -> str:
-    return request_class.label
-
-
 @dataclass(frozen=True, slots=True)
 class FinishedRequest:
     """One finished request: the fields of the ``ignis.request.done`` event."""
 
     request_id: str
-    request_class: str  # interactive | agent
+    request_class: RequestClass
     prompt_tokens: int
     cached_tokens: int  # prompt tokens whose state was reused (== the reused token count)
-    tier: str  # device | ram | disk | none
-    kind: str  # checkpoint | prefix | pages | none
+    tier: ReuseTier
+    kind: ReuseKind
     ttft_ms: float  # 0 when no token was produced
     tokens_out: int  # generated tokens, all choices
-    finish_reason: str  # stop | length | abort | error
+    finish_reason: FinishReason  # the first choice's (ERROR: the request failed)
     duration_ms: float  # arrival to the last update
     moves: int = 0  # times its sequences were moved down a tier to make room and resumed, all choices
 
     def event_fields(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "class": self.request_class, "prompt_tokens": self.prompt_tokens,
-                "cached_tokens": self.cached_tokens, "tier": self.tier, "kind": self.kind,
+        return {"request_id": self.request_id, "class": self.request_class.label, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "tier": self.tier.value, "kind": self.kind.value,
                 "ttft_ms": round(self.ttft_ms, 3), "tokens_out": self.tokens_out,
-                "finish_reason": self.finish_reason, "duration_ms": round(self.duration_ms, 3), "moves": self.moves}
+                "finish_reason": self.finish_reason.value, "duration_ms": round(self.duration_ms, 3),
+                "moves": self.moves}
 
 
 @dataclass(slots=True, eq=False)  # compared and hashed by identity: a sequence points to its last one
@@ -88,12 +85,12 @@ class EngineMetrics:
         self._cached = Counter("ignis_cached_tokens", "Prompt tokens of finished requests served from reused state",
                                registry=r)
         # Label children bound once: the per-token path is a dict lookup and an observe.
-        self._ttft = {c: ttft.labels(class_name(c)) for c in RequestClass}
-        self._itl = {c: itl.labels(class_name(c)) for c in RequestClass}
-        self._duration = {c.name.lower(): duration.labels(class_name(c)) for c in RequestClass}
+        self._ttft = {c: ttft.labels(c.label) for c in RequestClass}
+        self._itl = {c: itl.labels(c.label) for c in RequestClass}
+        self._duration = {c: duration.labels(c.label) for c in RequestClass}
         r.register(EngineCollector(stats, tiers))
         self._round: _Round | None = None  # engine thread only
-        self._finished: dict[tuple[str, str], Any] = {}  # ignis_requests children by (class, finish reason)
+        self._finished: dict[tuple[RequestClass, FinishReason], Any] = {}  # ignis_requests children by (class, reason)
 
     def on_tokens(self, seqs: Sequence[EngineSequence]) -> None:
         """After a sampling round (engine thread): each sequence got one token just now."""
@@ -135,12 +132,10 @@ class EngineMetrics:
         key = (done.request_class, done.finish_reason)
         finished = self._finished.get(key)
         if finished is None:  # a label child bound once: labels() takes a lock and builds a tuple each call
-            finished = self._finished[key] = self._requests.labels(*key)
+            finished = self._finished[key] = self._requests.labels(done.request_class.label, done.finish_reason.value)
         finished.inc()
         self._cached.inc(done.cached_tokens)
-        child = self._duration.get(done.request_class)
-        if child is not None:
-            child.observe(done.duration_ms / 1000)
+        self._duration[done.request_class].observe(done.duration_ms / 1000)
 
 
 def observe_times(histogram: Any, amount: float, times: int) -> None:

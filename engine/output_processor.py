@@ -19,7 +19,7 @@ import torch
 from common.logs import log_event
 from engine.cache.reuse import PromptReuse
 from engine.facts import ReuseReport
-from engine.metrics import EngineMetrics, FinishedRequest, class_name
+from engine.metrics import EngineMetrics, FinishedRequest
 from engine.outputs import ChoiceDelta, RequestUpdate, TokenLogprob, Usage
 from engine.request import EngineRequest, EngineSequence, FinishReason, SeqStatus
 from engine.runner import ChunkLogits
@@ -96,7 +96,7 @@ class OutputProcessor:
                 or request.echo or seq.stream.has_stops:
             return None
         ends = frozenset() if params.ignore_eos else self.eos_ids
-        limit = min(seq.num_prompt + params.max_tokens, self.max_model_len)
+        limit = params.length_limit(seq.num_prompt, self.max_model_len)
         return PlainDecode(request.request_id, live.sink, seq.stream.push_plain, ends, limit)
 
     # --- per step -------------------------------------------------------------------------
@@ -185,7 +185,7 @@ class OutputProcessor:
             length = len(seq.token_ids)
             if matched is not None:
                 self.finish(seq, FinishReason.STOP, matched, deltas, (token,), lp, text)
-            elif length - seq.num_prompt >= params.max_tokens or length >= self.max_model_len:
+            elif length >= params.length_limit(seq.num_prompt, self.max_model_len):
                 self.finish(seq, FinishReason.LENGTH, None, deltas, (token,), lp, text)
             else:
                 deltas.setdefault(seq.request.request_id, []).append(ChoiceDelta(seq.choice, (token,), text, lp))
@@ -219,7 +219,7 @@ class OutputProcessor:
                 self.totals.finished += 1
                 usage = self.usage(live)
                 reason = live.seqs[0].finish_reason if live.seqs else None
-                self.request_done(live, usage, reason.value if reason else "stop")
+                self.request_done(live, usage, reason or FinishReason.STOP)
             live.sink(RequestUpdate(rid, tuple(items), prompt_lp, usage))
 
     # --- per request ---------------------------------------------------------------------
@@ -235,15 +235,15 @@ class OutputProcessor:
             reuse=head.reuse if head else ReuseReport(),
         )
 
-    def request_done(self, live: LiveRequest, usage: Usage, finish_reason: str) -> None:
+    def request_done(self, live: LiveRequest, usage: Usage, finish_reason: FinishReason) -> None:
         """The request is over: its ignis.request.done line, metrics and trace spans (before its owner is told)."""
         for seq in live.seqs:
             self.plain.pop(seq, None)
         emit_request_spans(live.request, live.seqs, finish_reason)
         done = FinishedRequest(
-            request_id=live.request.request_id, request_class=class_name(live.request.request_class),
-            prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens, tier=usage.reuse.tier.value,
-            kind=usage.reuse.kind.value, ttft_ms=usage.time_to_first_token_ms, tokens_out=usage.completion_tokens,
+            request_id=live.request.request_id, request_class=live.request.request_class,
+            prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens, tier=usage.reuse.tier,
+            kind=usage.reuse.kind, ttft_ms=usage.time_to_first_token_ms, tokens_out=usage.completion_tokens,
             finish_reason=finish_reason, duration_ms=(time.monotonic() - live.request.arrival) * 1000,
             moves=sum(seq.moves for seq in live.seqs))
         log_event(events, "ignis.request.done", **done.event_fields())

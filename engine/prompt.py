@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from common.stable_head import stable_head_length
 from common.template_kwargs import RESERVED_TEMPLATE_KWARGS
+from engine.request import context_length_message
 from engine.text.tokenizer import Tokenizer
 from ignis.v1 import engine_pb2
 
@@ -80,9 +81,8 @@ def render_chat(tokenizer: Tokenizer, chat: engine_pb2.ChatInput, budget: int | 
     messages = chat_messages(chat)
 
     def render(kept: list[dict[str, Any]]) -> tuple[str, tuple[int, ...]]:
-        text = tokenizer.apply_chat_template(kept, tools=tools, add_generation_prompt=add_generation_prompt,
-                                             template_kwargs=kwargs)
-        return text, tuple(tokenizer.encode(text, add_special_tokens=False))
+        text, ids = tokenizer.render_chat(kept, tools, add_generation_prompt, kwargs)
+        return text, tuple(ids)
 
     text, ids = render(messages)
     if chat.truncate and budget is not None and len(ids) > budget:
@@ -112,9 +112,17 @@ def _drop_oldest_turns(messages: list[dict[str, Any]], budget: int,
         else:
             lo = mid + 1
     if best is None:
-        raise ValueError(f"the input does not fit this model's context even with truncation: the system "
-                         f"messages and the latest turn alone leave fewer than the {budget} prompt tokens it allows")
+        raise PromptTooLong(len(render(head + messages[cuts[-1]:] if cuts else messages)[1]), budget)
     return best
+
+
+class PromptTooLong(ValueError):
+    """What truncation keeps (the system messages and the latest turn) is still over the budget."""
+
+    def __init__(self, kept_tokens: int, budget: int) -> None:
+        super().__init__(f"the input does not fit this model's context even with truncation: the system messages "
+                         f"and the latest turn alone are {kept_tokens} tokens, more than the {budget} it allows")
+        self.kept_tokens, self.budget = kept_tokens, budget
 
 
 def _head_tokens(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[Any] | None,
@@ -155,9 +163,10 @@ def input_chars(request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest
 
 def check_input_size(request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest, max_model_len: int) -> None:
     chars, limit = input_chars(request), max_model_len * MAX_CHARS_PER_TOKEN
-    if chars > limit:
-        raise ValueError(f"the input has {chars} characters: more than this model's context of "
-                         f"{max_model_len} tokens can hold")
+    if chars > limit:  # OpenAI's opening words: clients tell a context error by them
+        raise ValueError(f"This model's maximum context length is {max_model_len} tokens. However, the input has "
+                         f"{chars} characters, more than that many tokens can hold (no tokenizer makes fewer than "
+                         f"one token per {MAX_CHARS_PER_TOKEN} characters). Please reduce the length of the messages.")
 
 
 def prompt_budget(request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest, max_model_len: int) -> int:
@@ -173,7 +182,13 @@ def render_input(tokenizer: Tokenizer, request: engine_pb2.GenerateRequest | eng
     add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
     if which == "chat":
         budget = prompt_budget(request, max_model_len) if max_model_len is not None else None
-        return render_chat(tokenizer, request.chat, budget)
+        try:
+            return render_chat(tokenizer, request.chat, budget)
+        except PromptTooLong as exc:
+            assert max_model_len is not None  # only a budget truncates
+            why = ", even with truncation keeping only the system messages and the latest turn"
+            raise ValueError(context_length_message(max_model_len, exc.kept_tokens, max_model_len - exc.budget,
+                                                    why)) from None
     if which == "text":
         if not request.text:
             raise ValueError("the prompt text is empty")

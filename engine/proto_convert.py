@@ -55,6 +55,11 @@ def reuse_kind(value: int, default: ReuseKind = ReuseKind.NONE) -> ReuseKind:
     return _KIND_FROM_PB.get(value, default)  # type: ignore[call-overload]
 
 
+def lookup_enabled(value: int) -> bool:
+    """Whether a request's ReusePolicy.lookup lets it claim retained state (all but LOOKUP_BYPASS)."""
+    return value != engine_pb2.ReusePolicy.LOOKUP_BYPASS
+
+
 def commit_policy(value: int) -> CommitPolicy:
     if value == engine_pb2.ReusePolicy.COMMIT_PREFILL_STATE_ONLY:
         return CommitPolicy.PREFILL_STATE_ONLY
@@ -65,9 +70,8 @@ def commit_policy(value: int) -> CommitPolicy:
     raise ValueError(f"reuse.commit value {value} is not supported")
 
 
-def sampling_params(msg: engine_pb2.SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:
+def sampling_params(msg: engine_pb2.SamplingParams) -> SamplingParams:
     """Proto -> validated params. Unset max_tokens means "up to the end of the context"."""
-    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else max(0, max_model_len - prompt_len)
     return SamplingParams(
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
@@ -77,7 +81,7 @@ def sampling_params(msg: engine_pb2.SamplingParams, prompt_len: int, max_model_l
         frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         seed=_signed_seed(msg.seed) if msg.HasField("seed") else None,
-        max_tokens=max_tokens,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         min_tokens=msg.min_tokens,
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),

@@ -20,10 +20,19 @@ from engine.sampling.sampler import RequestSampler
 from engine.text.detokenizer import TextStream
 
 
+def context_length_message(max_model_len: int, prompt_tokens: int, completion_tokens: int, why: str = "") -> str:
+    """A request too long for the context, in OpenAI's words (`why` goes before the advice): clients
+    (litellm) tell a context error from other 400s by this text."""
+    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the messages, {completion_tokens} in "
+            f"the completion){why}. Please reduce the length of the messages or completion.")
+
+
 class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"  # how a request that failed ends (its ignis.request.done line); no sequence finishes so
 
 
 class SeqStatus(enum.Enum):
@@ -149,10 +158,6 @@ class EngineSequence:
     @property
     def num_pending(self) -> int:
         return len(self.token_ids) - self.num_computed
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_pending > 1 or self.num_computed == 0
 
     def pages_needed(self, total_tokens: int, page_size: int) -> int:
         return max(0, -(-total_tokens // page_size) - len(self.page_table))

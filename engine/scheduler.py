@@ -150,10 +150,10 @@ class Scheduler:
     def _displace(self, victim: EngineSequence, plan: StepPlan) -> None:
         """Make room: move `victim` down a tier (its memory is freed once the bytes are
         committed), or, when no tier can take it, drop its state to recompute it later."""
-        self.running.remove(victim)
-        if self.mover is not None and self.mover.begin(victim):
+        if self.move_down(victim):
             plan.moving.append(victim)
             return
+        self.running.remove(victim)
         self._release(victim)
         victim.reset_for_recompute()
         self._requeue(victim)
@@ -169,7 +169,8 @@ class Scheduler:
         queue.insert(at, seq)
 
     def move_down(self, seq: EngineSequence) -> bool:
-        """Move a running sequence down a tier now (what pressure does; tests force it)."""
+        """Start moving a running sequence down a tier (pressure does, through `_displace`; tests force
+        it); False, and it keeps running, when no tier can take it."""
         if seq not in self.running or self.mover is None or not self.mover.begin(seq):
             return False
         self.running.remove(seq)
@@ -240,7 +241,7 @@ class Scheduler:
         decoding: list[EngineSequence] = []
         prefilling: list[EngineSequence] = []
         first_tokens = False  # a decode of its first token: forks, prompt logprobs or max_tokens=0 may follow
-        for s in self.running:  # in_prefill, inline: this runs for every sequence of every step
+        for s in self.running:  # inline, not a property: this runs for every sequence of every step
             length = len(s.token_ids)
             if length - s.num_computed > 1 or s.num_computed == 0:
                 prefilling.append(s)

@@ -17,7 +17,8 @@ from common.eviction import EvictionOrder
 from common.grpc_server import build_server
 from common.grpc_server import set_serving as set_health
 from common.tracing import QUIET_METHODS, ServerTracingInterceptor
-from engine.proto_convert import commit_policy, guided_spec, request_class, sampling_params, update_messages
+from engine.proto_convert import (commit_policy, guided_spec, lookup_enabled, request_class, sampling_params,
+                                  update_messages)
 from engine.call_status import Abort, submit
 from engine.core import EngineCore
 from engine.guided import CompiledGuide, GuidedCompiler, GuidedSpec, ModelFormats, ReasoningTokens, infer_formats
@@ -138,7 +139,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self._check_model(request.model)
         try:
             prompt = await self._render(core, request)
-            params = sampling_params(request.sampling, len(prompt.token_ids), core.max_model_len)
+            params = sampling_params(request.sampling)
             spec = guided_spec(request.guided, self.formats(core).tool_call) if request.HasField("guided") else None
             reasoning = self.formats(core).reasoning_tokens(core.tokenizer) if request.guided.after_reasoning else None
             guided = await self._compile_guide(core, spec, params.stop_token_ids, reasoning) if spec is not None else None
@@ -149,7 +150,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 request_class=request_class(request.request_class),
                 cache_salt=request.cache_salt,
                 echo=request.echo,
-                lookup=request.reuse.lookup != engine_pb2.ReusePolicy.LOOKUP_BYPASS,
+                lookup=lookup_enabled(request.reuse.lookup),
                 commit=commit_policy(request.reuse.commit),
                 head_tokens=prompt.head_tokens,
                 trace_context=capture_context(),  # this RPC's SERVER span: the parent of the engine's spans

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from common.eviction import EvictionOrder
 from engine.residency.layer import Residency
 from engine.residency.retained_state import StateView
-from engine.facts import RequestClass, ReuseKind, ReuseTier
+from engine.facts import ReuseTier
 from engine.kv.page_pool import PagePool
 from engine.metrics import FinishedRequest
 from engine.outputs import EngineStats
 from engine.proto_convert import request_class_pb, reuse_kind_pb, reuse_tier_pb
 from engine.tiers.link import TierLink
-from ignis.v1 import common_pb2, engine_pb2, tierstore_pb2
+from ignis.v1 import engine_pb2, tierstore_pb2
 
 DEFAULT_PAGE_ROWS = 100
 MAX_PAGE_ROWS = 1000  # rows of one page: a reply stays a few hundred KiB
@@ -179,10 +179,6 @@ def _store_view(s: tierstore_pb2.StatsResponse) -> engine_pb2.TierStoreStatsView
         disk_usable=s.disk_usable, arena_usable=s.arena_usable)
 
 
-_TIERS = {t.value: t for t in ReuseTier}
-_KINDS = {k.value: k for k in ReuseKind}
-
-
 def redacted_id(request_id: str) -> str:
     """A request id as the Monitor shows it: its kind and its last 4 characters. A stored response's
     full id is all a client needs to read or delete it (`resp_...` in the unsalted scope), and the
@@ -193,13 +189,11 @@ def redacted_id(request_id: str) -> str:
 
 
 def _recent_row(finished_at: float, r: FinishedRequest) -> engine_pb2.RecentRequest:
-    agent = r.request_class == "agent"
     return engine_pb2.RecentRequest(
-        request_id=redacted_id(r.request_id),
-        request_class=request_class_pb(RequestClass.AGENT if agent else RequestClass.INTERACTIVE),
-        prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
-        tier=reuse_tier_pb(_TIERS.get(r.tier, ReuseTier.NONE)), kind=reuse_kind_pb(_KINDS.get(r.kind, ReuseKind.NONE)),
-        ttft_ms=r.ttft_ms, completion_tokens=r.tokens_out, finish_reason=r.finish_reason, finished_at=finished_at)
+        request_id=redacted_id(r.request_id), request_class=request_class_pb(r.request_class),
+        prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens, tier=reuse_tier_pb(r.tier),
+        kind=reuse_kind_pb(r.kind), ttft_ms=r.ttft_ms, completion_tokens=r.tokens_out,
+        finish_reason=r.finish_reason.value, finished_at=finished_at)
 
 
 def stats_message(s: EngineStats) -> engine_pb2.GetStatsResponse:

@@ -20,7 +20,7 @@ from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
 from engine.facts import ReuseTier
-from engine.request import EngineRequest, EngineSequence
+from engine.request import EngineRequest, EngineSequence, FinishReason
 
 TRACER_NAME = "ignis.engine"
 
@@ -55,7 +55,7 @@ def admission_stage(seq: EngineSequence, stage: Literal["lookup", "claim"]) -> I
         setattr(seq.times, stage, (start, time.monotonic()))
 
 
-def emit_request_spans(request: EngineRequest, seqs: Sequence[EngineSequence], finish_reason: str) -> None:
+def emit_request_spans(request: EngineRequest, seqs: Sequence[EngineSequence], finish_reason: FinishReason) -> None:
     """Emit the spans of a request that has ended (finished, cancelled or failed); cheap when untraced."""
     if request.trace_context is None or not seqs:
         return
@@ -77,7 +77,7 @@ def emit_request_spans(request: EngineRequest, seqs: Sequence[EngineSequence], f
         "ignis.reuse.tier": head.reuse.tier.value,
         "ignis.reuse.kind": head.reuse.kind.value,
         "ignis.output_tokens": sum(s.num_output for s in seqs),
-        "ignis.finish_reason": finish_reason,
+        "ignis.finish_reason": finish_reason.value,
     }
     tracer = trace.get_tracer(TRACER_NAME)
 

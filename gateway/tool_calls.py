@@ -4,8 +4,8 @@
 shown so far: text outside the blocks as `ContentDelta`, each complete block
 as one `ToolCallDelta` (name and full arguments, emitted when its closing tag
 arrives, so the arguments a client accumulates equal the non-streamed ones).
-`parse_tool_calls` runs the same machine over a whole text, so streamed and
-non-streamed answers agree by construction.
+A whole (non-streamed) text is fed to the same machine at once, so streamed
+and non-streamed answers agree by construction.
 
 Rules:
 - A block whose body is not a JSON object with a string ``name`` is left in
@@ -163,18 +163,3 @@ class ToolCallStream:
             out[-1] = ContentDelta(out[-1].text + text)
         else:
             out.append(ContentDelta(text))
-
-
-@dataclass(frozen=True, slots=True)
-class ParsedOutput:
-    content: str | None  # None when the text held only tool calls
-    tool_calls: list[ToolCall]
-
-
-def parse_tool_calls(text: str) -> ParsedOutput:
-    stream = ToolCallStream()
-    events = stream.feed(text) + stream.finish()
-    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
-    if stream.calls and not content:
-        return ParsedOutput(None, stream.calls)
-    return ParsedOutput(content, stream.calls)

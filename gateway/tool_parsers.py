@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gateway.tool_calls import ContentDelta, Event, ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream, \
+from gateway.tool_calls import ContentDelta, Event, ToolCall, ToolCallDelta, ToolCallStream, \
     new_call_id, partial_suffix
 
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
@@ -49,12 +49,6 @@ def make_tool_parser(name: str, tools_json: str = "") -> ToolParser:
     if name in ("", "hermes"):
         return ToolCallStream()
     raise ValueError(f"unknown tool-call parser {name!r}; expected one of {', '.join(TOOL_PARSERS)}")
-
-
-def parse_all(parser: ToolParser, text: str) -> ParsedOutput:
-    events = parser.feed(text) + parser.finish()
-    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
-    return ParsedOutput(None if parser.calls and not content else content, parser.calls)
 
 
 def _call(name: object, args: object) -> ToolCall | None:

@@ -190,7 +190,7 @@ def test_deadline_cancels_the_sequence(stub: engine_pb2_grpc.EngineStub) -> None
         (lambda: make_request([1, 2, 3], n=0), "n"),
         (lambda: make_request([99999]), "outside the vocabulary"),
         (lambda: make_request([5] * 40000), "context"),
-        (lambda: make_request([5] * 10, max_tokens=40000), "max_tokens"),
+        (lambda: make_request([5] * 10, max_tokens=40000), "40000 in the completion"),
         (lambda: engine_pb2.GenerateRequest(model=MODEL, chat=engine_pb2.ChatInput(
             messages=[engine_pb2.ChatMessage(role="wizard", content="x")])), "role"),
         (lambda: engine_pb2.GenerateRequest(model=MODEL, chat=engine_pb2.ChatInput(

@@ -9,7 +9,6 @@ logprobs within 1e-5.
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import threading
@@ -695,7 +694,7 @@ def test_a_tag_fed_copy_by_copy_is_the_tag_of_the_whole_copy(model: tuple[Loaded
                                                               prefix: bool) -> None:
     """A restore from disk hashes each copy as it is made (engine/tiers/unpacked_tag.py): fed step by
     step, over pages cut across steps and runs of consecutive pages, the digest is the one
-    hash_unpacked gives after all the copies, slot, conv, logits and the arena's other bytes
+    unpacked_tag gives in one go after all the copies, slot, conv, logits and the arena's other bytes
     included; a prefix of a dense state's pages too. And a copy changed before it is hashed changes it."""
     import torch
 
@@ -763,8 +762,8 @@ def test_a_tag_fed_copy_by_copy_is_the_tag_of_the_whole_copy(model: tuple[Loaded
             assert torch.equal(cache.kv[taken], cache.kv[src[:len(taken)]])  # the pages are the blob's
         helpers.shutdown()
         reference = mac()
-        codec.hash_unpacked(reference, arena, 4096, tokens, nbytes, slot, taken,
-                            codec.unpack(arena, 4096, tokens, nbytes, slot, taken))
+        codec.unpacked_tag(reference, arena, 4096, tokens, nbytes, slot, taken).finish(
+            codec.unpack(arena, 4096, tokens, nbytes, slot, taken))
         assert reference.digest() == whole
         assert digest(stepwise=True, meddle=True) != whole
     finally:

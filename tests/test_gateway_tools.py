@@ -4,10 +4,25 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 
 import pytest
 
-from gateway.tool_calls import ContentDelta, ToolCallDelta, ToolCallStream, parse_block, parse_tool_calls
+from gateway.tool_calls import ContentDelta, ToolCall, ToolCallDelta, ToolCallStream, parse_block
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str | None  # None when the text held only tool calls
+    tool_calls: list[ToolCall]
+
+
+def parse_tool_calls(text: str) -> ParsedOutput:
+    """A whole text through the stream parser, as a non-streamed answer is."""
+    stream = ToolCallStream()
+    events = stream.feed(text) + stream.finish()
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    return ParsedOutput(None if stream.calls and not content else content, stream.calls)
 
 
 def block(name: str, args: object, pad: str = "\n") -> str:

@@ -183,3 +183,24 @@ def test_a_json_string_takes_no_surrogate(compiler: GuidedCompiler, bound: int |
     assert accepts("\u65e5\U0001F600".encode())
     if bound is None:  # (xgrammar's length-limited string takes no escapes at all)
         assert accepts(b"\\ud800")  # an escaped surrogate is JSON's business, and valid UTF-8
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "one-call"])
+def test_mistral_tool_grammar_takes_two_calls_only_when_parallel(parallel: bool) -> None:
+    """Mistral's `[TOOL_CALLS][...]` array (built here, not by xgrammar): `parallel_tool_calls: false`
+    caps it at one call; either way it needs one, and each call's arguments keep to their schema."""
+    import xgrammar as xgr
+
+    from engine.guided.tool_grammar import tool_call_tag
+
+    tools = json.dumps([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}])
+    grammar = xgr.Grammar.from_structural_tag(tool_call_tag(tools, "required", "mistral", parallel))
+
+    def accepts(text: str) -> bool:
+        return bool(xgr.testing._is_grammar_accept_string(grammar, text))
+    call = '{"name": "f", "arguments": {"a": 1}}'
+    assert accepts(f"[TOOL_CALLS][{call}]")
+    assert accepts(f"[TOOL_CALLS][{call}, {call}]") is parallel
+    assert not accepts("[TOOL_CALLS][]")
+    assert not accepts('[TOOL_CALLS][{"name": "f", "arguments": {"a": "one"}}]')

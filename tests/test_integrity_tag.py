@@ -22,6 +22,14 @@ from engine.tiers.integrity import NONCE_BYTES, SEGMENT_BYTES, TAG_BYTES, Gmac, 
 NAME, NAMESPACE, TOKENS = b"n" * 16, b"s" * 16, 48
 
 
+def verifies(key: IntegrityKey, tag: bytes, name: bytes, namespace: bytes, tokens: int,
+             data: memoryview | bytes) -> bool:
+    """A restore's check, over bytes given whole: the MAC of `tag`'s nonce fed `data` gives `tag`."""
+    mac = key.hasher(name, namespace, tokens, len(data), tag)
+    mac.update(data)
+    return key.matches(tag, mac)
+
+
 def data_of(n: int, seed: int = 0) -> bytes:
     return (blake3.blake3(seed.to_bytes(4, "little")).digest(length=n) if n else b"")
 
@@ -31,19 +39,19 @@ def test_a_tag_verifies_only_what_it_was_made_over() -> None:
     data = data_of(2 * SEGMENT_BYTES + 5)  # several segments and a ragged end
     tag = key.tag(NAME, NAMESPACE, TOKENS, data)
     assert len(tag) == TAG_BYTES
-    assert key.verify(tag, NAME, NAMESPACE, TOKENS, data)
-    assert key.verify(tag, NAME, NAMESPACE, TOKENS, memoryview(data))
+    assert verifies(key, tag, NAME, NAMESPACE, TOKENS, data)
+    assert verifies(key, tag, NAME, NAMESPACE, TOKENS, memoryview(data))
     flipped = bytearray(data)
     for at in (0, SEGMENT_BYTES - 1, SEGMENT_BYTES, len(data) - 1):  # a byte anywhere, at a segment's edges too
         flipped[at] ^= 1
-        assert not key.verify(tag, NAME, NAMESPACE, TOKENS, bytes(flipped))
+        assert not verifies(key, tag, NAME, NAMESPACE, TOKENS, bytes(flipped))
         flipped[at] ^= 1
-    assert not key.verify(tag, b"m" * 16, NAMESPACE, TOKENS, data)
-    assert not key.verify(tag, NAME, b"t" * 16, TOKENS, data)
-    assert not key.verify(tag, NAME, NAMESPACE, TOKENS + 1, data)
-    assert not key.verify(tag, NAME, NAMESPACE, TOKENS, data[:-1])  # the length is in the header
-    assert not key.verify(tag, NAME, NAMESPACE, TOKENS, data + b"\0")
-    assert not IntegrityKey.ephemeral().verify(tag, NAME, NAMESPACE, TOKENS, data)
+    assert not verifies(key, tag, b"m" * 16, NAMESPACE, TOKENS, data)
+    assert not verifies(key, tag, NAME, b"t" * 16, TOKENS, data)
+    assert not verifies(key, tag, NAME, NAMESPACE, TOKENS + 1, data)
+    assert not verifies(key, tag, NAME, NAMESPACE, TOKENS, data[:-1])  # the length is in the header
+    assert not verifies(key, tag, NAME, NAMESPACE, TOKENS, data + b"\0")
+    assert not verifies(IntegrityKey.ephemeral(), tag, NAME, NAMESPACE, TOKENS, data)
 
 
 def test_a_changed_or_cut_tag_is_refused() -> None:
@@ -53,15 +61,15 @@ def test_a_changed_or_cut_tag_is_refused() -> None:
     for at in (0, NONCE_BYTES - 1, NONCE_BYTES, TAG_BYTES - 1):  # the nonce's bytes and the MAC's
         forged = bytearray(tag)
         forged[at] ^= 0x80
-        assert not key.verify(bytes(forged), NAME, NAMESPACE, TOKENS, data)
-    assert not key.verify(tag[:-1], NAME, NAMESPACE, TOKENS, data)
-    assert not key.verify(tag + b"\0", NAME, NAMESPACE, TOKENS, data)
-    assert not key.verify(b"", NAME, NAMESPACE, TOKENS, data)
-    assert not key.verify(bytes(TAG_BYTES), NAME, NAMESPACE, TOKENS, data)
+        assert not verifies(key, bytes(forged), NAME, NAMESPACE, TOKENS, data)
+    assert not verifies(key, tag[:-1], NAME, NAMESPACE, TOKENS, data)
+    assert not verifies(key, tag + b"\0", NAME, NAMESPACE, TOKENS, data)
+    assert not verifies(key, b"", NAME, NAMESPACE, TOKENS, data)
+    assert not verifies(key, bytes(TAG_BYTES), NAME, NAMESPACE, TOKENS, data)
     # The keyed BLAKE3 tag of earlier versions (32 bytes too) is not a tag: such a state runs cold.
     old = blake3.blake3(NAME + NAMESPACE + TOKENS.to_bytes(8, "little") + len(data).to_bytes(8, "little") + data,
                         key=key._key).digest()
-    assert not key.verify(old, NAME, NAMESPACE, TOKENS, data)
+    assert not verifies(key, old, NAME, NAMESPACE, TOKENS, data)
 
 
 def test_each_tag_has_a_fresh_nonce_and_each_verifies() -> None:
@@ -69,7 +77,7 @@ def test_each_tag_has_a_fresh_nonce_and_each_verifies() -> None:
     data = data_of(1000)
     tags = {key.tag(NAME, NAMESPACE, TOKENS, data) for _ in range(16)}
     assert len(tags) == 16 and len({t[:NONCE_BYTES] for t in tags}) == 16
-    assert all(key.verify(t, NAME, NAMESPACE, TOKENS, data) for t in tags)
+    assert all(verifies(key, t, NAME, NAMESPACE, TOKENS, data) for t in tags)
 
 
 @settings(max_examples=60, deadline=None)
@@ -126,9 +134,30 @@ def test_the_key_file_is_made_private_and_kept(tmp_path: Path) -> None:
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     data = data_of(777)
     tag = key.tag(NAME, NAMESPACE, TOKENS, data)
-    assert IntegrityKey.from_file(path).verify(tag, NAME, NAMESPACE, TOKENS, data)  # a restart reads it back
+    assert verifies(IntegrityKey.from_file(path), tag, NAME, NAMESPACE, TOKENS, data)  # a restart reads it back
     os.chmod(path, 0o644)
     with pytest.raises(PermissionError):
         IntegrityKey.from_file(path)
     with pytest.raises(ValueError):
         IntegrityKey(b"short")
+
+
+def test_the_tag_format_has_a_known_answer() -> None:
+    """The format, written out from its description (engine/tiers/integrity.py) with a fixed key and
+    nonce over two segments: MAC key = keyed BLAKE3 of label || nonce; segment i's MAC is AES-256-GMAC
+    with IV i; the tag is nonce || GMAC(IV all ones) of the header and the segments' MACs. A change to
+    any of it (a label, an IV, the header's layout) fails here and must be made on purpose: it
+    invalidates every state already written."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    key, nonce = bytes(range(32)), bytes(range(100, 116))
+    data = bytes((i * 7 + 3) % 251 for i in range(SEGMENT_BYTES + 5))
+    mac = IntegrityKey(key).hasher(NAME, NAMESPACE, TOKENS, len(data), nonce + bytes(16))
+    mac.update(data)
+    got = mac.digest()
+    gmac = AESGCM(blake3.blake3(b"ignis state tag key, AES-256-GMAC in 4 MiB segments, v3" + nonce, key=key).digest())
+    segments = [gmac.encrypt(i.to_bytes(12, "big"), b"", data[i * SEGMENT_BYTES:(i + 1) * SEGMENT_BYTES])
+                for i in range(2)]
+    header = NAME + NAMESPACE + TOKENS.to_bytes(8, "little") + len(data).to_bytes(8, "little")
+    assert got == nonce + gmac.encrypt(b"\xff" * 12, b"", header + b"".join(segments))
+    assert got.hex() == "6465666768696a6b6c6d6e6f7071727323c9200d29e10b51bb32760140a39494"

@@ -110,7 +110,7 @@ def test_tiny_model_is_generated_once_and_loads(tmp_path: Path) -> None:
     assert len(loaded.config.attention_layers) == 2
     tokenizer = Tokenizer.from_dir(path)
     assert tokenizer.vocab_size == loaded.config.vocab_size
-    prompt = tokenizer.render_chat_ids([{"role": "user", "content": "hello"}])
+    prompt = tokenizer.render_chat([{"role": "user", "content": "hello"}])[1]
     out = greedy_generate(loaded, prompt, 8)
     assert len(out.token_ids) >= 1
     # Deterministic: a second generation in a fresh directory writes identical weights.

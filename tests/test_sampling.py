@@ -114,6 +114,14 @@ def test_low_temperature_approaches_greedy() -> None:
     assert {sample(logits, [s], NO_EOS, [0]).token_ids[0] for _ in range(50)} == {2}
 
 
+def test_top_p_reached_exactly_keeps_only_the_tokens_that_reach_it() -> None:
+    """The boundary: with probabilities [0.5, 0.25, 0.25] and top_p = 0.5, the first token's mass
+    reaches top_p on its own, so it is kept alone (a `<=` in the nucleus rule would keep two)."""
+    logits = torch.log(torch.tensor([[0.25, 0.5, 0.25]]))
+    probs = truncated_probs(logits, torch.tensor([0]), torch.tensor([0.5]), torch.tensor([0.0]))
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 1.0, 0.0]]))
+
+
 def test_truncated_probs_exact_values() -> None:
     # Probabilities 0.5, 0.3, 0.15, 0.05 placed at ids 1, 3, 0, 2 (not sorted, so
     # the scatter back to vocabulary order is exercised too).
@@ -306,3 +314,14 @@ def test_logprobs_reflect_penalties_and_bias() -> None:
     processed = torch.tensor([1.0, -2.0, 0.25, 0.0, 0.0])
     ref = torch.log_softmax(processed, dim=-1)
     assert dict(out.top_logprobs[0]) == pytest.approx(dict(enumerate(ref.tolist())), abs=1e-6)
+
+
+def test_max_tokens_unset_means_the_rest_of_the_context() -> None:
+    """One rule, the engine's: no competing default (it was 256 here while the API said the context)."""
+    assert SamplingParams().max_tokens is None
+    assert SamplingParams().length_limit(10, 100) == 100
+    assert SamplingParams(min_tokens=40).length_limit(10, 100) == 100
+    assert SamplingParams(max_tokens=5).length_limit(10, 100) == 15
+    assert SamplingParams(max_tokens=500).length_limit(10, 100) == 100
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4)

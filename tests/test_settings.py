@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from common.settings import (
     settings_from_args,
 )
 from common.sizes import parse_size
+from engine.config import EngineConfig
 
 GiB = 1024**3
 MiB = 1024**2
@@ -68,12 +70,37 @@ def test_defaults() -> None:
     assert s == Settings()
 
 
-def test_as_dict_is_plain_nested_dict() -> None:
-    d = load_settings(None, {}, {"tierstore.address": "127.0.0.1:50052"}).as_dict()
-    assert list(d) == ["reuse", "kv_disk", "engine", "tierstore", "responses"]
-    assert d["reuse"]["retained_device"] == 8
-    assert d["tierstore"]["address"] == "127.0.0.1:50052"
-    assert [f"{sec}.{key}" for sec, keys in d.items() for key in keys] == setting_keys()
+def test_value_reads_section_dot_key() -> None:
+    settings = load_settings(None, {}, {"tierstore.address": "127.0.0.1:50052"})
+    assert settings.value("reuse.retained_device") == 8
+    assert settings.value("tierstore.address") == "127.0.0.1:50052"
+    assert [settings.value(key) for key in setting_keys()][:2] == [True, 8]  # reuse.prompt, reuse.retained_device
+
+
+# A value other than the default for every setting the engine core reads.
+ENGINE_CONFIG_VALUES = {
+    "engine.page_size": 32, "engine.kv_dtype": "bfloat16", "engine.kv_cache_bytes": 3 << 20,
+    "engine.max_num_seqs": 5, "engine.prefill_chunk_tokens": 100, "engine.max_queue": 9,
+    "engine.max_model_len": 777, "reuse.prompt": False, "reuse.retained_device": 2, "reuse.retained_host": 4,
+    "reuse.retained_host_tokens": 300, "reuse.retained_interactive_ttl": 12.5, "tierstore.address": "unix:/run/ts.sock",
+    "tierstore.secret_file": "/etc/ignis/secret", "engine.spill_window_pages": 3,
+    "engine.integrity_key_file": "/var/lib/ignis/key",
+}
+
+
+def test_the_engine_config_is_built_from_every_setting_it_reads() -> None:
+    """One function copies the settings into EngineConfig, and each default is written once: a field
+    read from a setting has the setting's default (but the key file, which a config built by hand
+    leaves to its process)."""
+    read = {f.metadata["setting"]: f.name for f in fields(EngineConfig) if "setting" in f.metadata}
+    assert read.keys() == ENGINE_CONFIG_VALUES.keys()
+    settings = load_settings(None, {}, ENGINE_CONFIG_VALUES)
+    config = EngineConfig.from_settings(settings)
+    for key, name in read.items():
+        assert getattr(config, name) == ENGINE_CONFIG_VALUES[key] != getattr(EngineConfig(), name), key
+        if key != "engine.integrity_key_file":
+            assert getattr(EngineConfig(), name) == getattr(EngineConfig.from_settings(Settings()), name), key
+    assert EngineConfig().integrity_key_file == ""
 
 
 def test_env_none_means_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -73,14 +73,14 @@ def test_page_index_maps_every_page_of_sliceable_states(tmp_path: Path) -> None:
     a, b = make_data(1), make_data(2)
     disk.put(make_record(1, a, pages=3, sliceable=True), a)
     disk.put(make_record(2, b, pages=3, sliceable=False), b)
-    assert [disk.states_with_page(make_hash(1000 + p)) for p in range(3)] == [[make_hash(1)]] * 3
-    assert disk.states_with_page(make_hash(2000)) == []  # a checkpoint of a hybrid model: exact name only
+    assert [disk.states_with_pages([make_hash(1000 + p)])[0] for p in range(3)] == [[make_hash(1)]] * 3
+    assert disk.states_with_pages([make_hash(2000)])[0] == []  # a checkpoint of a hybrid model: exact name only
     disk.check_integrity()
     disk.close()
     again = DiskTier(tmp_path, 1 << 20)
-    assert again.states_with_page(make_hash(1002)) == [make_hash(1)]
+    assert again.states_with_pages([make_hash(1002)])[0] == [make_hash(1)]
     again.remove(make_hash(1))
-    assert again.states_with_page(make_hash(1002)) == []
+    assert again.states_with_pages([make_hash(1002)])[0] == []
     again.check_integrity()
     again.close()
 
@@ -121,7 +121,7 @@ def test_a_flipped_byte_is_dropped_counted_and_never_served(tmp_path: Path) -> N
     assert disk.read(make_hash(1)) is None
     assert disk.checksum_failures == 1
     assert make_hash(1) not in disk and not blob.exists() and disk.used_bytes == 0
-    assert disk.states_with_page(make_hash(1000)) == []
+    assert disk.states_with_pages([make_hash(1000)])[0] == []
     assert disk.read(make_hash(1)) is None and disk.checksum_failures == 1  # not found, not counted twice
     disk.check_integrity()
     disk.close()
@@ -148,7 +148,7 @@ def test_start_removes_temp_files_and_orphans_and_drops_entries_without_blobs(tm
         == (1, 2, 2, 1)  # the torn blob of 3 is an orphan once its entry is dropped
     assert sorted(p.name for p in blobs.iterdir()) == sorted([make_hash(1).hex(), "README"])
     assert again.read(make_hash(1)) == make_data(1)
-    assert again.states_with_page(make_hash(2000)) == [] and again.states_with_page(make_hash(1000)) == [make_hash(1)]
+    assert again.states_with_pages([make_hash(2000)])[0] == [] and again.states_with_pages([make_hash(1000)])[0] == [make_hash(1)]
     (blobs / "README").unlink()
     again.check_integrity()
     assert again.used_bytes == again.cost(make_record(1, make_data(1)).info)

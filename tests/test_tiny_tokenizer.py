@@ -125,8 +125,8 @@ def test_each_turn_extends_the_previous_prompt(tok: Tokenizer) -> None:
     for k in range(1, len(conversation)):
         if conversation[k]["role"] != "assistant":
             continue
-        prompt = tok.render_chat_ids(conversation[:k], tools=tools, add_generation_prompt=True)
-        later = tok.render_chat_ids(conversation[: k + 1], tools=tools, add_generation_prompt=False)
+        prompt = tok.render_chat(conversation[:k], tools=tools, add_generation_prompt=True)[1]
+        later = tok.render_chat(conversation[: k + 1], tools=tools, add_generation_prompt=False)[1]
         assert later[: len(prompt)] == prompt
 
 

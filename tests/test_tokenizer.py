@@ -129,7 +129,7 @@ def test_chat_template_matches_transformers(
         conversation, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
     )
     assert text == expected
-    ids = tok.render_chat_ids(conversation, tools=tools, add_generation_prompt=add_generation_prompt)
+    ids = tok.render_chat(conversation, tools=tools, add_generation_prompt=add_generation_prompt)[1]
     expected_ids = hf.apply_chat_template(
         conversation, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
     )

@@ -121,3 +121,17 @@ def test_a_chain_that_outgrows_the_context(gateway: RunningService) -> None:
         refused = create(truncation="disabled", previous_response_id=previous)
         assert refused.status_code == 400, refused.text
         assert "context" in refused.json()["error"]["message"]
+        # Each context error in OpenAI's words, which clients (litellm) match to tell it from other 400s.
+        opening = f"This model's maximum context length is {CONTEXT} tokens. However, "
+        assert refused.json()["error"]["message"].startswith(opening)
+        assert refused.json()["error"]["code"] == "context_length_exceeded"
+        too_long_turn = create(truncation="auto", previous_response_id=previous, input="weather " * CONTEXT)
+        assert too_long_turn.status_code == 400, too_long_turn.text
+        error = too_long_turn.json()["error"]
+        assert error["message"].startswith(opening) and "even with truncation" in error["message"], error
+        assert error["code"] == "context_length_exceeded"
+        too_many_chars = create(input="x" * (CONTEXT * 256 + 1))
+        assert too_many_chars.status_code == 400, too_many_chars.text
+        error = too_many_chars.json()["error"]
+        assert error["message"].startswith(opening) and "characters" in error["message"], error
+        assert error["code"] == "context_length_exceeded"

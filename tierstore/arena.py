@@ -59,9 +59,6 @@ class ExtentAllocator:
     def free_bytes(self) -> int:
         return self.total - self.used_bytes
 
-    def largest_free(self) -> int:
-        return max((e.length for e in self._free), default=0)
-
     def allocate(self, nbytes: int) -> Extent | None:
         """An extent of at least ``nbytes`` (rounded up to ALIGN), or None if no free run is long enough."""
         if nbytes <= 0:

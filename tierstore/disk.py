@@ -265,8 +265,6 @@ class DiskTier:
             return [[] for _ in page_hashes]
         return [[h for h in holders if h in self._records] for holders in found]
 
-    def states_with_page(self, page_hash: bytes) -> list[bytes]:
-        return self.states_with_pages([page_hash])[0]
 
     def free_bytes(self) -> int:
         """Budget neither used nor held by a staged write in flight (`reserve_staging`)."""

@@ -38,7 +38,7 @@ class RetainedStateReuse(TieredReuse):
         self._lineage_ids = itertools.count(1)
         self.lower = LowerTierClaims(tiers, states.pages, self.page_size, restore_floor) if tiers is not None else None
         if self.lower is not None:
-            states.on_written_below = self.lower.forget  # a claimant held for it asks the store again
+            states.below.on_written = self.lower.forget  # a claimant held for it asks the store again
 
     # --- lookup -------------------------------------------------------------
     def match(self, seq: EngineSequence) -> Claim | None:

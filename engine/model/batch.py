@@ -65,10 +65,6 @@ class SeqView:
     def end(self) -> int:
         return self.start + self.length
 
-    @property
-    def is_decode(self) -> bool:
-        return self.length == 1 and self.start > 0
-
 
 class _LazyViews(abc.Sequence[SeqView]):
     """Views made when asked, indexed like a tuple: a subclass says how long it is and makes view i."""

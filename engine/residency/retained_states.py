@@ -1,6 +1,6 @@
 """Where retained states live on the engine's side, and every move between those places.
 
-A retained state (engine/cache/retained_state.py) is the whole sequence state at one
+A retained state (engine/residency/retained_state.py) is the whole sequence state at one
 position. It lives in a device retained slot (its recurrent state and conv taps in a
 slot reserved at load, its full KV pages shared, a partial last page private) or in a
 host slot (all of it, logits too, in one slot of the host block), or it has left the
@@ -29,6 +29,7 @@ import torch
 from common.eviction import EvictionOrder
 from common.logs import log_event
 from engine.residency.retained_state import RetainedState, StateView
+from engine.residency.state_index import StateIndex
 from engine.residency.counters import ReuseCounters
 from engine.facts import RequestClass, ReuseKind, ReuseTier
 from engine.kv.chain_hash import StateHash
@@ -37,7 +38,8 @@ from engine.kv.host_slots import HostSlots
 from engine.kv.page_pool import PagePool
 from engine.request import EngineSequence
 from engine.residency.copy_worker import CopyJob, CopyWorker
-from engine.residency.staging import StagedCopy, StagingRing
+from engine.residency.captures_below import CapturesBelow
+from engine.residency.staging import StagedCopy, StagingRing, stage_changing_part, staged_write
 from engine.tiers.codec import StateCodec
 from engine.tiers.link import Spillable, TierLink
 
@@ -63,28 +65,24 @@ class RetainedStates:
         self.pages = pages
         self.page_size = cache.page_size
         self.order = EvictionOrder(interactive_ttl)
-        self.max_per_lineage = max_per_lineage
         self._free_slots = deque(range(first_slot, first_slot + num_slots))
         self.num_slots = num_slots
-        self._by_name: dict[StateHash, RetainedState] = {}
-        self._by_anchor: dict[StateHash, list[RetainedState]] = {}
-        self._lineages: dict[int, deque[RetainedState]] = {}
+        self.index = StateIndex(max_per_lineage)
         self.pending: list[RetainedState] = []  # captures whose staged copy is not done: claimable soon
-        # Called once a capture landed in the tier below (a claimant held for it asks the store again).
-        self.on_written_below: Callable[[], None] = lambda: None
+        self.below = CapturesBelow(tiers, pages, self.page_size, counters, self.pending, codec, ring)
 
     # --- what is held --------------------------------------------------------------
     def __bool__(self) -> bool:
-        return bool(self._by_name)
+        return bool(self.index)
 
     def anchored(self, anchor: StateHash) -> Iterable[RetainedState]:
         """The states whose last full page (or namespace, for none) is `anchor`."""
-        return self._by_anchor.get(anchor, ())
+        return self.index.anchored(anchor)
 
     def touch(self, name: StateHash, logits: torch.Tensor | None) -> bool:
         """A capture of a state already held (a retry, a burst mate): it is used now, and keeps the
         logits if it had none. False if no state is held under `name`."""
-        existing = self._by_name.get(name)
+        existing = self.index.get(name)
         if existing is None:
             return False
         existing.last_used = time.monotonic()
@@ -104,7 +102,7 @@ class RetainedStates:
             self._promote(seq, state)
         else:
             self._claim_from_device(seq, state)
-        self._by_name.get(state.name, state).last_used = time.monotonic()  # the device copy, if promoted
+        (self.index.get(state.name) or state).last_used = time.monotonic()  # the device copy, if promoted
 
     def _claim_from_host(self, seq: EngineSequence, state: RetainedState) -> None:
         """One host-to-device copy: the slot, then fresh pages."""
@@ -123,28 +121,32 @@ class RetainedStates:
         claim of a hot state shares its pages instead of copying them all from the host."""
         if not self._free_slots or not state.ready or (self.worker is not None and self.worker.pending(state)):
             return  # no slot to spare, or a copy still reads the host slot
-        assert self.host is not None and seq.slot is not None
-        m, full = state.num_tokens, state.num_tokens // self.page_size
+        assert self.host is not None
+        held = self._hold_on_device(seq, state.num_tokens)
+        if held is None:
+            return
+        self.host.release(state.slot)
+        up = dataclasses.replace(state, tier=ReuseTier.DEVICE, slot=held[0], pages=held[1])
+        self.index.replace(state, up)  # the claim in hand still names the host state: it reports `host`
+        self.counters.promotions += 1
+
+    def _hold_on_device(self, seq: EngineSequence, m: int) -> tuple[int, list[int]] | None:
+        """`seq`'s state at `m` kept in a free retained slot: (slot, pages), its full pages shared, its
+        partial last page and slot copied; None (nothing taken) when no page is free for the copy."""
+        assert seq.slot is not None
+        full = m // self.page_size
         private: list[int] = []
         if m % self.page_size:
             got = self.pages.allocate(1)
             if got is None:
-                return
+                return None
             private = got
             self.cache.copy_page(seq.page_table[full], got[0])
         shared = seq.page_table[:full]
         self.pages.share(shared)
         slot = self._free_slots.popleft()
         self.cache.copy_slot(seq.slot, slot)
-        self.host.release(state.slot)
-        up = dataclasses.replace(state, tier=ReuseTier.DEVICE, slot=slot, pages=shared + private)
-        self._by_name[state.name] = up  # the claim in hand still names the host state: it reports `host`
-        group = self._by_anchor[state.anchor]
-        group[group.index(state)] = up
-        chain = self._lineages.get(state.lineage) if state.lineage is not None else None
-        if chain is not None and state in chain:
-            chain[chain.index(state)] = up
-        self.counters.promotions += 1
+        return slot, shared + private
 
     def _claim_from_device(self, seq: EngineSequence, state: RetainedState) -> None:
         assert seq.slot is not None
@@ -174,26 +176,18 @@ class RetainedStates:
             self._capture_to_host(seq, name, m, kind, logits, lineage)
             return
         if not self._free_slots and not self._displace_for(seq.request.request_class, now, ReuseTier.DEVICE):
-            self._capture_below(seq, name, m, kind, logits)  # no slot it may take: straight down a tier
+            self.below.capture(seq, name, m, kind, logits)  # no slot it may take: straight down a tier
             return
         full = m // self.page_size
-        private: list[int] = []
-        if m % self.page_size:
-            got = self.pages.allocate(1)
-            if got is None:
-                self.counters.slot_skips += 1
-                return
-            private = got
-            self.cache.copy_page(seq.page_table[full], got[0])
         if len(seq.page_hashes) < full:
             raise RuntimeError("page hashes shorter than the computed state: this is a bug")
-        shared = seq.page_table[:full]
-        self.pages.share(shared)
-        slot = self._free_slots.popleft()
-        self.cache.copy_slot(seq.slot, slot)
+        held = self._hold_on_device(seq, m)
+        if held is None:
+            self.counters.slot_skips += 1
+            return
         self._index(RetainedState(
             name=name, anchor=seq.page_hashes[full - 1] if full else seq.namespace, num_tokens=m, kind=kind,
-            tier=ReuseTier.DEVICE, slot=slot, pages=shared + private, request_class=seq.request.request_class,
+            tier=ReuseTier.DEVICE, slot=held[0], pages=held[1], request_class=seq.request.request_class,
             lineage=lineage, logits=None if logits is None else logits.clone(),
             namespace=seq.namespace, page_hashes=tuple(seq.page_hashes[:full]),
         ))
@@ -233,18 +227,14 @@ class RetainedStates:
     def _stage(self, seq: EngineSequence, state: RetainedState, buffer: int) -> None:
         """On the step: the slot and the partial last page into the ring buffer, a reference to
         the full pages. Off the step (worker): all of it into the host slot."""
-        assert self.ring is not None and self.host is not None and self.codec is not None
+        assert self.ring is not None and self.host is not None and self.codec is not None and seq.slot is not None
         codec, host, m = self.codec, self.host, state.num_tokens
-        full = m // self.page_size
-        partial = [seq.page_table[full]] if m % self.page_size else []
-        staging = self.ring.buffers[buffer]
-        codec.pack_window(staging, 0, self.page_size, seq.slot, partial, 0)  # [slot | one page]
-        state.pages = seq.page_table[:full]
+        state.pages, partial = stage_changing_part(codec, self.ring.buffers[buffer], seq.slot, seq.page_table, m)
         self.pages.share(state.pages)  # immutable full pages, kept alive until the copy is done
         state.ready = False
         self.pending.append(state)
         offset = host.offset(state.slot)
-        staged = self._staged_write(m, list(state.pages), bool(partial), state.logits)
+        staged = staged_write(codec, m, list(state.pages), partial, state.logits)
 
         def copy(buf: torch.Tensor) -> None:  # worker thread
             staged(buf, host.block, offset)
@@ -254,68 +244,13 @@ class RetainedStates:
             pages, state.pages = state.pages, []
             self.pages.release(pages)
             state.ready = True  # the copy is over, whichever way it went
-            indexed = self._by_name.get(state.name) is state
+            indexed = self.index.holds(state)
             if indexed and not copied:
                 self._drop(state)
             elif not indexed:  # dropped (a lineage's third) while it was copying
                 host.release(state.slot)
 
         self.ring.submit(StagedCopy(buffer, copy, done))
-
-    def _stage_below(self, seq: EngineSequence, name: StateHash, m: int, kind: ReuseKind,
-                     logits: torch.Tensor | None, buffer: int) -> None:
-        """A capture straight to KV-RAM through the ring: on the step the slot and the partial
-        page into the buffer and a reference to the full pages; the worker reserves, writes
-        them in the arena's layout and commits."""
-        assert self.ring is not None and self.tiers is not None and self.codec is not None and seq.slot is not None
-        codec, tiers = self.codec, self.tiers
-        full = m // self.page_size
-        partial = [seq.page_table[full]] if m % self.page_size else []
-        codec.pack_window(self.ring.buffers[buffer], 0, self.page_size, seq.slot, partial, 0)  # [slot | one page]
-        pages = seq.page_table[:full]
-        self.pages.share(pages)  # immutable full pages, kept alive until the write is done
-        namespace, cls, hashes = seq.namespace, seq.request.request_class, tuple(seq.page_hashes[:full])
-        # Held claimants wait for it (in_flight) instead of prefilling it again.
-        pending = RetainedState(
-            name=name, anchor=hashes[-1] if hashes else namespace, num_tokens=m, kind=kind, tier=ReuseTier.RAM,
-            slot=-1, pages=pages, request_class=cls, lineage=None, logits=logits, namespace=namespace,
-            page_hashes=hashes, ready=False)
-        self.pending.append(pending)
-        staged = self._staged_write(m, pages, bool(partial), logits)
-        nbytes = codec.nbytes(m, logits is not None)
-
-        def copy(buf: torch.Tensor) -> bool:  # worker thread; False: the store did not take it (no room, down)
-            return tiers.write_state(name, namespace, m, kind, cls, hashes, nbytes,
-                                     lambda arena, offset: staged(buf, arena, offset), source="staged")
-
-        def done(written: bool) -> None:  # engine thread
-            self.pending.remove(pending)
-            self.pages.release(pages)
-            if written:
-                self.counters.captures_below += 1
-                self.on_written_below()
-            else:
-                self.counters.slot_skips += 1
-
-        self.ring.submit(StagedCopy(buffer, copy, done))
-
-    def _staged_write(self, m: int, full_pages: list[int], partial: bool, logits: torch.Tensor | None
-                      ) -> Callable[[torch.Tensor, torch.Tensor, int], None]:
-        """(staging buffer, destination, offset) -> writes the state at `m` in the codec's layout:
-        its slot and partial page from the buffer, its full pages from the device."""
-        assert self.codec is not None
-        codec, full = self.codec, m // self.page_size
-        head = codec.sections(0).kv
-
-        def write(buf: torch.Tensor, dest: torch.Tensor, offset: int) -> None:
-            dest[offset:offset + head].copy_(buf[:head])
-            codec.pack_pages(dest, offset, m, full_pages, 0)
-            if partial:
-                start = offset + codec.sections(m).kv + full * codec.page_bytes
-                dest[start:start + codec.page_bytes].copy_(buf[head:head + codec.page_bytes])
-            if logits is not None:
-                codec.write_logits(dest, offset, m, logits)
-        return write
 
     # --- off the step -----------------------------------------------------------------
     def write_ahead(self) -> None:
@@ -339,22 +274,10 @@ class RetainedStates:
                 return
 
     def _submit_ahead(self, state: RetainedState) -> None:
-        assert self.tiers is not None and self.worker is not None
-        tiers, host, codec = self.tiers, self.host, self.codec
+        assert self.worker is not None
         state.ahead_tried = True
         self._ahead = state
-        if state.tier is ReuseTier.HOST:
-            assert host is not None and codec is not None
-            data = host.view(state.slot, codec.nbytes(state.num_tokens, state.logits is not None))
-
-            def run() -> bool:  # worker thread: the host slot is in the arena's layout already
-                return tiers.spill_bytes(state.name, state.namespace, state.num_tokens, state.kind,
-                                         state.request_class, state.page_hashes, data)
-        else:
-            spillable = self._spillable(state)
-
-            def run() -> bool:  # worker thread: the slot and pages are immutable while it is retained
-                return tiers.spill(spillable)
+        run = self._writer(state)  # on the worker: the state's memory is immutable while it is retained
 
         def done(written: bool) -> None:  # engine thread
             self._ahead = None
@@ -368,41 +291,14 @@ class RetainedStates:
         self.worker.submit(CopyJob(state, run, done))
 
     def _index(self, state: RetainedState) -> None:
-        name, lineage = state.name, state.lineage
-        self._by_name[name] = state
-        self._by_anchor.setdefault(state.anchor, []).append(state)
         self.counters.captures += 1
-        if lineage is not None:
-            chain = self._lineages.setdefault(lineage, deque())
-            chain.append(state)
-            while len(chain) > self.max_per_lineage:  # a conversation keeps its newest two
-                self._drop(chain.popleft())
-
-    def _capture_below(self, seq: EngineSequence, name: StateHash, m: int, kind: ReuseKind,
-                       logits: torch.Tensor | None) -> None:
-        """Write the state at `m` from the sequence's own slot and pages to the tier below;
-        without one the capture is skipped (never allocated on the fly). With the staging ring
-        only the slot and the partial page are copied on the step; with both buffers busy it
-        is written here and now."""
-        assert seq.slot is not None
-        full = m // self.page_size
-        if self.tiers is not None and self.ring is not None and self.tiers.client.available:
-            buffer = self.ring.acquire()
-            if buffer is not None:
-                self._stage_below(seq, name, m, kind, logits, buffer)
-                return
-        spilled = self.tiers is not None and self.tiers.spill(Spillable(
-            name, seq.namespace, m, kind, seq.request.request_class, tuple(seq.page_hashes[:full]), seq.slot,
-            seq.page_table[:-(-m // self.page_size)], logits))
-        if spilled:
-            self.counters.captures_below += 1
-        else:
-            self.counters.slot_skips += 1
+        for old in self.index.add(state):
+            self._drop(old)
 
     # --- eviction -------------------------------------------------------------
     def eviction_order(self, now: float | None = None, tier: ReuseTier | None = None) -> list[RetainedState]:
         """Every retained state (of `tier`, if given), the first to leave first."""
-        states = [s for s in self._by_name.values() if s.ready and (tier is None or s.tier is tier)]
+        states = [s for s in self.index if s.ready and (tier is None or s.tier is tier)]
         return self.order.order(states, time.monotonic() if now is None else now, RetainedState.resident)
 
     def _displace_for(self, newcomer: RequestClass, now: float, tier: ReuseTier) -> bool:
@@ -437,40 +333,30 @@ class RetainedStates:
         spilled = state.below
         if not spilled and self.tiers is not None:
             self.counters.spills_on_step += 1
-            spilled = self._spill(state)
+            spilled = self._writer(state)()
         if not spilled:
             log_event(log, "ignis.request.evicted", hash=state.name.hex(), tokens=state.num_tokens,
                       kind=state.kind.value, tier="device")
         self._drop(state)
         self.counters.evictions += 1
 
-    def _spill(self, state: RetainedState) -> bool:
-        assert self.tiers is not None
+    def _writer(self, state: RetainedState) -> Callable[[], bool]:
+        """() -> whether `state` was written to KV-RAM: run now (an eviction on the step) or on the
+        copy worker (written ahead)."""
+        tiers, host, codec = self.tiers, self.host, self.codec
+        assert tiers is not None
         if state.tier is ReuseTier.HOST:  # already in the arena's layout: one copy
-            assert self.host is not None and self.codec is not None
-            nbytes = self.codec.nbytes(state.num_tokens, state.logits is not None)
-            return self.tiers.spill_bytes(state.name, state.namespace, state.num_tokens, state.kind,
-                                          state.request_class, state.page_hashes, self.host.view(state.slot, nbytes))
-        return self.tiers.spill(self._spillable(state))
-
-    @staticmethod
-    def _spillable(state: RetainedState) -> Spillable:
-        return Spillable(state.name, state.namespace, state.num_tokens, state.kind, state.request_class,
-                         state.page_hashes, state.slot, list(state.pages), state.logits)
+            assert host is not None and codec is not None
+            data = host.view(state.slot, codec.nbytes(state.num_tokens, state.logits is not None))
+            return lambda: tiers.spill_bytes(state.name, state.namespace, state.num_tokens, state.kind,
+                                             state.request_class, state.page_hashes, data)
+        spillable = Spillable(state.name, state.namespace, state.num_tokens, state.kind, state.request_class,
+                              state.page_hashes, state.slot, list(state.pages), state.logits)
+        return lambda: tiers.spill(spillable)
 
     def _drop(self, state: RetainedState) -> None:
-        if self._by_name.pop(state.name, None) is None:
+        if not self.index.remove(state):
             return
-        group = self._by_anchor[state.anchor]
-        group.remove(state)
-        if not group:
-            del self._by_anchor[state.anchor]
-        if state.lineage is not None:
-            chain = self._lineages.get(state.lineage)
-            if chain is not None and state in chain:
-                chain.remove(state)
-                if not chain:
-                    del self._lineages[state.lineage]
         if state.tier is ReuseTier.HOST and not state.ready:  # its staged copy is running: done() frees it
             return
         if self.worker is not None and self.worker.pending(state):  # being written ahead: freed once written
@@ -494,7 +380,7 @@ class RetainedStates:
         page_bytes = shape.kv_bytes_per_page(self.page_size, geometry.page_dtype)
         slot_bytes = shape.state_bytes_per_slot(geometry.dtype)
         views = []
-        for s in self._by_name.values():
+        for s in self.index:
             if s.tier is ReuseTier.HOST and self.codec is not None:
                 nbytes = self.codec.nbytes(s.num_tokens, s.logits is not None)
             else:
@@ -503,7 +389,7 @@ class RetainedStates:
         return views
 
     def held_pages(self) -> set[int]:
-        return {p for s in [*self._by_name.values(), *self.pending, *self._releasing] for p in s.pages}
+        return {p for s in [*self.index, *self.pending, *self._releasing] for p in s.pages}
 
     @property
     def retained_slots(self) -> tuple[int, int]:
@@ -515,20 +401,18 @@ class RetainedStates:
         return (self.host.num_slots, self.host.num_used) if self.host is not None else (0, 0)
 
     def check_integrity(self) -> None:
-        on_host = {s for s in [*self._by_name.values(), *self.pending, *self._releasing] if s.tier is ReuseTier.HOST}
+        on_host = {s for s in [*self.index, *self.pending, *self._releasing] if s.tier is ReuseTier.HOST}
         if self.host is not None:
             self.host.check_used({s.slot for s in on_host})
         elif on_host:
             raise AssertionError("host states without host slots")
-        device = [s for s in [*self._by_name.values(), *self._releasing] if s.tier is ReuseTier.DEVICE]
+        device = [s for s in [*self.index, *self._releasing] if s.tier is ReuseTier.DEVICE]
         used = {s.slot for s in device}
         if len(used) != len(device) or used & set(self._free_slots):
             raise AssertionError("retained slots are double-booked")
         if len(used) + len(self._free_slots) != self.num_slots:
             raise AssertionError("retained slots leaked")
-        indexed = sum(len(v) for v in self._by_anchor.values())
-        if indexed != len(self._by_name):
-            raise AssertionError("anchor index out of step with the name index")
+        self.index.check_integrity()
         for state in device:
             for page in state.pages:
                 if self.pages.refcount(page) <= 0:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.residency.copy_worker import CopyJob, CopyWorker
+from engine.tiers.codec import StateCodec
 
 RING_SIZE = 2
 
@@ -83,3 +84,31 @@ class StagingRing:
             self.worker.close()
         else:
             self.worker.collect(wait=True)
+
+
+def staged_write(codec: StateCodec, m: int, full_pages: list[int], partial: bool, logits: torch.Tensor | None
+                 ) -> Callable[[torch.Tensor, torch.Tensor, int], None]:
+    """(staging buffer, destination, offset) -> writes the state at `m` in the codec's layout: its slot
+    and partial page from the buffer (where the step put them), its full pages from the device."""
+    full = m // codec.page_size
+    head = codec.sections(0).kv
+
+    def write(buf: torch.Tensor, dest: torch.Tensor, offset: int) -> None:
+        dest[offset:offset + head].copy_(buf[:head])
+        codec.pack_pages(dest, offset, m, full_pages, 0)
+        if partial:
+            start = offset + codec.sections(m).kv + full * codec.page_bytes
+            dest[start:start + codec.page_bytes].copy_(buf[head:head + codec.page_bytes])
+        if logits is not None:
+            codec.write_logits(dest, offset, m, logits)
+    return write
+
+
+def stage_changing_part(codec: StateCodec, buffer: torch.Tensor, slot: int, page_table: list[int], m: int
+                        ) -> tuple[list[int], bool]:
+    """On the step: the state at `m`'s slot and partial last page into `buffer` ([slot | one page]);
+    returns its full pages (immutable: the capture references them) and whether it has a partial one."""
+    full = m // codec.page_size
+    partial = [page_table[full]] if m % codec.page_size else []
+    codec.pack_window(buffer, 0, codec.page_size, slot, partial, 0)
+    return page_table[:full], bool(partial)

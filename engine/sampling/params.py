@@ -25,7 +25,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    max_tokens: int = 256
+    max_tokens: int | None = None  # None: up to the end of the context (the engine's one rule)
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -35,6 +35,12 @@ class SamplingParams:
     top_logprobs: int = 0
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def length_limit(self, prompt_tokens: int, max_model_len: int) -> int:
+        """The most tokens the sequence may hold, prompt included."""
+        if self.max_tokens is None:
+            return max_model_len
+        return min(prompt_tokens + self.max_tokens, max_model_len)
 
     def __post_init__(self) -> None:
         # Callers (the gateway) often hold lists or a dict for logit_bias; store
@@ -59,9 +65,9 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.seed is not None and not (_INT64_MIN <= self.seed <= _INT64_MAX):
             raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
-        if self.max_tokens < 0:
+        if self.max_tokens is not None and self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
-        if not (0 <= self.min_tokens <= self.max_tokens):
+        if not 0 <= self.min_tokens <= (self.max_tokens if self.max_tokens is not None else self.min_tokens):
             raise ValueError(
                 f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )

@@ -270,13 +270,14 @@ class Tokenizer:
         variables = {**self.special_tokens, **(template_kwargs or {})}
         return self._chat_template.render(messages, tools, add_generation_prompt, variables)
 
-    def render_chat_ids(
+    def render_chat(
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        """apply_chat_template, then encode without adding special tokens (the template has them)."""
+    ) -> tuple[str, list[int]]:
+        """The prompt's text (apply_chat_template) and its ids, encoded without adding special tokens
+        (the template has them)."""
         text = self.apply_chat_template(messages, tools, add_generation_prompt, template_kwargs)
-        return self.encode(text, add_special_tokens=False)
+        return text, self.encode(text, add_special_tokens=False)

@@ -1,7 +1,7 @@
 """A claim from KV-RAM into a CPU cache: the copies and their integrity check, segment by segment on
 several threads at once.
 
-The tag covers exactly what is used (StateCodec.hash_unpacked says why): each byte the claim copies
+The tag covers exactly what is used (StateCodec.unpacked_tag says why): each byte the claim copies
 is hashed from its copy, the rest of the blob (alignment, pages past a prefix) from the arena. The
 tag is cut in segments (engine/tiers/integrity.py), so each thread takes the next segment, copies
 its bytes and hashes them from the copy a stride at a time while they are still in its cache. Both

@@ -145,21 +145,17 @@ class StateCodec:
         else:
             dst.copy_(c.kv.index_select(0, idx))
 
-    def hash_unpacked(self, hasher: Any, arena: torch.Tensor, offset: int, tokens: int, nbytes: int,
-                      slot: int | None, pages: list[int], logits: torch.Tensor | None) -> None:
-        """Feed `hasher` the state's bytes in their arena order, each section that `unpack` copied
-        read from the copy (the engine's own memory), the rest (alignment, pages past a prefix,
-        logits not taken) from the arena. A tag checked this way covers exactly what is used:
-        bytes changed in the arena after the copy are not in it, and bytes changed before fail
-        it (checking the arena first and copying after would leave that window open).
-        CPU caches only: the copies are host memory."""
-        self.unpacked_tag(hasher, arena, offset, tokens, nbytes, slot, pages).finish(logits)
-
     def unpacked_tag(self, hasher: Any, arena: torch.Tensor, offset: int, tokens: int, nbytes: int,
                      slot: int | None, pages: list[int], step_bytes: int | None = None) -> UnpackedTag:
-        """`hash_unpacked` in parts (engine/tiers/unpacked_tag.py): with `step_bytes`, the pages are
+        """Feeds `hasher` the state's bytes in their arena order, each section that `unpack` copied
+        read from the copy (the engine's own memory), the rest (alignment, pages past a prefix,
+        logits not taken) from the arena, in parts (engine/tiers/unpacked_tag.py). A tag checked this
+        way covers exactly what is used: bytes changed in the arena after the copy are not in it, and
+        bytes changed before fail it (checking the arena first and copying after would leave that
+        window open). CPU caches only: the copies are host memory. With `step_bytes`, the pages are
         cut where `unpack_steps(..., step_bytes)` cuts them, so `through(end)` after each step's copy
-        hashes that copy; without, each run of consecutive pages is one update."""
+        hashes that copy; without, each run of consecutive pages is one update; `finish(logits)`
+        hashes the rest."""
         per_step = self._pages_per_step(step_bytes, len(pages)) if step_bytes else len(pages) or 1
         pieces = self._slot_and_page_pieces(tokens, slot, pages, per_step)
         return UnpackedTag(hasher, arena, offset, pieces, self.sections(tokens).logits, nbytes)

@@ -159,11 +159,6 @@ class IntegrityKey:
         mac.update(data)
         return mac.digest()
 
-    def verify(self, tag: bytes, name: bytes, namespace: bytes, tokens: int, data: memoryview | bytes) -> bool:
-        mac = self.hasher(name, namespace, tokens, len(data), tag)
-        mac.update(data)
-        return self.matches(tag, mac)
-
     @staticmethod
     def matches(tag: bytes, mac: StateMac) -> bool:
         """Whether a MAC fed the whole state (from `hasher(..., tag)`) gives `tag`."""

@@ -36,12 +36,12 @@ from opentelemetry import trace
 from common.logs import log_event
 from engine.facts import RequestClass, ReuseKind, ReuseTier
 from engine.kv.chain_hash import StateHash, state_matches, state_name
-from engine.proto_convert import request_class_pb, reuse_kind, reuse_kind_pb, reuse_tier
+from engine.proto_convert import request_class_pb, reuse_kind, reuse_kind_pb, reuse_tier, reuse_tier_pb
 from engine.tiers.client import TierClient
 from engine.tiers.checked_copy import copy_and_check
 from engine.tiers.codec import UNPACK_STEP_BYTES, StateCodec
 from engine.tiers.integrity import IntegrityKey
-from ignis.v1 import common_pb2, tierstore_pb2
+from ignis.v1 import tierstore_pb2
 
 log = logging.getLogger("ignis.request")
 
@@ -281,7 +281,7 @@ class TierLink:
                 continue  # one state named twice in a reply: one lease
             seen.add(key)
             held = _Held(tierstore_pb2.AcquireResponse(lease_id=hit.lease_id, extent=hit.extent, metadata=hit.metadata,
-                                                       from_tier=common_pb2.REUSE_TIER_RAM,
+                                                       from_tier=reuse_tier_pb(ReuseTier.RAM),
                                                        instance_id=instance), sent)
             if key == kept:
                 self._held = (bytes(hit.state_hash or hit.hash), held)
@@ -384,7 +384,7 @@ class TierLink:
                 mac.update(self.client.arena_bytes(ext.offset, meta.nbytes))
                 ok = self.key.matches(tag, mac)
             logits = None
-            # On a CPU cache the tag is checked on what was copied (codec.hash_unpacked says why): from RAM
+            # On a CPU cache the tag is checked on what was copied (codec.unpacked_tag says why): from RAM
             # segment by segment on two threads, each hashed from its copies (engine/tiers/checked_copy.py);
             # from disk each copy as it is made, between the reads the restore waits on
             # (engine/tiers/unpacked_tag.py). A failed check leaves the slot and the fresh pages to a cold

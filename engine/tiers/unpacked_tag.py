@@ -1,6 +1,6 @@
 """Feeding a restored state's integrity tag the bytes the engine copied, as it copies them.
 
-A tag checked on a CPU cache covers exactly what is used (StateCodec.hash_unpacked): each
+A tag checked on a CPU cache covers exactly what is used (StateCodec.unpacked_tag): each
 section the restore copied is read from the copy, the rest of the blob (alignment, pages
 past a prefix, logits not taken) from the arena, all in arena order. A restore from disk
 waits on the read between its copies, so it hashes each copy as it is made: the check then
