@@ -6,9 +6,12 @@ Lowest rank leaves first:
 
 1. class: ``agent`` states before ``interactive`` ones;
 2. protection: unprotected before protected. A state is protected while it is
-   leased (in use right now), inside its protect window, or within
-   ``reuse.retained_interactive_ttl`` of its last use when it is interactive or a
-   retained prefix (the shared head a burst of subagents is claiming);
+   leased (in use right now), inside its protect window, or, once it has been
+   claimed, within ``reuse.retained_interactive_ttl`` of its last use when it is
+   interactive or a retained prefix (the shared head a burst of subagents is
+   claiming). Protection by age is earned by a claim: a state nobody claimed
+   keeps no newer one out of its tier (single-use states held every device slot
+   for the whole TTL, and full small tiers refused most spills);
 3. recency: least recently used first, then by tiebreak (the state's hash) so the
    order is total.
 
@@ -39,6 +42,7 @@ class Resident:
     leased: bool = False  # in use right now: never displaced, never moved
     protect_until: float = 0.0  # an explicit window (the store's protect_seconds after commit); 0: none
     tiebreak: bytes = b""
+    claimed: bool = False  # claimed at least once in its tier: only then does its age protect it
 
 
 class EvictionOrder:
@@ -50,7 +54,7 @@ class EvictionOrder:
     def is_protected(self, s: Resident, now: float) -> bool:
         if s.leased or now < s.protect_until:
             return True
-        return (s.interactive or s.prefix) and now - s.last_used < self.interactive_ttl
+        return (s.interactive or s.prefix) and s.claimed and now - s.last_used < self.interactive_ttl
 
     def rank(self, s: Resident, now: float) -> RankKey:
         """Sort key: the smallest leaves first."""

@@ -178,7 +178,7 @@ class ReuseSettings(_Section):
     retained_host_tokens: int = setting(0, parse_int, minimum=0, doc="the longest state a host slot holds (it "
                                         "sizes each slot); 0 = the context length")
     retained_interactive_ttl: float = setting(
-        300.0, parse_float, minimum=0, doc="seconds an interactive state stays protected from eviction"
+        300.0, parse_float, minimum=0, doc="seconds an interactive state, once claimed, stays protected from eviction"
     )
     kv_host_pool_bytes: int = setting(GiB, parse_size, minimum=0, doc="size of the KV-RAM arena (bytes)")
 

@@ -13,10 +13,11 @@ TTL = 300.0
 
 
 def make_resident(name: str, *, interactive: bool, age: float, prefix: bool = False, leased: bool = False,
-                  protect_for: float = 0.0) -> Resident:
-    """A state last used ``age`` seconds ago, inside an explicit window for ``protect_for`` more seconds."""
+                  protect_for: float = 0.0, claimed: bool = True) -> Resident:
+    """A state last used ``age`` seconds ago, inside an explicit window for ``protect_for`` more seconds;
+    claimed once unless told (the TTL protects only a claimed state)."""
     return Resident(interactive, NOW - age, prefix=prefix, leased=leased,
-                    protect_until=NOW + protect_for if protect_for else 0.0, tiebreak=name.encode())
+                    protect_until=NOW + protect_for if protect_for else 0.0, tiebreak=name.encode(), claimed=claimed)
 
 
 def names(residents: list[Resident], ttl: float = TTL, now: float = NOW) -> list[str]:
@@ -93,6 +94,21 @@ def test_a_recent_interactive_state_is_displaced_by_an_interactive_newcomer_only
     assert not EvictionOrder(TTL).may_displace(victim, True, NOW)
     assert EvictionOrder(0).may_displace(victim, True, NOW)
     assert EvictionOrder(TTL).may_displace(victim, True, NOW + TTL)  # its TTL over
+
+
+@pytest.mark.parametrize("prefix", [False, True], ids=["interactive", "prefix"])
+def test_the_ttl_protects_only_a_state_someone_claimed(prefix: bool) -> None:
+    """Single-use states must not hold a tier for the whole TTL: inside it, one never claimed ranks with
+    the unprotected (LRU) and a newcomer of its class may take its room; once claimed it is protected."""
+    order = EvictionOrder(TTL)
+    unclaimed = make_resident("fresh", interactive=not prefix, prefix=prefix, age=5, claimed=False)
+    claimed = make_resident("hot", interactive=not prefix, prefix=prefix, age=50)
+    assert not order.is_protected(unclaimed, NOW) and order.is_protected(claimed, NOW)
+    assert names([claimed, unclaimed]) == ["fresh", "hot"]  # the older, claimed one stays
+    assert order.may_displace(unclaimed, newcomer_interactive=not prefix, now=NOW)
+    assert not order.may_displace(claimed, newcomer_interactive=not prefix, now=NOW)
+    explicit = make_resident("moving", interactive=False, age=5, protect_for=30, claimed=False)
+    assert order.is_protected(explicit, NOW)  # a window (a live move's reservation) needs no claim
 
 
 def test_an_agent_newcomer_never_displaces_an_interactive_state() -> None:

@@ -131,8 +131,9 @@ def test_list_state_shows_device_and_ram_states_each_tier_in_eviction_order(stac
     assert tiers == sorted(tiers, key=[common_pb2.REUSE_TIER_DEVICE, common_pb2.REUSE_TIER_RAM].index)
     for group in (device, ram):
         assert [r.rank for r in group] == list(range(len(group))) and all(r.HasField("rank") for r in group)
-    # The engine runs with TTL 0 (nothing protected); the store with the default 300 s (all protected).
-    assert not any(r.protected for r in device) and all(r.protected for r in ram)
+    # The engine runs with TTL 0 (nothing protected); the store with the default 300 s, which protects
+    # each state restored from it (a hit) and none that nobody claimed.
+    assert not any(r.protected for r in device) and all(r.protected == (r.hits > 0) for r in ram)
     # Least recently used leaves first: the device rank follows the last use.
     assert device[0].idle_seconds >= device[1].idle_seconds
     assert all(r.kind == common_pb2.REUSE_KIND_CHECKPOINT and r.tokens > 0 and r.bytes > 0 for r in rows)

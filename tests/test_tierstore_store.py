@@ -306,10 +306,15 @@ def test_a_spill_that_ranks_below_the_whole_disk_is_dropped(tmp_path: Path, cloc
         store.close()
 
 
-def fill_with_interactive_states(store: TierStore, clock: Clock) -> None:
-    """i1..i4, one second apart: the two oldest spilled to a full disk, the two newest in a full RAM."""
+def fill_with_interactive_states(store: TierStore, clock: Clock, claimed: bool = True) -> None:
+    """i1..i4, one second apart, each restored once (the TTL protects only a claimed state) unless told:
+    the two oldest spilled to a full disk, the two newest in a full RAM."""
     for name in ("i1", "i2", "i3", "i4"):
         put(store, name, cls=INTERACTIVE)
+        if claimed:
+            lease = store.acquire(h(name))
+            assert lease is not None
+            store.release(lease.lease_id)
         clock.t += 1
     assert where(store) == {"i1": "disk", "i2": "disk", "i3": "ram", "i4": "ram"}  # protected states move down
 
@@ -330,6 +335,20 @@ def test_protected_states_refuse_a_same_class_reserve_rather_than_be_dropped(tmp
         assert store.reserve(h("i5"), SIZE, INTERACTIVE) is not None
         assert where(store) == {"i2": "disk", "i3": "disk", "i4": "ram"}
         assert (store.stats().evictions, store.stats().protected_refusals) == (1, 1)
+        store.check_integrity()
+    finally:
+        store.close()
+
+
+def test_states_nobody_restored_do_not_refuse_a_same_class_reserve(tmp_path: Path, clock: Clock) -> None:
+    """Inside the TTL but never claimed: the full tiers take the newcomer by dropping the LRU state, as
+    without a TTL (a small full tier of single-use states refused most spills in the soak)."""
+    store = make_store(tmp_path, clock, ram=2, disk=2, ttl=300)
+    try:
+        fill_with_interactive_states(store, clock, claimed=False)
+        assert store.reserve(h("i5"), SIZE, INTERACTIVE) is not None
+        assert where(store) == {"i2": "disk", "i3": "disk", "i4": "ram"}  # i1 went: the least recent
+        assert (store.stats().protected_refusals, store.stats().evictions) == (0, 1)
         store.check_integrity()
     finally:
         store.close()
@@ -371,10 +390,12 @@ def test_a_prefix_in_its_ttl_is_kept_from_an_agent_and_yields_to_an_interactive_
         tmp_path: Path, clock: Clock, ttl: float) -> None:
     store = make_store(tmp_path, clock, ram=1, disk=1, ttl=ttl)
     try:
-        put(store, "p1", kind=PREFIX)  # agent retained prefixes: the shared heads of two bursts
-        clock.t += 1
-        put(store, "p2", kind=PREFIX)
-        clock.t += 1
+        for name in ("p1", "p2"):  # agent retained prefixes: the shared heads of two bursts, each claimed
+            put(store, name, kind=PREFIX)
+            lease = store.acquire(h(name))
+            assert lease is not None
+            store.release(lease.lease_id)
+            clock.t += 1
         assert where(store) == {"p1": "disk", "p2": "ram"}
         agent = store.reserve(h("a"), SIZE, AGENT)  # p2 must come down, and the disk drop p1 for it
         if ttl:

@@ -27,7 +27,8 @@ from tierstore.state import StateInfo
 T = TypeVar("T")
 
 
-def resident(info: StateInfo, *, last_used: float, protect_until: float, leased: bool) -> Resident:
+def resident(info: StateInfo, *, last_used: float, protect_until: float, leased: bool, claimed: bool = False
+             ) -> Resident:
     """A stored state as the one order sees it."""
     return Resident(
         interactive=info.request_class != common_pb2.REQUEST_CLASS_AGENT,  # UNSPECIFIED counts as interactive
@@ -36,6 +37,7 @@ def resident(info: StateInfo, *, last_used: float, protect_until: float, leased:
         leased=leased,
         protect_until=protect_until,
         tiebreak=info.hash,
+        claimed=claimed,  # restored into an engine at least once
     )
 
 

@@ -717,7 +717,7 @@ class TierStore:
 
     def _resident(self, state: _State) -> Resident:
         return resident(state.info, last_used=state.last_used, protect_until=state.protect_until,
-                        leased=state.pinned)
+                        leased=state.pinned, claimed=state.hits > 0)
 
     def _make_room(self, nbytes: int, now: float, *, newcomer_interactive: bool | None = None) -> Extent | None:
         """An arena extent, moving unpinned states down in eviction order until one fits.

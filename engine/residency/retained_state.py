@@ -41,7 +41,7 @@ class RetainedState:
     def resident(self) -> Resident:
         """What the one eviction order needs to know about it."""
         return Resident(interactive=self.request_class is RequestClass.INTERACTIVE, last_used=self.last_used,
-                        prefix=self.kind is ReuseKind.PREFIX, tiebreak=self.name)
+                        prefix=self.kind is ReuseKind.PREFIX, tiebreak=self.name, claimed=self.hits > 0)
 
     def view(self, nbytes: int) -> StateView:
         """A copy for the Monitor (taken on the engine thread; read anywhere after)."""
