@@ -154,10 +154,11 @@ def test_an_moe_model_s_states_spill_to_ram_and_come_back_equal_to_cold(tmp_path
 
 
 def test_a_quantized_checkpoint_names_its_quantization(tmp_path: Path, published: Path) -> None:
-    """FP8 releases (block-scaled `weight_scale_inv`) are not served yet: one line says so at load."""
-    fp8 = copy_checkpoint(published, tmp_path / "fp8")
-    config = json.loads((fp8 / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (fp8 / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"quantization 'fp8' is not supported"):
-        load_model(fp8)
+    """A quantization not served (GPTQ here; block-scaled fp8 is: tests/test_fp8_checkpoint.py): one
+    line says so at load."""
+    gptq = copy_checkpoint(published, tmp_path / "gptq")
+    config = json.loads((gptq / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (gptq / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"quantization 'gptq' is not supported"):
+        load_model(gptq)

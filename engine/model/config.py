@@ -9,6 +9,7 @@ from typing import Any
 
 from engine.kv.device_cache import StateShape
 from engine.model.errors import CheckpointError
+from engine.model.fp8 import Fp8Blocks, parse_fp8
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -81,6 +82,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
     text_architecture: str = ""  # the text model's family when `architecture` nests one; else the same
+    fp8: Fp8Blocks | None = None  # an fp8 checkpoint's block scales (engine/model/fp8.py); None: unquantized
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -185,11 +187,7 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
         )
     arch = _TEXT_MODEL_OF.get(published, published)
     raw, cfg = cfg, _text_config(cfg, published)  # the file as written; the text model's settings
-    quantization = raw.get("quantization_config") or cfg.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
-        raise CheckpointError(f"config.json: quantization {method!r} is not supported; ignis serves unquantized "
-                              "checkpoints (float32, bfloat16, float16 weights)")
+    fp8 = parse_fp8(raw.get("quantization_config") or cfg.get("quantization_config"))
     traits = _FAMILIES[arch]
     hidden = int(_require(cfg, "hidden_size"))
     heads = int(_require(cfg, "num_attention_heads"))
@@ -256,6 +254,7 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
         eos_token_ids=eos_ids,
         torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype"),
         text_architecture=arch,
+        fp8=fp8,
         raw=raw,
     )
 

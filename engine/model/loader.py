@@ -19,6 +19,7 @@ from engine.model.config import ModelConfig, load_config
 from engine.model.cpu_linear import onednn_bf16_available, use_onednn_linears
 from engine.model.decoder import CausalLM
 from engine.model.errors import CheckpointError
+from engine.model.fp8 import dequantize_all
 from engine.model.layers import Rotary
 from engine.model.safetensors_mmap import SafetensorsFile, open_checkpoint_weights
 
@@ -101,6 +102,10 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev, config)
     tensors, digest, files = open_checkpoint_weights(path)
+    if config.fp8 is not None:  # no FP8 GEMM here: the weights are served dequantized (engine/model/fp8.py)
+        tensors, dequantized = dequantize_all(tensors, config.fp8)
+        log.info("%s: %d fp8 weights (blocks of %dx%d) dequantized at load to %s", path.name, dequantized,
+                 config.fp8.rows, config.fp8.cols, torch_dtype)
     side: dict[str, dict[str, torch.Tensor]] = {}
     tensors = _normalise_names(tensors, config, side)
 
