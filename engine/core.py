@@ -32,6 +32,7 @@ from engine.output_processor import Deltas, LiveRequest, OutputProcessor, Reques
 from engine.outputs import EngineStats, RequestUpdate
 from engine.request import EngineRequest, EngineSequence, FinishReason, SeqStatus, context_length_message
 from engine.runner import ModelRunner
+from engine.sampling.defaults import SamplingDefaults
 from engine.sampling.sampler import RequestSampler
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.state_listing import EngineSnapshot, take_snapshot
@@ -63,6 +64,7 @@ class EngineCore:
         self.tiers = self.residency.tiers
         self.max_model_len = parts.max_model_len
         self.runner = ModelRunner(loaded.model, self.cache)
+        self.sampling_defaults = SamplingDefaults.from_checkpoint(loaded.path)  # generation_config.json
         self.moves = self.residency.moves
         self.scheduler = Scheduler(
             SchedulerLimits(config.page_size, config.max_num_seqs, config.prefill_chunk_tokens),

@@ -11,6 +11,7 @@ from engine.facts import RequestClass, ReuseKind, ReuseTier
 from engine.guided.spec import GuideKind, GuidedSpec
 from engine.outputs import RequestUpdate, TokenLogprob
 from engine.request import CommitPolicy, FinishReason
+from engine.sampling.defaults import SamplingDefaults
 from engine.sampling.params import SamplingParams
 from engine.text.tokenizer import Tokenizer
 from ignis.v1 import common_pb2, engine_pb2
@@ -70,18 +71,25 @@ def commit_policy(value: int) -> CommitPolicy:
     raise ValueError(f"reuse.commit value {value} is not supported")
 
 
-def sampling_params(msg: engine_pb2.SamplingParams) -> SamplingParams:
-    """Proto -> validated params. Unset max_tokens means "up to the end of the context"."""
+def sampling_params(msg: engine_pb2.SamplingParams, defaults: SamplingDefaults = SamplingDefaults(),
+                    room: int | None = None) -> SamplingParams:
+    """Proto -> validated params; a field left unset takes `defaults` (the checkpoint's generation_config.json,
+    engine/sampling/defaults.py), and max_tokens unset there too means "up to the end of the context".
+    `room`: the tokens the context leaves after the prompt, which a default max_tokens never asks past."""
+    default_max = defaults.max_tokens
+    if default_max is not None and room is not None:
+        default_max = min(default_max, max(room, 0))
     return SamplingParams(
-        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-        top_k=msg.top_k,
-        min_p=msg.min_p,
+        temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else defaults.top_p,
+        top_k=msg.top_k if msg.HasField("top_k") else defaults.top_k,
+        min_p=msg.min_p if msg.HasField("min_p") else defaults.min_p,
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
-        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        repetition_penalty=(msg.repetition_penalty if msg.HasField("repetition_penalty")
+                            else defaults.repetition_penalty),
         seed=_signed_seed(msg.seed) if msg.HasField("seed") else None,
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max,
         min_tokens=msg.min_tokens,
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),

@@ -139,7 +139,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self._check_model(request.model)
         try:
             prompt = await self._render(core, request)
-            params = sampling_params(request.sampling)
+            params = sampling_params(request.sampling, core.sampling_defaults, core.max_model_len - len(prompt.token_ids))
             spec = guided_spec(request.guided, self.formats(core).tool_call) if request.HasField("guided") else None
             reasoning = self.formats(core).reasoning_tokens(core.tokenizer) if request.guided.after_reasoning else None
             guided = await self._compile_guide(core, spec, params.stop_token_ids, reasoning) if spec is not None else None
