@@ -182,3 +182,23 @@ def test_rope_scaling_matches_transformers(arch: str, rope: dict[str, object], t
     ids = make_prompt(150, seed=3)  # beyond original_max_position_embeddings: the scaling matters
     ours = run_chunks(load_model(path), make_cache(load_model(path)), ids, [150], list(range(10)))
     assert (ours - hf_logits(path, ids)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_grouped_experts_equal_the_per_expert_loop(tokens: int, dtype: torch.dtype) -> None:
+    """The CPU's grouped GEMM over (token, expert) pairs sorted by expert gives what one GEMM per expert
+    hit gives, experts with no token included (8 experts, top 2: most are idle for one token)."""
+    from engine.model.layers import Experts
+
+    torch.manual_seed(tokens)
+    experts = Experts(8, 32, 24).to(dtype)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.1)
+        x = torch.randn(tokens, 32).to(dtype)
+        ids = torch.stack([torch.randperm(8)[:2] for _ in range(tokens)])
+        weights = torch.rand(tokens, 2).to(dtype)
+        tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(experts.grouped(x, ids, weights), experts.per_expert(x, ids, weights),
+                                   atol=tolerance, rtol=tolerance)
