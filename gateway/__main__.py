@@ -94,6 +94,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
                         help="seconds a request may take to send its body after the headers; then 408 (default: 30)")
     parser.add_argument("--max-connections", type=int, default=2048,
                         help="open connections at most; more are answered 503 and closed (default: 2048)")
+    parser.add_argument("--max-connections-per-client", type=int, default=None, metavar="N",
+                        help="open connections from one client address at most; more from it are answered 429 "
+                             "and closed, so one peer cannot take the whole budget (default: half of "
+                             "--max-connections; 0: no limit, e.g. behind a proxy that is the only client)")
     parser.add_argument("--max-request-bytes", type=_size, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="largest request body, e.g. 16MiB; a larger one is a 413 (default: 16MiB)")
     parser.add_argument("--max-stream-buffer", type=_size, default=DEFAULT_MAX_STREAM_BUFFER_BYTES,
@@ -124,7 +128,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
                                request_timeout=args.request_timeout, upstream=args.upstream,
                                probe_interval=args.probe_interval,
                                header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                               max_connections=args.max_connections, max_request_bytes=args.max_request_bytes,
+                               max_connections=args.max_connections,
+                               max_connections_per_client=args.max_connections_per_client,
+                               max_request_bytes=args.max_request_bytes,
                                max_stream_buffer_bytes=args.max_stream_buffer,
                                fault_log_interval=args.fault_log_interval, routing=args.routing,
                                load_bound=args.load_bound, engine_dns=args.engine_dns,

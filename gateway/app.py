@@ -18,14 +18,14 @@ from gateway.config import GatewayConfig
 from gateway.connection_faults import ConnectionFaults
 from gateway.engines import EnginePool
 from gateway.errors import UnexpectedErrors, handle_http_exception
-from gateway.metrics import GatewayMetrics, MetricsMiddleware
+from gateway.metrics import GatewayMetrics, MetricsMiddleware, RouteLabels
 from gateway.origins import OriginsMiddleware
 from gateway.routes.chat import chat_completions
 from gateway.routes.completions import completions
 from gateway.routes.health import health
 from gateway.routes.metrics import metrics
 from gateway.routes.models import get_model, list_models
-from gateway.routes.monitor import MONITOR_PATHS, ignis_state, ignis_state_stream, monitor_file
+from gateway.routes.monitor import FAVICON, MONITOR_PATHS, favicon, ignis_state, ignis_state_stream, monitor_file
 from gateway.routes.responses import delete_response, get_response, list_input_items, responses
 from gateway.routes.responses_ws import responses_socket
 from gateway.routes.tokenize import not_served, tokenize
@@ -79,19 +79,23 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/v1/ignis/state", ignis_state, methods=["GET"]),
         Route("/v1/ignis/state/stream", ignis_state_stream, methods=["GET"]),
         *(Route(path, monitor_file, methods=["GET"]) for path in MONITOR_PATHS),
+        Route(FAVICON, favicon, methods=["GET"]),
     ]
     # Outermost first: unexpected errors end as a 500 here, metrics see every answer (401s included),
     # then the origin check (CORS), the trace span, the key check, and the body deadline around the routes' reads.
-    middleware = [Middleware(UnexpectedErrors), Middleware(MetricsMiddleware, metrics=state.metrics)]
+    route_labels = RouteLabels(route.path for route in routes if isinstance(route, Route))
+    middleware = [Middleware(UnexpectedErrors),
+                  Middleware(MetricsMiddleware, metrics=state.metrics, routes=route_labels)]
     # Outside the key check: a browser's preflight carries no key. Always there: it checks the Origin of
     # every WebSocket handshake, and is CORS for HTTP only with --allowed-origins (gateway/origins.py).
     middleware.append(Middleware(OriginsMiddleware, allowed_origins=config.allowed_origins))
     if config.tracing:  # without an exporter the spans would go nowhere: skip their per-request cost
         middleware.append(Middleware(TracingMiddleware))
     if config.api_key is not None:
-        # The Monitor's page carries no data: it asks for the key and sends it with /v1/ignis/state.
+        # The Monitor's page carries no data: it asks for the key and sends it with /v1/ignis/state. Browsers
+        # ask for /favicon.ico without one.
         middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key,
-                                     public_paths=(*config.public_paths, *MONITOR_PATHS)))
+                                     public_paths=(*config.public_paths, *MONITOR_PATHS, FAVICON)))
     middleware.append(Middleware(BodyDeadline, timeout=config.body_timeout, faults=state.faults))
     app = GatewayApp(routes=routes, middleware=middleware, lifespan=lifespan,
                      exception_handlers={HTTPException: handle_http_exception})

@@ -33,6 +33,9 @@ class GatewayConfig:
     header_timeout: float = 10.0  # seconds from a request's first byte (a connection's start) to its last header
     body_timeout: float = 30.0  # seconds from the end of the headers to the last byte of the body
     max_connections: int = 2048  # open connections; more are answered 503 and closed
+    # Open connections from one client address; more from it are answered 429 and closed. None: half of
+    # max_connections (so one peer never holds the whole budget); 0: no per-client limit.
+    max_connections_per_client: int | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is a 413
     max_stream_buffer_bytes: int = DEFAULT_MAX_STREAM_BUFFER_BYTES  # a slow reader's stream is ended past this
     fault_log_interval: float = 10.0  # seconds between summary lines of slow/refused/malformed connections
@@ -86,8 +89,18 @@ class GatewayConfig:
             raise ValueError(f"fault_log_interval must be > 0 seconds, got {self.fault_log_interval}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.max_connections_per_client is not None and self.max_connections_per_client < 0:
+            raise ValueError(f"max_connections_per_client must be >= 0 (0: no limit), got "
+                             f"{self.max_connections_per_client}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be at least 1 KiB, got {self.max_request_bytes}")
+
+    @property
+    def client_connection_limit(self) -> int:
+        """Open connections one client address may hold (0: no limit)."""
+        if self.max_connections_per_client is None:
+            return max(1, self.max_connections // 2)
+        return self.max_connections_per_client
 
     def routing_rule(self) -> RoutingRule:
         return RoutingRule(self.routing, self.load_bound)

@@ -7,7 +7,8 @@ headers, 4 sending a body), refused 20 at the connection limit``. What is folded
 
 - slow connections closed at --header-timeout / --body-timeout (gateway/http_protocol.py,
   gateway/body_deadline.py);
-- connections refused at --max-connections;
+- connections refused at --max-connections, and those over --max-connections-per-client (with the
+  addresses refused most);
 - malformed HTTP requests, which uvicorn answers 400, and Upgrade requests, which it serves as
   plain HTTP; it would log a warning (or two) for each (`UvicornWarnings`, a logging filter);
 - failed accepts for want of file descriptors, which asyncio would log with a traceback up to
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from typing import Any, Literal
 
 from gateway.metrics import GatewayMetrics
@@ -44,6 +46,8 @@ class ConnectionFaults:
     def _reset(self, now: float) -> None:
         self._closed: dict[Phase, int] = {"headers": 0, "body": 0}
         self._refused = 0
+        # By address, for the summary's top three; no more entries than refusals in one interval.
+        self._refused_clients: Counter[str] = Counter()
         self._malformed = 0
         self._upgrades = 0
         self._accept_failures = 0
@@ -58,7 +62,12 @@ class ConnectionFaults:
     def refused(self) -> None:
         """A connection answered 503 and closed at once: the gateway holds --max-connections already."""
         self._refused += 1
-        self.metrics.connections_refused.inc()
+        self.metrics.refused_at_total.inc()
+
+    def refused_client(self, address: str) -> None:
+        """A connection answered 429 and closed at once: its client address holds --max-connections-per-client."""
+        self._refused_clients[address] += 1
+        self.metrics.refused_per_client.inc()
 
     def malformed(self) -> None:
         """A request uvicorn could not parse and answered 400."""
@@ -87,6 +96,11 @@ class ConnectionFaults:
                          f"({self._closed['headers']} sending headers, {self._closed['body']} sending a body)")
         if self._refused:
             parts.append(f"refused {self._refused} at the connection limit (--max-connections)")
+        if self._refused_clients:
+            top = ", ".join(f"{n} from {address}" for address, n in self._refused_clients.most_common(3))
+            more = len(self._refused_clients) - 3
+            parts.append(f"refused {self._refused_clients.total()} over the per-client limit "
+                         f"(--max-connections-per-client), {top}{f' and {more} more addresses' if more > 0 else ''}")
         if self._malformed:
             parts.append(f"answered {self._malformed} malformed HTTP request{'' if self._malformed == 1 else 's'} "
                          "with 400")

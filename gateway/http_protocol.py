@@ -13,7 +13,9 @@ by default, h11 in pure Python as before):
   body the app did not read (an early 401 or 413), the rest is read and dropped for this long so
   the client can finish and read the answer, then the connection is closed. (A body the app is
   reading has the app's own deadline: gateway/body_deadline.py.)
-- **connections** (`--max-connections`): one over the limit is answered 503 and closed at once.
+- **connections** (`--max-connections`): one over the limit is answered 503 and closed at once;
+  one that takes its client address over `--max-connections-per-client` is answered 429 and closed
+  at once (gateway/client_connections.py), so one peer cannot lock the others out.
 - **head size**: a request line and headers over 16 KiB are a 400 and the connection is closed
   (h11's own bound; llhttp has none, so the httptools protocol counts the bytes read after the
   one the head began in).
@@ -34,6 +36,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.client_connections import ClientConnections
 from gateway.config import GatewayConfig
 from gateway.connection_faults import ConnectionFaults, Phase
 from gateway.errors import OpenAIError, unavailable
@@ -59,10 +62,13 @@ class _Guard(asyncio.Protocol):
     limits: ClassVar[GatewayConfig]
     faults: ClassVar[ConnectionFaults]
     metrics: ClassVar[GatewayMetrics]
+    clients: ClassVar[ClientConnections]  # shared by the server's connections
     header_timeout_answer: ClassVar[bytes]
     refused_answer: ClassVar[bytes]
+    client_refused_answer: ClassVar[bytes]
 
     _timer: asyncio.TimerHandle | None = None
+    _client: str | None = None  # the peer address this connection is counted under (until given back)
     _phase: Phase | None = None
     # Set once the WebSocket protocol owns the connection: its liveness is ping/pong from then on
     # (uvicorn's ws_ping_interval/ws_ping_timeout), never these deadlines.
@@ -82,16 +88,33 @@ class _Guard(asyncio.Protocol):
             transport.write(self.refused_answer)
             transport.close()
             return
+        if self.clients.limit:
+            peer = transport.get_extra_info("peername")
+            address = peer[0] if isinstance(peer, tuple) else None  # (host, port[, flow, scope]); None off TCP
+            if address is not None:
+                if not self.clients.take(address):
+                    self.faults.refused_client(address)
+                    transport.write(self.client_refused_answer)
+                    transport.close()
+                    return
+                self._client = address
         self._arm("headers")  # the first request's headers are due from the start
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._give_back()
         self.metrics.connections_open.dec()
         super().connection_lost(exc)
 
+    def _give_back(self) -> None:
+        """The connection's room in its client's share, once (the HTTP or the WebSocket protocol loses it)."""
+        if self._client is not None:
+            address, self._client = self._client, None
+            self.clients.give_back(address)
+
     def handle_websocket_upgrade(self, *event: Any) -> None:
         """The WebSocket protocol takes the connection over; this one's connection_lost never runs,
-        so the socket's own lowers the open-connections gauge when it goes."""
+        so the socket's own lowers the open-connections gauge and gives its client's room back when it goes."""
         self._upgraded = True  # before the disarm: the read that carried the handshake ends in _watch()
         self._disarm()
         super().handle_websocket_upgrade(*event)  # type: ignore[misc]
@@ -100,9 +123,11 @@ class _Guard(asyncio.Protocol):
             return
         lost = socket.connection_lost
         gauge = self.metrics.connections_open
+        give_back = self._give_back
 
         def connection_lost(exc: Exception | None) -> None:
             gauge.dec()
+            give_back()
             lost(exc)
 
         socket.connection_lost = connection_lost  # type: ignore[method-assign]
@@ -237,9 +262,14 @@ def protocol_class(limits: GatewayConfig, faults: ConnectionFaults, metrics: Gat
     header_timeout = OpenAIError(408, f"the request headers did not arrive within {limits.header_timeout:g} s",
                                  code="request_timeout")
     refused = unavailable(f"the gateway is at its limit of {limits.max_connections} connections; retry later")
+    per_client = limits.client_connection_limit
+    client_refused = OpenAIError(
+        429, f"this client address holds {per_client} connections, the gateway's limit per client: close one "
+             "or reuse it (keep-alive), then retry", code="rate_limit_exceeded", headers={"Retry-After": "1"})
     base: type[_Guard] = {"httptools": GuardedHttpToolsProtocol, "h11": GuardedH11Protocol}[parser]
     return type(base.__name__, (base,), {
-        "limits": limits, "faults": faults, "metrics": metrics,
+        "limits": limits, "faults": faults, "metrics": metrics, "clients": ClientConnections(per_client),
         "header_timeout_answer": _raw_response("408 Request Timeout", header_timeout),
         "refused_answer": _raw_response("503 Service Unavailable", refused),
+        "client_refused_answer": _raw_response("429 Too Many Requests", client_refused),
     })

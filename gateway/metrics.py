@@ -3,20 +3,26 @@
 `MetricsMiddleware` (pure ASGI) counts every request by route and status and
 times it to the last byte (for a stream, the end of the stream) and to the
 first body byte (for a stream, about the engine's time to first token).
+The route label is the template of the app's route the path matches
+(`/v1/responses/{response_id}`), "other" for a path no route serves: its
+values are bounded by the route table, whatever clients ask for.
 """
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.usage import Usage
 
-ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics"})
+OTHER_ROUTE = "other"  # the label of every path no route serves
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -37,8 +43,11 @@ class GatewayMetrics:
             "ignis_gateway_slow_connections_closed", "Connections closed because a request's headers or body "
             "did not arrive within --header-timeout / --body-timeout", ["phase"], registry=r)
         self.connections_refused = Counter(
-            "ignis_gateway_connections_refused", "Connections answered 503 and closed at --max-connections",
-            registry=r)
+            "ignis_gateway_connections_refused", "Connections refused and closed at once: at --max-connections "
+            "(limit=total, answered 503) or over --max-connections-per-client (limit=per_client, answered 429)",
+            ["limit"], registry=r)
+        self.refused_at_total = self.connections_refused.labels("total")  # both listed at 0 from the start
+        self.refused_per_client = self.connections_refused.labels("per_client")
         self.accept_failures = Counter(
             "ignis_gateway_accept_failures", "Connections the server could not accept for want of file descriptors",
             registry=r)
@@ -74,6 +83,29 @@ class GatewayMetrics:
         self._cached.inc(usage.cached_tokens)
 
 
+class RouteLabels:
+    """The route label of a request path: its route's template, parameters named without their convertor
+    (`/v1/models/{model:path}` -> `/v1/models/{model}`), or "other"."""
+
+    def __init__(self, templates: Iterable[str]) -> None:
+        self._exact: set[str] = set()
+        self._patterns: list[tuple[re.Pattern[str], str]] = []  # in the route table's order, as Starlette matches
+        for template in dict.fromkeys(templates):  # a path served for several methods is one template
+            if "{" not in template:
+                self._exact.add(template)
+            else:
+                regex, _, _ = compile_path(template)
+                self._patterns.append((regex, re.sub(r"\{(\w+)(:\w+)?\}", r"{\1}", template)))
+
+    def label(self, path: str) -> str:
+        if path in self._exact:  # the hot routes: one set lookup
+            return path
+        for regex, label in self._patterns:
+            if regex.match(path):
+                return label
+        return OTHER_ROUTE
+
+
 @dataclass(frozen=True, slots=True)
 class RouteMetrics:
     in_flight: Any  # the labelled children of one route
@@ -82,16 +114,16 @@ class RouteMetrics:
 
 
 class MetricsMiddleware:
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, routes: RouteLabels) -> None:
         self.app = app
         self.metrics = metrics
+        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"]
-        route = path if path in ROUTES else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        route = self.routes.label(scope["path"])
         m = self.metrics.route(route)
         start = time.perf_counter()
         status = 500  # if the app fails before answering, the server answers 500

@@ -452,8 +452,9 @@ def wait_for(http: httpx.Client, name: str, value: float) -> None:
 
 
 def test_connections_beyond_the_limit_are_refused_with_503(engine: RunningService, tmp_path: Path) -> None:
-    gw = start_gateway(tmp_path, [engine.address], ["--max-connections", "3", "--header-timeout", "600",
-                                                    "--fault-log-interval", "3600"])
+    # All from 127.0.0.1: no per-client limit here (tests/test_gateway_client_limit.py has it).
+    gw = start_gateway(tmp_path, [engine.address], ["--max-connections", "3", "--max-connections-per-client", "0",
+                                                    "--header-timeout", "600", "--fault-log-interval", "3600"])
     held: list[socket.socket] = []
     try:
         host, port = gw.address.rsplit(":", 1)
@@ -466,7 +467,7 @@ def test_connections_beyond_the_limit_are_refused_with_503(engine: RunningServic
             assert answer.startswith(b"HTTP/1.1 503 "), answer
             error = error_of(answer.partition(b"\r\n\r\n")[2])
             assert error["code"] == "service_unavailable" and "3 connections" in error["message"]
-            assert metric(http, "ignis_gateway_connections_refused_total") == 1
+            assert metric(http, 'ignis_gateway_connections_refused_total{limit="total"}') == 1
             for sock in held:
                 sock.close()
             wait_for(http, "ignis_gateway_connections_open", 1)

@@ -249,6 +249,19 @@ def test_gateways_find_the_engines_through_the_headless_service(objects: dict[tu
     assert not gw_service["spec"]["selector"].items() <= pod_labels.items()  # gateways only
 
 
+def test_the_cluster_domain_is_a_value(parse: Any) -> None:
+    """Clusters not named cluster.local (kubeadm's --service-dns-domain) find their engines too."""
+    objects = render({"clusterDomain": "k8s.example.org"})
+    service = objects[("Service", f"{RELEASE}-ignis-engine")]
+    engine_args, _ = parse(container(engine_pod(objects), "engine"))
+    _, config = parse(container(gateway_pod(objects), "gateway"), {f"secret:{RELEASE}-ignis-api-key/api-key": "k"})
+    [name] = config.engine_dns
+    assert DnsName.parse(name) == DnsName(f"{service['metadata']['name']}.{NAMESPACE}.svc.k8s.example.org",
+                                          engine_args.port)
+    rendered = "\n".join(str(obj) for obj in objects.values())
+    assert "cluster.local" not in rendered
+
+
 def test_gpus_hosts_and_the_knobs(parse: Any) -> None:
     objects = render({"engine": {"hosts": 5, "model": "/models/Qwen3-8B", "servedModelName": "qwen3",
                                  "extraArgs": ["--max-num-seqs", "96"],

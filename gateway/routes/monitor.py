@@ -5,7 +5,8 @@ The JSON has one section per engine, each from the engine's ListState RPC: the K
 pool, the slots, the sequences by class, tokens per second, the retained states one row
 each (the device's in eviction order, then the host's, KV-RAM's and KV-disk's), the tiers
 and the recent requests. The page (gateway/static/monitor/) is one client of it: plain
-HTML, JS and CSS, no build step, reading the stream.
+HTML, JS and CSS, no build step, reading the stream; its icon is an SVG beside it, and
+/favicon.ico, which browsers ask of any page without a link to an icon, is a 204 (not a 404).
 
 Query: ``limit`` rows of retained state per engine (1..1000, default 1000); ``engine``
 (an address as listed) with ``page_token`` pages one engine's list further (JSON only);
@@ -35,11 +36,13 @@ from ignis.v1 import common_pb2, engine_pb2
 MAX_LIMIT = 1000  # the engine's largest page
 MIN_INTERVAL, MAX_INTERVAL, DEFAULT_INTERVAL = 0.25, 60.0, 1.0  # seconds between two stream events
 CALL_TIMEOUT = 10.0  # seconds per engine: a slow one is reported, not waited for
-# The page and its two assets: public (they carry no data; the JSON they fetch needs the key).
+# The page and its assets: public (they carry no data; the JSON they fetch needs the key).
 STATIC_FILES = {"/monitor": ("index.html", "text/html; charset=utf-8"),
                 "/monitor/monitor.js": ("monitor.js", "text/javascript; charset=utf-8"),
-                "/monitor/monitor.css": ("monitor.css", "text/css; charset=utf-8")}
+                "/monitor/monitor.css": ("monitor.css", "text/css; charset=utf-8"),
+                "/monitor/favicon.svg": ("favicon.svg", "image/svg+xml")}
 MONITOR_PATHS = tuple(STATIC_FILES)
+FAVICON = "/favicon.ico"  # public too
 
 _TIER = {v: k.removeprefix("REUSE_TIER_").lower() for k, v in common_pb2.ReuseTier.items()}
 _KIND = {v: k.removeprefix("REUSE_KIND_").lower() for k, v in common_pb2.ReuseKind.items()}
@@ -195,3 +198,8 @@ async def monitor_file(request: Request) -> Response:
     name, media_type = STATIC_FILES[request.url.path]
     return Response((_STATIC / name).read_bytes(), media_type=media_type,
                     headers={"Cache-Control": "no-cache"})
+
+
+async def favicon(request: Request) -> Response:
+    """No icon here (the Monitor links its own): a 204 a browser keeps for a day instead of logging a 404."""
+    return Response(status_code=204, headers={"Cache-Control": "max-age=86400"})
