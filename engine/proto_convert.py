@@ -117,7 +117,7 @@ def guided_spec(msg: engine_pb2.GuidedDecoding, tool_format: str) -> GuidedSpec 
         return GuidedSpec(GuideKind.TOOL_CALLS, source=t.tools_json, tool_choice=t.tool_choice,
                           tool_format=t.format or tool_format, parallel_tool_calls=parallel)
     source: str = getattr(msg, kind)
-    return GuidedSpec(GuideKind(kind), source=source, strict=msg.strict and kind == "json_schema")
+    return GuidedSpec(GuideKind(kind), source=source)  # `strict` changes nothing: a schema holds as written
 
 
 def _signed_seed(value: int) -> int:

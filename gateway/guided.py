@@ -52,13 +52,15 @@ def responses_guided(body: Fields, chat: engine_pb2.ChatInput, tool_format: str 
 
 
 def _schema(spec: Fields) -> engine_pb2.GuidedDecoding:
-    """{name, schema, strict}: the schema object as JSON text; no schema is any JSON object."""
+    """{name, schema, strict}: the schema object as JSON text; no schema is any JSON object. `strict`
+    is checked but changes nothing: the engine holds every schema as written, as vLLM does (extra
+    properties only where the schema allows them), so instructor's non-strict JSON_SCHEMA ends too."""
     spec.string("name")
+    spec.boolean("strict")
     schema = spec.obj("schema")
-    strict = bool(spec.boolean("strict"))
     if schema is None:
-        return engine_pb2.GuidedDecoding(json_object=True, strict=strict)
-    return engine_pb2.GuidedDecoding(json_schema=json.dumps(schema.data, ensure_ascii=False), strict=strict)
+        return engine_pb2.GuidedDecoding(json_object=True)
+    return engine_pb2.GuidedDecoding(json_schema=json.dumps(schema.data, ensure_ascii=False))
 
 
 def _with_tools(guided: engine_pb2.GuidedDecoding | None, body: Fields, chat: engine_pb2.ChatInput,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -46,9 +47,6 @@ def test_compiled_grammars_are_cached_by_content_and_bounded(tiny: tuple[LoadedM
     compiler.compile(c)  # evicts a, the least recently used
     compiler.compile(a)
     assert (compiler.hits, compiler.misses) == (1, 4)
-    strict = GuidedSpec(GuideKind.JSON_SCHEMA, source='{"type": "object"}', strict=True)
-    loose = GuidedSpec(GuideKind.JSON_SCHEMA, source='{"type": "object"}', strict=False)
-    assert compiler.compile(strict).grammar is not compiler.compile(loose).grammar  # strict is part of the key
 
 
 def test_request_stop_token_ids_may_end_a_complete_grammar(compiler: GuidedCompiler) -> None:
@@ -96,7 +94,7 @@ def test_forks_walk_their_own_grammar(compiler: GuidedCompiler, tiny: tuple[Load
 def test_a_grammar_survives_preemption(tiny: tuple[LoadedModel, Tokenizer], compiler: GuidedCompiler) -> None:
     tokenizer = tiny[1]
     schema = {"type": "array", "minItems": 30, "maxItems": 30, "items": {"type": "integer", "minimum": 0, "maximum": 9}}
-    guide = compiler.compile(GuidedSpec(GuideKind.JSON_SCHEMA, source=json.dumps(schema), strict=True))
+    guide = compiler.compile(GuidedSpec(GuideKind.JSON_SCHEMA, source=json.dumps(schema)))
     core = make_core(tiny, pages=20)
     requests = [EngineRequest(f"r{i}", make_prompt(40, seed=i), SamplingParams(temperature=1.0, seed=i, max_tokens=120),
                               guided=guide) for i in range(4)]
@@ -119,7 +117,7 @@ def test_a_grammar_survives_a_move_down_a_tier(tiny: tuple[LoadedModel, Tokenize
     resumed sequence writes what the unmoved one did, still inside its grammar."""
     loaded, tokenizer = tiny
     schema = {"type": "array", "minItems": 12, "maxItems": 12, "items": {"type": "integer", "minimum": 0, "maximum": 99}}
-    guide = compiler.compile(GuidedSpec(GuideKind.JSON_SCHEMA, source=json.dumps(schema), strict=True))
+    guide = compiler.compile(GuidedSpec(GuideKind.JSON_SCHEMA, source=json.dumps(schema)))
     prompt = make_prompt(40, seed=2)
 
     def request(rid: str) -> EngineRequest:
@@ -172,7 +170,7 @@ def test_a_json_string_takes_no_surrogate(compiler: GuidedCompiler, bound: int |
 
     string = {"type": "string"} if bound is None else {"type": "string", "maxLength": bound}
     schema = {"type": "object", "properties": {"s": string}, "required": ["s"], "additionalProperties": False}
-    grammar = compiler.compile(GuidedSpec(GuideKind.JSON_SCHEMA, source=json.dumps(schema), strict=True)).grammar
+    grammar = compiler.compile(GuidedSpec(GuideKind.JSON_SCHEMA, source=json.dumps(schema))).grammar
 
     def accepts(value: bytes) -> bool:
         return bool(xgr.GrammarMatcher(grammar).accept_string(b'{"s": "' + value + b'"}'))
@@ -185,22 +183,69 @@ def test_a_json_string_takes_no_surrogate(compiler: GuidedCompiler, bound: int |
         assert accepts(b"\\ud800")  # an escaped surrogate is JSON's business, and valid UTF-8
 
 
-@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "one-call"])
-def test_mistral_tool_grammar_takes_two_calls_only_when_parallel(parallel: bool) -> None:
-    """Mistral's `[TOOL_CALLS][...]` array (built here, not by xgrammar): `parallel_tool_calls: false`
-    caps it at one call; either way it needs one, and each call's arguments keep to their schema."""
+# One call to f({"a": 1}) in each family's syntax, and what joins two calls.
+CALLS = {"hermes": ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', "\n"),
+         "qwen3_coder": ("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>", "\n"),
+         "llama3_json": ('{"name": "f", "parameters": {"a": 1}}', "; "),
+         "mistral": ('[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]', "")}
+
+
+def _tool_grammar(choice: str, fmt: str, parallel: bool) -> Callable[[str], bool]:
+    """Whether the tool-call grammar takes `text` as a whole output (f and g, each with an integer `a`)."""
     import xgrammar as xgr
 
     from engine.guided.tool_grammar import tool_call_tag
 
-    tools = json.dumps([{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}])
-    grammar = xgr.Grammar.from_structural_tag(tool_call_tag(tools, "required", "mistral", parallel))
+    tools = json.dumps([{"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}} for name in ("f", "g")])
+    grammar = xgr.Grammar.from_structural_tag(tool_call_tag(tools, choice, fmt, parallel))
+    return lambda text: bool(xgr.testing._is_grammar_accept_string(grammar, text))
 
-    def accepts(text: str) -> bool:
-        return bool(xgr.testing._is_grammar_accept_string(grammar, text))
-    call = '{"name": "f", "arguments": {"a": 1}}'
-    assert accepts(f"[TOOL_CALLS][{call}]")
-    assert accepts(f"[TOOL_CALLS][{call}, {call}]") is parallel
-    assert not accepts("[TOOL_CALLS][]")
-    assert not accepts('[TOOL_CALLS][{"name": "f", "arguments": {"a": "one"}}]')
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "one-call"])
+@pytest.mark.parametrize("fmt", sorted(CALLS))
+def test_required_is_one_or_more_calls_then_the_end(fmt: str, parallel: bool) -> None:
+    """tool_choice "required": one call or more (one only with `parallel_tool_calls: false`), joined as
+    the family writes them, and nothing else: no text before, between or after, so the output always
+    ends at its last call (xgrammar's own "required" let free text follow a call, and a random model
+    ran on to max_tokens: chat finished `length`, /v1/responses `incomplete`)."""
+    accepts = _tool_grammar("required", fmt, parallel)
+    call, separator = CALLS[fmt]
+    two = (call + separator + call) if fmt != "mistral" else call.replace("}]", "}, " + call[13:-1] + "]")
+    assert accepts(call)
+    assert accepts(two) is parallel
+    assert not accepts(call + "Sure.") and not accepts(call + " ")
+    assert not separator or not accepts(call + separator)  # a separator is no end
+    assert not accepts("Sure." + call) and not accepts("")
+    assert not accepts(call.replace("1", '"one"'))  # arguments keep to their schema
+    if fmt == "mistral":
+        assert not accepts("[TOOL_CALLS][]")
+
+
+@pytest.mark.parametrize("fmt", sorted(CALLS))
+def test_a_named_function_is_one_call_then_the_end(fmt: str) -> None:
+    accepts = _tool_grammar("f", fmt, True)
+    call, separator = CALLS[fmt]
+    assert accepts(call)
+    assert not accepts(call + "Sure.") and not accepts(call + separator + call)
+    assert not accepts(call.replace('"f"', '"g"').replace("=f>", "=g>"))  # only the named one
+
+
+def test_a_json_schema_holds_as_written(compiler: GuidedCompiler) -> None:
+    """Extra properties and items only where the schema allows them, whatever the request's `strict`
+    (vLLM's rule): xgrammar's loose mode took any key after the declared ones, and instructor's
+    non-strict JSON_SCHEMA ran on in an extra key to max_tokens."""
+    import xgrammar as xgr
+
+    def accepts(schema: dict[str, object], value: object) -> bool:
+        grammar = compiler.compile(GuidedSpec(GuideKind.JSON_SCHEMA, source=json.dumps(schema))).grammar
+        return bool(xgr.GrammarMatcher(grammar).accept_string(json.dumps(value)))
+    declared: dict[str, object] = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert accepts(declared, {"a": 1})
+    assert not accepts(declared, {"a": 1, "b": 2})
+    assert not accepts({"type": "array", "prefixItems": [{"type": "integer"}]}, [1, 2])
+    assert accepts({**declared, "additionalProperties": True}, {"a": 1, "b": "x"})
+    assert accepts({**declared, "additionalProperties": {"type": "integer"}}, {"a": 1, "b": 2})
+    assert not accepts({**declared, "additionalProperties": {"type": "integer"}}, {"a": 1, "b": "x"})
+    assert accepts({"type": "object"}, {"b": {"c": [1]}})  # a bare object is any object
+    assert accepts({"type": "object", "properties": {"o": {"type": "object"}}}, {"o": {"z": 1}})

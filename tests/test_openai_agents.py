@@ -99,3 +99,35 @@ def test_a_multi_turn_agent_loop_chains_by_previous_response_id(gateway: Running
     retrieved = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="agents",
                               max_retries=0).responses.retrieve(calls[-1].response_id)
     assert retrieved.previous_response_id == calls[-2].response_id
+
+
+async def forced_step(port: int, seed: int, stream: bool) -> Any:
+    """One agent step with tool_choice "required" and the SDK's default parallel calls: the step's
+    tool calls run and the first one's output is the run's result (stop_on_first_tool)."""
+    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="agents", max_retries=0,
+                                  timeout=120) as client:
+        agent = Agent(name="caller", instructions="Call the tool.", tools=[weather],
+                      tool_use_behavior="stop_on_first_tool",
+                      model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+                      model_settings=ModelSettings(tool_choice="required", temperature=1.0, max_tokens=400,
+                                                   extra_body={"seed": seed}))
+        config = RunConfig(tracing_disabled=True)
+        if not stream:
+            return await Runner.run(agent, "Weather in Paris?", max_turns=1, run_config=config)
+        result = Runner.run_streamed(agent, "Weather in Paris?", max_turns=1, run_config=config)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["run", "run_streamed"])
+def test_a_required_tool_choice_step_returns_tool_calls(gateway: RunningService, stream: bool) -> None:
+    """ModelSettings(tool_choice="required"), parallel calls left to the default: the response is
+    `completed` with function calls only (it was `incomplete` with a message after the call, and the
+    SDK raised ModelBehaviorError)."""
+    set_tracing_disabled(True)
+    for seed in range(3):
+        result = asyncio.run(forced_step(gateway.port, seed, stream))
+        [response] = result.raw_responses
+        assert response.output and {item.type for item in response.output} == {"function_call"}, response.output
+        assert result.final_output in WEATHER.values(), result.new_items

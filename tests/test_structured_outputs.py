@@ -115,6 +115,53 @@ def test_a_named_function_is_the_one_called(client: openai.OpenAI) -> None:
         assert set(args) == {"a", "b"} and all(0 <= v <= 9 for v in args.values())
 
 
+@pytest.mark.parametrize("parallel", [None, True, False], ids=["parallel-unset", "parallel", "one-call"])
+def test_required_tool_calls_are_the_whole_output(client: openai.OpenAI, parallel: bool | None) -> None:
+    """tool_choice "required" (langchain's "any") with the OpenAI default, parallel calls allowed: one
+    call or more and then the end, every time; no text after the calls (it ran on to max_tokens:
+    finish_reason "length")."""
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    counts = []
+    for seed in range(6):
+        done = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS,  # type: ignore[arg-type]
+                                              tool_choice="required", max_tokens=400, temperature=1.0, seed=seed,
+                                              **extra)  # type: ignore[call-overload]
+        choice = done.choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
+        calls = choice.message.tool_calls or []
+        assert calls and all(c.function.name in ("get_weather", "add") for c in calls)  # type: ignore[union-attr]
+        assert all(isinstance(json.loads(c.function.arguments), dict) for c in calls)  # type: ignore[union-attr]
+        counts.append(len(calls))
+    if parallel is False:
+        assert set(counts) == {1}, counts
+
+
+def test_a_named_function_ends_after_its_call(client: openai.OpenAI) -> None:
+    for seed in range(4):
+        done = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=400, temperature=1.0,  # type: ignore[arg-type]
+            seed=seed, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        choice = done.choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
+        assert [c.function.name for c in choice.message.tool_calls or []] == ["get_weather"]  # type: ignore[union-attr]
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}  # type: ignore[index]
+                   for t in TOOLS]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "add"}], ids=["required", "named"])
+def test_a_forced_responses_call_completes_with_calls_only(client: openai.OpenAI, tool_choice: object) -> None:
+    """/v1/responses with the default parallel calls: `completed`, its output only function_call items
+    (a trailing message made it `incomplete`, which openai-agents raises as ModelBehaviorError)."""
+    for seed in range(4):
+        resp = client.responses.create(model=MODEL, input="Weather in Paris?", tools=RESPONSES_TOOLS,  # type: ignore[arg-type]
+                                       tool_choice=tool_choice, max_output_tokens=400,  # type: ignore[arg-type]
+                                       temperature=1.0, extra_body={"seed": seed})
+        assert resp.status == "completed", resp
+        assert resp.output and {item.type for item in resp.output} == {"function_call"}, resp.output
+
+
 def test_streamed_required_tool_call(client: openai.OpenAI) -> None:
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=120,  # type: ignore[arg-type]
@@ -145,6 +192,24 @@ def test_a_forced_tool_with_a_format_is_a_tool_call(http: httpx.Client) -> None:
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"], choice
+
+
+def test_a_non_strict_schema_gets_only_its_declared_keys(client: openai.OpenAI) -> None:
+    """`strict: false` (instructor's JSON_SCHEMA mode) holds the schema as written, as vLLM does: no
+    additionalProperties means no other key (xgrammar's loose mode took any, and a random model
+    wrote one until max_tokens)."""
+    schema = {"type": "object", "required": ["city", "n"], "properties": {
+        "city": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        "ok": {"type": "boolean"}, "kind": {"enum": ["rain", "sun"]}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": False}}
+    for seed in range(6):
+        done = client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt,  # type: ignore[arg-type]
+                                              max_tokens=300, temperature=1.0, seed=seed)
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop", choice
+        value = json.loads(choice.message.content or "")
+        assert {"city", "n"} <= set(value) <= set(schema["properties"]), value  # type: ignore[arg-type]
+        jsonschema.validate(value, schema)
 
 
 @pytest.mark.parametrize("body, param, fragment", [
@@ -220,6 +285,23 @@ def test_langchain_with_structured_output(gateway: RunningService, method: str, 
     else:
         out = llm.with_structured_output(Weather, method=method).invoke("Describe the weather.")  # type: ignore[arg-type]
         assert isinstance(out, Weather)
+
+
+def test_langchain_tool_choice_any_is_required(gateway: RunningService) -> None:
+    """langchain's "any" is sent as "required": every answer is tool calls only, finish_reason tool_calls."""
+    from langchain_core.messages import AIMessage
+    from langchain_openai import ChatOpenAI
+
+    sent: list[dict[str, Any]] = []
+    http = httpx.Client(event_hooks={"request": [lambda r: sent.append(json.loads(r.content))]}, timeout=60)
+    for seed in range(3):
+        llm = ChatOpenAI(model=MODEL, base_url=f"http://{gateway.address}/v1", api_key="unused",  # type: ignore[arg-type]
+                         max_retries=0, http_client=http, max_completion_tokens=400, temperature=1.0, seed=seed)
+        out = llm.bind_tools(TOOLS, tool_choice="any").invoke("Weather in Paris?")
+        assert isinstance(out, AIMessage) and out.tool_calls and not out.content, out
+        assert out.response_metadata["finish_reason"] == "tool_calls", out.response_metadata
+    http.close()
+    assert [body["tool_choice"] for body in sent] == ["required"] * 3
 
 
 def test_a_reasoning_request_thinks_first_then_answers_in_the_schema(http: httpx.Client, tiny_model_dir: Path) -> None:

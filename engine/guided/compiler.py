@@ -83,13 +83,13 @@ class GuidedCompiler:
         try:
             if spec.kind is GuideKind.JSON_OBJECT:
                 # Compact JSON: a model must not be able to stall the output on endless whitespace.
-                return self._xgr.compile_grammar(_json_grammar('{"type": "object"}', strict=False))
+                return self._xgr.compile_grammar(_json_grammar('{"type": "object"}'))
             if spec.kind is GuideKind.JSON_SCHEMA:
                 _check_json(spec.source, "json_schema")
                 why = unenforced_construct(json.loads(spec.source))
                 if why is not None:
                     raise GuidedError(f"invalid json_schema: {why}")
-                return self._xgr.compile_grammar(_json_grammar(spec.source, spec.strict))
+                return self._xgr.compile_grammar(_json_grammar(spec.source))
             if spec.kind is GuideKind.REGEX:
                 return self._xgr.compile_regex(spec.source)
             if spec.kind is GuideKind.CHOICE:
@@ -122,9 +122,13 @@ def _check_some_output(grammar: xgr.CompiledGrammar, spec: GuidedSpec) -> None:
                           "is a rule only ever defined through itself?)")
 
 
-def _json_grammar(schema: str, strict: bool) -> xgr.Grammar:
-    # Compact JSON (no free whitespace): a model must not be able to stall the output on it.
-    return _mended(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict))
+def _json_grammar(schema: str) -> xgr.Grammar:
+    """The schema as written, whatever the request's `strict` (vLLM leaves xgrammar's strict_mode on too):
+    properties and items beyond those declared only where the schema allows them
+    (`additionalProperties`, `items`); a bare `{"type": "object"}` is any object. xgrammar's loose
+    mode would add any key to every object, and a random model writes one until max_tokens.
+    Compact JSON (no free whitespace): a model must not be able to stall the output on it."""
+    return _mended(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
 
 
 def _mended(grammar: xgr.Grammar) -> xgr.Grammar:

@@ -24,9 +24,6 @@ class GuidedSpec:
     kind: GuideKind
     source: str = ""
     choices: tuple[str, ...] = ()
-    # json_schema: unknown properties are refused and every listed property is required
-    # only as the schema says (xgrammar's strict_mode); off, the schema is read loosely.
-    strict: bool = False
     tool_choice: str = ""  # "required" or a function name (TOOL_CALLS)
     tool_format: str = ""  # hermes | llama3_json | mistral | qwen3_coder (TOOL_CALLS)
     parallel_tool_calls: bool = True

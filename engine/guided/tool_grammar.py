@@ -1,7 +1,13 @@
 """The grammar `tool_choice` implies: the checkpoint's own tool-call syntax, with each function's
-arguments held to its parameter schema.
+arguments held to its parameter schema, and nothing else in the output.
 
-xgrammar ships these for most families (`get_model_structural_tag`); Mistral's
+"required" is one or more calls (exactly one with `parallel_tool_calls: false`), then only the end
+(EOS or a stop token); a named function is one call to it, then the end. The output therefore
+always finishes `tool_calls` (`completed` on /v1/responses), never runs on in text to `max_tokens`.
+
+xgrammar ships each family's call tag (`get_model_structural_tag`), but its "required" lets free
+text follow a call (a `triggered_tags` format, meant for `auto`): its tags are kept and put in a
+`tags_with_separator`, calls joined by the family's own separator and nothing else. Mistral's
 `[TOOL_CALLS][{...}]` is built here as one JSON array after the marker.
 """
 
@@ -11,10 +17,13 @@ import json
 from typing import Any
 
 import xgrammar as xgr
+from xgrammar.structural_tag import TagsWithSeparatorFormat, TriggeredTagsFormat
 
 # Ours (the gateway's parser names) -> xgrammar's template names.
 _XGRAMMAR_MODEL = {"hermes": "qwen_3", "qwen3_coder": "qwen_3_coder", "llama3_json": "llama"}
 MAX_WHITESPACE = 2  # inside arguments: a model may not stall the call on endless whitespace
+# Between two calls, as each family's template and our parser write them (gateway/tool_parsers.py).
+_SEPARATOR = {"qwen_3": "\n", "qwen_3_coder": "\n", "llama": "; "}
 
 
 def tool_call_tag(tools_json: str, tool_choice: str, tool_format: str, parallel: bool) -> xgr.StructuralTag:
@@ -31,8 +40,12 @@ def tool_call_tag(tools_json: str, tool_choice: str, tool_format: str, parallel:
     model = _XGRAMMAR_MODEL.get(fmt)
     if model is None:
         raise ValueError(f"tool-call format {fmt!r} is not one of hermes, llama3_json, mistral, qwen3_coder")
-    return xgr.get_model_structural_tag(model, tools=list[Any](tools), tool_choice=choice, reasoning="disabled",
-                                        max_whitespace_cnt=MAX_WHITESPACE, parallel_tool_calls=parallel)
+    tag = xgr.get_model_structural_tag(model, tools=list[Any](tools), tool_choice=choice, reasoning="disabled",
+                                       max_whitespace_cnt=MAX_WHITESPACE, parallel_tool_calls=parallel)
+    if not isinstance(tag.format, TriggeredTagsFormat):
+        return tag  # a named function: its one tag is the whole output
+    return xgr.StructuralTag(format=TagsWithSeparatorFormat(
+        tags=tag.format.tags, separator=_SEPARATOR[model], at_least_one=True, stop_after_first=not parallel))
 
 
 def _tools(tools_json: str) -> list[dict[str, Any]]:
