@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from typing import TypeVar
 
 from common.eviction import EvictionOrder, Resident
+from common.request_class import RequestClass, from_pb
 from ignis.v1 import common_pb2
 from tierstore.state import StateInfo
 
@@ -31,7 +32,7 @@ def resident(info: StateInfo, *, last_used: float, protect_until: float, leased:
              ) -> Resident:
     """A stored state as the one order sees it."""
     return Resident(
-        interactive=info.request_class != common_pb2.REQUEST_CLASS_AGENT,  # UNSPECIFIED counts as interactive
+        interactive=from_pb(info.request_class) is RequestClass.INTERACTIVE,
         last_used=last_used,
         prefix=info.kind == common_pb2.REUSE_KIND_PREFIX,  # the shared head of a burst: TTL-protected too
         leased=leased,

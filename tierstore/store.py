@@ -50,6 +50,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.eviction import EvictionOrder, Resident
+from common.request_class import RequestClass, from_pb
 from ignis.v1 import common_pb2, tierstore_pb2
 from tierstore.arena import SHM_DIR, Arena, Extent, align_up
 from tierstore.disk import DiskFault, DiskIO, DiskRecord, DiskTier, FileRange, SourceShrank, StagedBlob
@@ -385,7 +386,7 @@ class TierStore:
             if hash in self._states or hash in self._reservations:
                 what = "stored" if hash in self._states else "reserved"
                 raise AlreadyExists(f"state {short(hash)} is already {what}")
-            extent = self._make_room(nbytes, now, newcomer_interactive=request_class != common_pb2.REQUEST_CLASS_AGENT)
+            extent = self._make_room(nbytes, now, newcomer_interactive=from_pb(request_class) is RequestClass.INTERACTIVE)
             if extent is None:
                 return None
             self._reservations[hash] = _Reservation(extent, nbytes, request_class, protect_seconds,
