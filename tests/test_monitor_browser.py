@@ -56,6 +56,11 @@ def test_the_monitor_shows_a_checkpoint_move_from_the_device_to_ram(tmp_path: Pa
             assert row[4] == f"{cached:,}" and row[5:7] == ["device", "checkpoint"]
             assert page.evaluate("document.querySelector('[data-field=\"pool-total\"]').textContent") != ""
             assert page.evaluate("document.querySelectorAll('.engine').length") == 1
+            # The hit-rate chart has its axes; the recent requests scroll in their card (issue 47 item 12).
+            assert page.evaluate("document.querySelector('.engine .chart .yaxis').textContent") == "100 %50 %0 %"
+            assert page.evaluate("document.querySelector('.engine .xaxis').textContent") == "3 min agonow"
+            assert page.evaluate("(s => s.overflowY + ' ' + s.maxHeight)("
+                                 "getComputedStyle(document.querySelector('.engine .recent-scroll')))") == "auto 352px"
 
             chat(stack, "glaciers")  # its two captures take both device slots: the tides states move to KV-RAM
             names = json.dumps(sorted(on_device))

@@ -19,6 +19,7 @@ from tests.services import start_tierstore
 from tests.test_tierstore_faults import FailingCommits
 from tests.test_tierstore_store import (AGENT, DISK_SLOT, NS, SIZE, Clock, arena_offset, flip_byte, h, make_data,
                                         make_meta, put, read_back, where)
+from ignis.v1 import common_pb2
 from tierstore.client import TierStoreClient
 from tierstore.copy_ahead import CopyAhead
 from tierstore.disk import DiskFault, DiskIO, DiskRecord, DiskTier, FileRange
@@ -487,3 +488,15 @@ def _store_one(c: TierStoreClient) -> None:
     """One 64 KiB state through the service, as tests/test_tierstore_faults.py stores them."""
     c.register(service_side.NS, page_size=16, layout=service_side.LAYOUT)
     c.store(service_side.h("s0"), service_side.make_data("s0", 64 * KiB), service_side.make_meta("s0", 64 * KiB))
+
+
+def test_a_copy_made_ahead_is_listed_on_the_disk_too(store: TierStore, clock: Clock, io: CountingIO) -> None:
+    """The Monitor's KV-disk bytes count copies made ahead of need: the listing shows them, a RAM state
+    with its disk copy as a row of each tier (issue 47 item 12: hundreds of MiB used, no disk row)."""
+    put_in_order(store, clock, "a", "b", "c")
+    assert store.copy_ahead()
+    copied = [name for name, tiers in where(store).items() if tiers == "ram+disk"]
+    rows, total = store.list_states([NS])
+    assert len(copied) == 1 and total == 4
+    assert sorted((r.info.hash, r.tier) for r in rows) == sorted(
+        [(h(n), common_pb2.REUSE_TIER_RAM) for n in ("a", "b", "c")] + [(h(copied[0]), common_pb2.REUSE_TIER_DISK)])

@@ -565,7 +565,8 @@ class TierStore:
 
     def list_states(self, namespaces: Iterable[bytes], offset: int = 0, limit: int = 100
                     ) -> tuple[list[StoredStateView], int]:
-        """The states of ``namespaces``, RAM's in eviction order then disk's: (this page, total rows).
+        """The states of ``namespaces``, RAM's in eviction order then disk's: (this page, total rows). A RAM
+        state with a disk copy (written ahead of need) is a row of each tier, as the disk's bytes count it.
 
         Under the lock only a copy of the index is taken; the ranking happens after."""
         wanted = {check_hash(ns, "namespaces[]") for ns in namespaces}
@@ -574,11 +575,12 @@ class TierStore:
         limit = min(limit or 100, MAX_LIST_ROWS)
         with self._lock:
             now = self._clock()
-            rows = [(s, self._resident(s), s.extent is not None, s.hits, s.created)
-                    for s in self._states.values() if s.info.namespace in wanted]
+            disk = self._disk
+            rows = [(s, self._resident(s), (s.extent is not None, disk is not None and s.info.hash in disk), s.hits,
+                     s.created) for s in self._states.values() if s.info.namespace in wanted]
         views: list[StoredStateView] = []
-        for tier, in_ram in ((RAM, True), (DISK, False)):
-            ranked = sorted((r for r in rows if r[2] is in_ram), key=lambda r: self._order.rank(r[1], now))
+        for tier, where in ((RAM, 0), (DISK, 1)):
+            ranked = sorted((r for r in rows if r[2][where]), key=lambda r: self._order.rank(r[1], now))
             views += [StoredStateView(state.info, tier, max(now - created, 0.0), max(now - res.last_used, 0.0), hits,
                                       self._order.is_protected(res, now), rank)
                       for rank, (state, res, _, hits, created) in enumerate(ranked)]
