@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 import anyio.to_thread
 from starlette.requests import ClientDisconnect, Request
 
+from gateway.body_encoding import codings, decode
 from gateway.errors import OpenAIError, invalid
 from gateway.aliases import JSONObject
 
@@ -39,9 +40,12 @@ async def read_json(request: Request, max_bytes: int) -> JSONObject:
     """The body as a JSON object.
 
     415 unless the declared type is JSON, 413 above `max_bytes` (never buffering more), 400 when it
-    is not a JSON object, nests deeper than MAX_JSON_DEPTH or holds an unpaired surrogate.
+    is not a JSON object, nests deeper than MAX_JSON_DEPTH or holds an unpaired surrogate. A gzip,
+    deflate or zstd body (Content-Encoding) is inflated to at most `max_bytes` too
+    (gateway/body_encoding.py), on a worker thread.
     """
     _check_media_type(request.headers.get("content-type", ""))
+    encoded = codings(request.headers.get("content-encoding", ""))
     too_large = OpenAIError(413, f"the request body is larger than the limit of {max_bytes} bytes",
                             code="request_too_large")
     declared = request.headers.get("content-length", "")
@@ -58,6 +62,8 @@ async def read_json(request: Request, max_bytes: int) -> JSONObject:
     except ClientDisconnect:
         raise OpenAIError(499, "the client closed the request", code="client_closed_request") from None
     raw = b"".join(chunks)
+    if encoded:
+        return await anyio.to_thread.run_sync(lambda: parse_json_object(decode(raw, encoded, max_bytes)))
     if len(raw) > PARSE_OFF_LOOP_BYTES:  # keep every other stream moving meanwhile
         return await anyio.to_thread.run_sync(parse_json_object, raw)
     return parse_json_object(raw)

@@ -36,9 +36,11 @@ def chat_guided(body: Fields, chat: engine_pb2.ChatInput, tool_format: str = "")
     return _with_tools(guided, body, chat, tool_format)
 
 
-def responses_guided(body: Fields, chat: engine_pb2.ChatInput, tool_format: str = ""
+def responses_guided(body: Fields, chat: engine_pb2.ChatInput, tool_format: str = "", guide_tools_json: str = ""
                      ) -> engine_pb2.GuidedDecoding | None:
-    """Responses: `text.format` ({type: text | json_object | json_schema, name, schema, strict}) and `tool_choice`."""
+    """Responses: `text.format` ({type: text | json_object | json_schema, name, schema, strict}) and `tool_choice`.
+    `guide_tools_json`: the tools as the grammar reads them (custom tools with their grammars), when
+    they differ from the prompt's."""
     text = body.obj("text")
     fmt = text.obj("format") if text is not None else None
     guided = None
@@ -48,7 +50,7 @@ def responses_guided(body: Fields, chat: engine_pb2.ChatInput, tool_format: str 
             guided = engine_pb2.GuidedDecoding(json_object=True)
         elif kind == "json_schema":
             guided = _schema(fmt)
-    return _with_tools(guided, body, chat, tool_format)
+    return _with_tools(guided, body, chat, tool_format, guide_tools_json)
 
 
 def _schema(spec: Fields) -> engine_pb2.GuidedDecoding:
@@ -64,12 +66,13 @@ def _schema(spec: Fields) -> engine_pb2.GuidedDecoding:
 
 
 def _with_tools(guided: engine_pb2.GuidedDecoding | None, body: Fields, chat: engine_pb2.ChatInput,
-                tool_format: str) -> engine_pb2.GuidedDecoding | None:
+                tool_format: str, tools_json: str = "") -> engine_pb2.GuidedDecoding | None:
     forced = forced_tool(chat)
     if forced is None:
         return guided
     # The grammar writes the syntax the gateway will parse: the flag's when given, else the engine's.
-    calls = engine_pb2.GuidedToolCalls(tools_json=chat.tools_json, tool_choice=forced, format=tool_format)
+    calls = engine_pb2.GuidedToolCalls(tools_json=tools_json or chat.tools_json, tool_choice=forced,
+                                       format=tool_format)
     parallel = body.boolean("parallel_tool_calls")
     if parallel is not None:
         calls.parallel_tool_calls = parallel

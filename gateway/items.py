@@ -2,10 +2,14 @@
 
 `input` is a string (one user message) or an array of items: messages
 (``{"role", "content"}``, with or without ``"type": "message"``), the
-assistant's ``function_call`` items and the client's ``function_call_output``
-items. Consecutive function calls become one assistant message with several
-tool calls, as the chat template expects. Reasoning items are dropped (the
-chat templates drop earlier turns' reasoning too).
+assistant's ``function_call`` (a namespace's member by its flat name,
+gateway/responses_tools.py) and ``custom_tool_call`` items (as a call of the
+function the model saw: ``{"input": ...}``), and the client's
+``function_call_output`` and ``custom_tool_call_output`` items. Consecutive
+calls become one assistant message with several tool calls, as the chat
+template expects. Reasoning items are dropped (the chat templates drop earlier
+turns' reasoning too; an ``encrypted_content`` is ours to read, and there is
+none), and so are the calls of hosted tools the server never runs.
 
 With ``previous_response_id`` the stored conversation (``prior``: items in the
 same shapes) comes between the instructions and the new input, so the prompt
@@ -20,7 +24,14 @@ from typing import Any
 from gateway.body import Fields
 from gateway.errors import invalid
 from gateway.messages import ROLES, content_parts
+from gateway.responses_tools import ResponsesTools, flat_name, responses_tools
 from ignis.v1 import engine_pb2
+
+# Output items of hosted tools (a client resends what OpenAI's server wrote): no turn of ours.
+_HOSTED_CALLS = ("web_search_call", "file_search_call", "code_interpreter_call", "image_generation_call",
+                 "computer_call", "computer_call_output", "mcp_call", "mcp_list_tools", "mcp_approval_request",
+                 "mcp_approval_response", "local_shell_call", "local_shell_call_output", "tool_search_call",
+                 "tool_search_output")
 
 
 def input_items(body: Fields) -> list[Any]:
@@ -33,7 +44,8 @@ def input_items(body: Fields) -> list[Any]:
     raise invalid("'input' must be a string or an array of input items", param="input")
 
 
-def responses_chat(body: Fields, prior: list[Any] | None = None) -> engine_pb2.ChatInput:
+def responses_chat(body: Fields, prior: list[Any] | None = None,
+                   tools: ResponsesTools | None = None) -> engine_pb2.ChatInput:
     chat = engine_pb2.ChatInput()
     instructions = body.string("instructions")
     if instructions:
@@ -43,16 +55,21 @@ def responses_chat(body: Fields, prior: list[Any] | None = None) -> engine_pb2.C
     _items(input_items(body), chat)
     if not any(m.role != "system" for m in chat.messages):
         raise invalid("'input' must not be empty", param="input")
-    tools = responses_tools(body)
-    if tools:
-        chat.tools_json = json.dumps(tools, ensure_ascii=False)
+    tools = tools if tools is not None else responses_tools(body)
+    chat.tools_json = tools.chat_json
     choice = body.raw("tool_choice")
     if isinstance(choice, str):
         chat.tool_choice = body.string("tool_choice", choices=("auto", "none", "required")) or ""
     elif isinstance(choice, dict):
-        # Responses spells a forced function {"type": "function", "name": ...}; chat nests it.
-        name = Fields(choice, "tool_choice").string("name")
-        chat.tool_choice = json.dumps({"type": "function", "function": {"name": name}} if name else choice)
+        # Responses spells a forced tool {"type": "function" | "custom", "name": ..., "namespace"?}; chat
+        # nests a function, by the name the model sees.
+        f = Fields(choice, "tool_choice")
+        name = f.string("name")
+        if name and f.string("type") in ("function", "custom"):
+            name = flat_name(f.string("namespace"), name)
+            chat.tool_choice = json.dumps({"type": "function", "function": {"name": name}})
+        else:
+            chat.tool_choice = json.dumps(choice)
     elif choice is not None:
         raise invalid("'tool_choice' must be a string or an object", param="tool_choice")
     return chat
@@ -76,49 +93,30 @@ def _items(items: list[Any], chat: engine_pb2.ChatInput, where: str = "input") -
             else:
                 raise invalid(f"'{f.path('content')}' must be a string or an array of parts", param=f.path("content"))
             chat.messages.append(msg)
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
             last = chat.messages[-1] if chat.messages else None
             if last is None or last.role != "assistant" or not last.tool_calls:
                 last = engine_pb2.ChatMessage(role="assistant")
                 chat.messages.append(last)
                 last = chat.messages[-1]
+            if kind == "function_call":
+                arguments = f.string("arguments") or "{}"
+            else:
+                arguments = json.dumps({"input": f.string("input", required=True)}, ensure_ascii=False)
+            name = flat_name(f.string("namespace"), f.string("name", required=True) or "")
             last.tool_calls.append(engine_pb2.ToolCall(
                 id=f.string("call_id", required=True) or "", type="function",
-                function=engine_pb2.ToolCallFunction(name=f.string("name", required=True) or "",
-                                                     arguments=f.string("arguments") or "{}")))
-        elif kind == "function_call_output":
+                function=engine_pb2.ToolCallFunction(name=name, arguments=arguments)))
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = f.raw("output")
             if not isinstance(output, str):
                 output = json.dumps(output, ensure_ascii=False)
             chat.messages.append(engine_pb2.ChatMessage(role="tool", content=output,
                                                         tool_call_id=f.string("call_id", required=True) or ""))
-        elif kind == "reasoning":
+        elif kind == "reasoning" or kind in _HOSTED_CALLS:
             continue
         elif kind == "item_reference":
             raise invalid(f"'{path}': item references are not supported; send the items themselves, "
                           "or continue with 'previous_response_id'", param=path)
         else:
             raise invalid(f"'{path}.type' {kind!r} is not supported", param=f"{path}.type")
-
-
-def responses_tools(body: Fields) -> list[dict[str, Any]]:
-    """Responses tools ({"type": "function", "name", "parameters", ...}) in the chat shape the template reads."""
-    tools = body.array("tools") or []
-    out = []
-    for i, tool in enumerate(tools):
-        path = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise invalid(f"'{path}' must be an object", param=path)
-        f = Fields(tool, path)
-        if f.string("type") != "function":
-            raise invalid(f"'{path}.type' {tool.get('type')!r} is not supported: only function tools are",
-                          param=f"{path}.type")
-        if "function" in tool:  # already in the chat shape
-            out.append(tool)
-            continue
-        fn = {"name": f.string("name", required=True)}
-        for key in ("description", "parameters", "strict"):
-            if key in tool:
-                fn[key] = tool[key]
-        out.append({"type": "function", "function": fn})
-    return out

@@ -3,8 +3,10 @@
 Used for both answers: streamed, each step returns the ``response.*`` events
 to send (without sequence numbers); whole, only `items` is read. Reasoning
 opens a ``reasoning`` item (closed by whatever follows it); content opens a
-``message`` item; a tool call closes it and adds a ``function_call`` item;
-content after a call opens a new message item.
+``message`` item; a tool call closes it and adds a ``function_call`` item (with the
+``namespace`` it was declared in, if any) or, for a custom tool, a ``custom_tool_call``
+item whose ``input`` is the raw text (gateway/responses_tools.py); content after a call
+opens a new message item.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import uuid
 
 from gateway.aliases import JSONObject
 from gateway.reasoning import ReasoningDelta
+from gateway.responses_tools import ToolName, custom_input
 from gateway.tool_calls import ContentDelta, Event, ToolCall
 
 
@@ -21,7 +24,8 @@ def _id(prefix: str) -> str:
 
 
 class OutputBuilder:
-    def __init__(self) -> None:
+    def __init__(self, names: dict[str, ToolName] | None = None) -> None:
+        self.names = names or {}  # the model's tool names -> the client's
         self.items: list[JSONObject] = []
         self._open: JSONObject | None = None  # the message item being written
         self._text = ""
@@ -120,8 +124,14 @@ class OutputBuilder:
         ]
 
     def _function_call(self, call: ToolCall) -> list[JSONObject]:
-        item: JSONObject = {"type": "function_call", "id": _id("fc"), "call_id": call.id, "name": call.name,
+        named = self.names.get(call.name)
+        if named is not None and named.kind == "custom":
+            return self._custom_call(call, named)
+        item: JSONObject = {"type": "function_call", "id": _id("fc"), "call_id": call.id,
+                            "name": named.name if named is not None else call.name,
                             "arguments": call.arguments, "status": "completed"}
+        if named is not None and named.namespace:
+            item["namespace"] = named.namespace
         self.items.append(item)
         index = len(self.items) - 1
         return [
@@ -131,5 +141,23 @@ class OutputBuilder:
              "delta": call.arguments},
             {"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index,
              "name": call.name, "arguments": call.arguments},
+            {"type": "response.output_item.done", "output_index": index, "item": item},
+        ]
+
+    def _custom_call(self, call: ToolCall, named: ToolName) -> list[JSONObject]:
+        text = custom_input(call.arguments)
+        item: JSONObject = {"type": "custom_tool_call", "id": _id("ctc"), "call_id": call.id, "name": named.name,
+                            "input": text, "status": "completed"}
+        if named.namespace:
+            item["namespace"] = named.namespace
+        self.items.append(item)
+        index = len(self.items) - 1
+        return [
+            {"type": "response.output_item.added", "output_index": index,
+             "item": dict(item, input="", status="in_progress")},
+            {"type": "response.custom_tool_call_input.delta", "item_id": item["id"], "output_index": index,
+             "delta": text},
+            {"type": "response.custom_tool_call_input.done", "item_id": item["id"], "output_index": index,
+             "input": text},
             {"type": "response.output_item.done", "output_index": index, "item": item},
         ]

@@ -92,8 +92,11 @@ def as_input(output: list[JSONObject]) -> list[JSONObject]:
             text = "".join(p.get("text", "") for p in item.get("content", []) if isinstance(p, dict))
             items.append({"type": "message", "role": "assistant", "content": text, "id": item.get("id")})
         elif kind == "function_call":
-            items.append({"type": "function_call", "call_id": item["call_id"], "name": item["name"],
-                          "arguments": item["arguments"], "id": item.get("id")})
+            call = {"type": "function_call", "call_id": item["call_id"], "name": item["name"],
+                    "arguments": item["arguments"], "id": item.get("id")}
+            if item.get("namespace"):
+                call["namespace"] = item["namespace"]
+            items.append(call)
         else:
             items.append(item)
     return items

@@ -9,6 +9,12 @@ xgrammar ships each family's call tag (`get_model_structural_tag`), but its "req
 text follow a call (a `triggered_tags` format, meant for `auto`): its tags are kept and put in a
 `tags_with_separator`, calls joined by the family's own separator and nothing else. Mistral's
 `[TOOL_CALLS][{...}]` is built here as one JSON array after the marker.
+
+A custom (freeform) tool reaches the model as a function of one string parameter, ``input``
+(gateway/responses_tools.py); its tool entry carries ``grammar`` (``{"syntax": "lark" | "regex",
+"definition"}``), and that call's content is the grammar's language (engine/guided/lark.py): as a
+JSON string in the JSON families, as the raw parameter text in Qwen3-Coder's XML. Mistral's array
+holds it to a string only.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from typing import Any
 
 import xgrammar as xgr
 from xgrammar.structural_tag import TagsWithSeparatorFormat, TriggeredTagsFormat
+
+from engine.guided.lark import lark_to_ebnf, regex_to_ebnf
 
 # Ours (the gateway's parser names) -> xgrammar's template names.
 _XGRAMMAR_MODEL = {"hermes": "qwen_3", "qwen3_coder": "qwen_3_coder", "llama3_json": "llama"}
@@ -42,10 +50,44 @@ def tool_call_tag(tools_json: str, tool_choice: str, tool_format: str, parallel:
         raise ValueError(f"tool-call format {fmt!r} is not one of hermes, llama3_json, mistral, qwen3_coder")
     tag = xgr.get_model_structural_tag(model, tools=list[Any](tools), tool_choice=choice, reasoning="disabled",
                                        max_whitespace_cnt=MAX_WHITESPACE, parallel_tool_calls=parallel)
+    tag = _with_custom_grammars(tag, tools, xml=model == "qwen_3_coder")
     if not isinstance(tag.format, TriggeredTagsFormat):
         return tag  # a named function: its one tag is the whole output
     return xgr.StructuralTag(format=TagsWithSeparatorFormat(
         tags=tag.format.tags, separator=_SEPARATOR[model], at_least_one=True, stop_after_first=not parallel))
+
+
+def _with_custom_grammars(tag: xgr.StructuralTag, tools: list[dict[str, Any]], xml: bool) -> xgr.StructuralTag:
+    """Each custom tool's call tag with its content held to the tool's grammar."""
+    grammars = {t["function"]["name"]: t["grammar"] for t in tools if isinstance(t.get("grammar"), dict)}
+    if not grammars:
+        return tag
+    data = tag.model_dump(mode="json")
+    fmt = data["format"]
+    for i, one in enumerate(fmt["tags"] if "tags" in fmt else [fmt]):
+        name = next((n for n in grammars if f'"name": {json.dumps(n)}' in one["begin"]
+                     or f"<function={n}>" in one["begin"]), None)
+        if name is not None:
+            one["content"] = {"type": "grammar", "grammar": _input_grammar(grammars[name], f"c{i}_", xml)}
+    return xgr.StructuralTag.model_validate(data)
+
+
+def _input_grammar(grammar: dict[str, Any], prefix: str, xml: bool) -> str:
+    """The arguments of a custom tool's call: {"input": "<the grammar's language, JSON-escaped>"}, or
+    Qwen3-Coder's one parameter with the raw text."""
+    syntax, definition = grammar.get("syntax"), grammar.get("definition")
+    if not isinstance(definition, str) or not definition:
+        raise ValueError("a custom tool's grammar needs a definition")
+    if syntax == "lark":
+        rules = lark_to_ebnf(definition, json_string=not xml, prefix=prefix)
+    elif syntax == "regex":
+        rules = regex_to_ebnf(definition, json_string=not xml, name=f"{prefix}root")
+    else:
+        raise ValueError(f"a custom tool's grammar syntax must be 'lark' or 'regex', got {syntax!r}")
+    if xml:
+        return f'root ::= "<parameter=input>\\n" {prefix}root "\\n</parameter>"\n{rules}'
+    return f'root ::= "{{\\"input\\": \\"" {prefix}root "\\"}}"\n{rules}'
+
 
 
 def _tools(tools_json: str) -> list[dict[str, Any]]:

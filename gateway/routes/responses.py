@@ -32,6 +32,7 @@ from gateway.engines import EngineClient
 from gateway.errors import OpenAIError, invalid
 from gateway.guided import asks_reasoning, responses_guided
 from gateway.items import input_items, responses_chat
+from gateway.responses_tools import ToolName, responses_tools
 from gateway.json_body import JSONBody
 from gateway.messages import parses_tool_calls
 from gateway.options import engine_options
@@ -120,9 +121,10 @@ async def prepare(state: GatewayState, body: Fields, headers: Headers, local: Co
         else:
             record, pin = await records.fetch(state.pool, previous, scope, "previous_response_id")
             prior = record.conversation
-    chat = responses_chat(body, prior)
+    tools = responses_tools(body)
+    chat = responses_chat(body, prior, tools)
     own_items = records.with_ids(input_items(body))
-    guided = responses_guided(body, chat, state.config.tool_call_parser)
+    guided = responses_guided(body, chat, state.config.tool_call_parser, tools.guide_json() if tools.grammars else "")
     sampling = sampling_params(body, LIMIT, "responses")
     if prewarm:
         # Prefill only: the engine retains the state at the prompt's end. Without the assistant
@@ -160,14 +162,14 @@ async def prepare(state: GatewayState, body: Fields, headers: Headers, local: Co
         "error": None, "incomplete_details": None,
     }
     formats = output_formats(state.pool, model, state.config.tool_call_parser, state.config.reasoning_parser)
-    tools = parses_tool_calls(chat)
-    if tools and formats.tool_call == "mistral" and not sampling.HasField("skip_special_tokens"):
+    parse_calls = parses_tool_calls(chat)
+    if parse_calls and formats.tool_call == "mistral" and not sampling.HasField("skip_special_tokens"):
         req.sampling.skip_special_tokens = False  # [TOOL_CALLS] is a special token: keep it in the text
     if guided is not None and formats.reasoning and asks_reasoning(body):
         req.guided.after_reasoning = True
     turn = Turn(state, rid, req, key, pin, candidates, store, scope,
-                _Reply(base, lambda: ChoiceParser.make(formats, chat.tools_json, tools), sampling.logprobs, state,
-                       prewarm),
+                _Reply(base, lambda: ChoiceParser.make(formats, chat.tools_json, parse_calls), sampling.logprobs, state,
+                       prewarm, tools.names),
                 own_items, prior)
     turn.reply.keep = turn.keep
     return turn
@@ -286,8 +288,9 @@ def _status(finish: int, prewarm: bool) -> tuple[str, JSONObject | None]:
 
 class _Reply:
     def __init__(self, base: JSONObject, parser: Callable[[], ChoiceParser], logprobs: bool,
-                 state: GatewayState, prewarm: bool = False) -> None:
+                 state: GatewayState, prewarm: bool = False, names: dict[str, ToolName] | None = None) -> None:
         self.base, self.parser, self.logprobs, self.state, self.prewarm = base, parser, logprobs, state, prewarm
+        self.names = names or {}  # the model's tool names -> the client's (namespaces, custom tools)
         self.keep: Callable[[JSONObject], Awaitable[None]] | None = None  # stores the final response
         self.final: JSONObject | None = None
 
@@ -302,7 +305,7 @@ class _Reply:
     def whole(self, messages: list[engine_pb2.GenerateResponse]) -> JSONObject:
         collected = accumulate(messages)
         choice = collected.choices.get(0)
-        builder, parser = OutputBuilder(), self.parser()
+        builder, parser = OutputBuilder(self.names), self.parser()
         for msg in messages:  # message by message, as a stream is read: reasoning tokens are counted per message
             if msg.index == 0:
                 logprobs = lp.chat_content(msg.logprobs) if self.logprobs and msg.logprobs else None
@@ -330,7 +333,7 @@ class _Reply:
             seq += 1
             return event
 
-        parser, builder = self.parser(), OutputBuilder()
+        parser, builder = self.parser(), OutputBuilder(self.names)
         finish = engine_pb2.FINISH_REASON_NONE
         started = False
         batch: list[JSONObject] = []  # this message's events so far (an error ends them)
