@@ -293,6 +293,8 @@ class EngineCore:
             if res.num_tokens:
                 seq.mark_computed(res.num_tokens)
                 self.reuse.after_compute(seq, res.next_token_logits)
+            elif seq.num_cached == seq.num_prompt:  # claimed whole: a state from below is held here again
+                self.reuse.after_compute(seq, res.next_token_logits)
             seq.take_pending_logits()
             if res.next_token_logits is None:
                 continue
