@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import xxhash
 
 import engine.tiers.link as link_module
 from engine.config import EngineConfig
@@ -30,7 +31,7 @@ from engine.prompt import render_chat
 from engine.request import EngineRequest
 from engine.sampling.params import SamplingParams
 from engine.text.tokenizer import Tokenizer
-from ignis.v1 import engine_pb2
+from ignis.v1 import common_pb2, engine_pb2, tierstore_pb2
 from services import RunningService, start_tierstore
 
 P = 16
@@ -148,9 +149,30 @@ def tierstore(tmp_path: Path, arena: int, disk: int, port: int = 0) -> RunningSe
     return start_tierstore(tmp_path / "ts", args + (["--port", str(port)] if port else []))
 
 
+LONG_LEASE_SECONDS = 600.0  # far past leases_settle's wait: a lease seen to go went back, it did not expire
+
+
+@pytest.fixture
+def long_leases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every lease the engine takes (a Match's, an Acquire's) lasts LONG_LEASE_SECONDS, and a Match's lease
+    may be copied under for half of that (however slow the machine): only a Release ends one in a test."""
+    from engine.tiers.client import TierClient
+
+    monkeypatch.setattr(link_module, "MATCH_LEASE_SECONDS", LONG_LEASE_SECONDS)
+    monkeypatch.setattr(link_module, "LEASE_USE_SECONDS", LONG_LEASE_SECONDS / 2)
+    acquire, acquire_stream = TierClient.acquire, TierClient.acquire_stream
+    monkeypatch.setattr(TierClient, "acquire", lambda self, hash, lease_seconds=LONG_LEASE_SECONDS:
+                        acquire(self, hash, lease_seconds))
+    monkeypatch.setattr(TierClient, "acquire_stream", lambda self, hash, lease_seconds=LONG_LEASE_SECONDS:
+                        acquire_stream(self, hash, lease_seconds))
+
+
 def leases_settle(link, want: int) -> None:  # type: ignore[no-untyped-def]
-    """Wait until the store holds `want` leases (Release runs in the background)."""
-    deadline = time.monotonic() + 10
+    """Wait until the store holds `want` leases (Release runs in the background). Use with `long_leases`:
+    with the engine's own lease times (a Match's lasts 3 s) a lease never released would expire within
+    the wait and pass for one released."""
+    assert link_module.MATCH_LEASE_SECONDS == LONG_LEASE_SECONDS, "leases_settle needs the long_leases fixture"
+    deadline = time.monotonic() + 60
     while (stats := link.client.side_stats()) is None or stats.leases_active != want:
         assert time.monotonic() < deadline, f"the store holds {stats and stats.leases_active} leases, not {want}"
         time.sleep(0.01)
@@ -174,20 +196,28 @@ def serve_topics(engine: Engine, oracle) -> ReuseCounters:  # type: ignore[no-un
 
 
 def test_protected_states_keep_the_device_and_newcomers_go_straight_to_ram(tmp_path: Path, model, oracle) -> None:
-    """Inside reuse.retained_interactive_ttl an interactive state is protected: a later interactive
-    capture does not displace it from the device (the one eviction order) but is written to KV-RAM
-    from its own slot; every conversation still hits, the first one on the device."""
+    """Inside reuse.retained_interactive_ttl an interactive state someone claimed is protected: later
+    interactive captures do not displace the first two conversations' states from the device (the one
+    eviction order) but are written to KV-RAM from their own slot; every conversation still hits, the
+    first one on the device."""
     store = tierstore(tmp_path, arena=16 * MiB, disk=0)
     engine = Engine(*model, tierstore=store.address, interactive_ttl=300.0)
     try:
+        for topic in TOPICS[:2]:  # each claimed once, so protected: they end up holding both slots
+            same(engine.run(topic), oracle(topic))
+            assert engine.run(topic).cached > 0  # from the device, or from ram and held on the device again
+        before = engine.core.reuse.counters.evictions
         counters = serve_topics(engine, oracle)
-        assert counters.evictions == 0  # nothing left the device
-        assert counters.protected_skips == counters.captures_below == 2 * (len(TOPICS) - 1)
+        assert counters.evictions == before  # nothing left the device once both slots held claimed states
+        # Each later conversation's two captures went below, and so did the reply ends of the first two
+        # (their openers hold the slots).
+        assert counters.protected_skips == counters.captures_below >= 2 * (len(TOPICS) - 2)
         assert engine.core.stats().retained_protected_skips == counters.protected_skips
-        got = engine.run(TOPICS[0])
-        same(got, oracle(TOPICS[0]))
-        assert (got.tier, got.cached) == ("device", len(engine.request(TOPICS[0]).prompt_ids))
-        for topic in TOPICS[1:3]:
+        for topic in TOPICS[:2]:
+            got = engine.run(topic)
+            same(got, oracle(topic))
+            assert (got.tier, got.cached) == ("device", len(engine.request(topic).prompt_ids))
+        for topic in TOPICS[2:4]:
             got = engine.run(topic)
             same(got, oracle(topic))
             assert (got.tier, got.cached) == ("ram", len(engine.request(topic).prompt_ids))
@@ -214,7 +244,7 @@ def test_without_a_ttl_newcomers_displace_the_least_recent_state(tmp_path: Path,
         store.stop()
 
 
-def test_evicted_states_spill_to_ram_and_hit_from_ram(tmp_path: Path, model, oracle) -> None:
+def test_evicted_states_spill_to_ram_and_hit_from_ram(tmp_path: Path, model, oracle, long_leases) -> None:
     store = tierstore(tmp_path, arena=16 * MiB, disk=0)
     engine = Engine(*model, tierstore=store.address)
     try:
@@ -248,6 +278,112 @@ def test_evicted_states_spill_to_ram_and_hit_from_ram(tmp_path: Path, model, ora
     finally:
         engine.close()
         store.stop()
+
+
+class _ShiftedTime:
+    """The `time` module as engine/tiers/link.py reads it, its monotonic clock `shift` seconds ahead."""
+
+    def __init__(self) -> None:
+        self.shift = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.shift
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
+def test_a_match_lease_too_old_to_copy_under_goes_back_and_the_restore_acquires(
+        tmp_path: Path, model, oracle, long_leases, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore copies under its lookup's lease only within LEASE_USE_SECONDS of the Match (the rest of the
+    lease is for the copy itself): a restore that comes later lets that lease go and Acquires its own."""
+    store = tierstore(tmp_path, arena=16 * MiB, disk=0)
+    engine = Engine(*model, tierstore=store.address)
+    try:
+        for topic in TOPICS:  # the first ones spill to RAM as later ones take the device slots
+            same(engine.run(topic), oracle(topic))
+        link = engine.core.tiers
+        assert link is not None
+        clock = _ShiftedTime()
+        monkeypatch.setattr(link_module, "time", clock)
+        find = link._find
+
+        def find_then_wait(*args):  # type: ignore[no-untyped-def]
+            hit = find(*args)
+            clock.shift += link_module.LEASE_USE_SECONDS + 1.0  # the restore comes after the lease's use time
+            return hit
+        monkeypatch.setattr(link, "_find", find_then_wait)
+        used = link.match_leases_used
+        got = engine.run(TOPICS[0])
+        same(got, oracle(TOPICS[0]))
+        assert (got.tier, got.cached) == ("ram", len(engine.request(TOPICS[0]).prompt_ids))
+        assert link.match_leases_used == used  # it Acquired instead
+        leases_settle(link, 0)  # the Match's lease and the Acquire's both went back
+        engine.check()
+    finally:
+        engine.close()
+        store.stop()
+
+
+def test_a_lease_of_a_store_instance_no_longer_mapped_is_never_copied_under(
+        tmp_path: Path, model, oracle, long_leases) -> None:
+    """Between a lookup and its restore the store restarts, and the engine maps the new instance's arena (a
+    spill on the copy worker reserved there meanwhile). The lookup's lease is the old instance's: its extent
+    means nothing in the new arena (there the state lies elsewhere), so the restore Acquires it from the new
+    instance and serves it, equal to cold, with nothing rejected."""
+    from engine.facts import RequestClass
+    from engine.kv.chain_hash import StateHash
+    from tierstore.client import TierStoreClient
+
+    stores = [tierstore(tmp_path, arena=16 * MiB, disk=0)]
+    engine = Engine(*model, tierstore=stores[0].address)
+    try:
+        for topic in TOPICS:
+            same(engine.run(topic), oracle(topic))
+        link = engine.core.tiers
+        assert link is not None
+        namespace = engine.core.namespace_hash("")
+        find = link._find
+        offsets: list[int] = []
+
+        def find_then_restart(*args):  # type: ignore[no-untyped-def]
+            hit = find(*args)
+            if hit is None or offsets:
+                return hit
+            with TierStoreClient(stores[0].address) as old:
+                lease = old.acquire(hit.state_hash)
+                meta, data = old.get(hit.state_hash)
+                old.release(lease.lease_id)
+            offsets.append(lease.extent.offset)
+            stores[0].stop()
+            stores[0] = tierstore(tmp_path, arena=64 * MiB, disk=0)  # same socket, a new instance
+            with TierStoreClient(stores[0].address) as new:
+                new.register(namespace, page_size=P, layout=link.codec.layout())
+                pad = bytes(offsets[0] + len(data))  # where the old extent was, the new arena holds zeros
+                new.store(b"p" * 16, pad, tierstore_pb2.StateMetadata(
+                    namespace=namespace, tokens=P, kind=common_pb2.REUSE_KIND_PAGES,
+                    request_class=common_pb2.REQUEST_CLASS_INTERACTIVE, checksum=xxhash.xxh3_128_digest(pad),
+                    nbytes=len(pad)))
+                offsets.append(new.store(hit.state_hash, data, meta).offset)
+            deadline = time.monotonic() + 60
+            while (spill := link.reserve(StateHash(b"s" * 16), namespace, 4096, RequestClass.INTERACTIVE)) is None:
+                assert time.monotonic() < deadline, "the engine never reached the restarted store"
+                time.sleep(0.05)  # past the client's retry back-off
+            link.drop(spill.name)
+            assert spill.instance == link.client.instance_id  # the new arena is the one mapped now
+            return hit
+        link._find = find_then_restart  # type: ignore[method-assign]
+        rejected, used = link.rejected, link.match_leases_used
+        got = engine.run(TOPICS[0])
+        same(got, oracle(TOPICS[0]))
+        assert offsets[0] != offsets[1]
+        assert (got.tier, got.cached) == ("ram", len(engine.request(TOPICS[0]).prompt_ids))
+        assert (link.rejected, link.match_leases_used) == (rejected, used)
+        leases_settle(link, 0)
+        engine.check()
+    finally:
+        engine.close()
+        stores[0].stop()
 
 
 def test_next_turn_hits_a_checkpoint_that_ends_mid_page_in_ram(tmp_path: Path, model, oracle) -> None:
@@ -389,6 +525,53 @@ def test_retained_states_leaving_next_are_written_ahead_and_every_turn_matches_c
         store.stop()
 
 
+def test_a_write_ahead_the_store_refuses_is_written_on_the_step_when_evicted(
+        tmp_path: Path, model, oracle, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another client's protected states of the same class fill KV-RAM when the first retained state is
+    written ahead: the store refuses it, so it is not below. Once that room is free again, evicting the
+    state writes it on the step, and its conversation's next turn is claimed from RAM, equal to cold."""
+    from tierstore.client import TierStoreClient
+
+    store = tierstore(tmp_path, arena=16 * MiB, disk=0)
+    engine = Engine(*model, tierstore=store.address)
+    other = TierStoreClient(store.address)
+    try:
+        namespace, filler = b"o" * 16, b"f" * 16
+        other.register(namespace, page_size=P, layout='{"another": "engine"}')
+        stats = other.stats()
+        data = bytes(stats.arena_bytes_total - stats.arena_bytes_used)  # every free byte of KV-RAM
+        other.store(filler, data, tierstore_pb2.StateMetadata(
+            namespace=namespace, tokens=P, kind=common_pb2.REUSE_KIND_CHECKPOINT,
+            request_class=common_pb2.REQUEST_CLASS_INTERACTIVE, checksum=xxhash.xxh3_128_digest(data),
+            nbytes=len(data)), protect_seconds=3600.0)
+        link = engine.core.tiers
+        assert link is not None
+        write_state = link.write_state
+        refused: list[str] = []
+
+        def refused_once_then_room(*args, **kwargs):  # type: ignore[no-untyped-def]
+            written = write_state(*args, **kwargs)
+            if not written and not refused:
+                refused.append(threading.current_thread().name)
+                other.drop(filler)  # room again for every write after this one
+            return written
+        monkeypatch.setattr(link, "write_state", refused_once_then_room)
+        same(engine.run(TOPICS[0]), oracle(TOPICS[0]))  # its opener and reply checkpoints take both device slots
+        same(engine.run(TOPICS[1]), oracle(TOPICS[1]))  # whose captures evict them
+        engine.settle()
+        counters = engine.core.reuse.counters
+        assert refused == ["ignis-copies"], "the first write was not a write ahead that the store refused"
+        assert (counters.evictions, counters.spills_on_step, counters.spills_ahead) == (2, 1, 1), counters
+        got = engine.run(TOPICS[0])
+        same(got, oracle(TOPICS[0]))
+        assert (got.tier, got.cached) == ("ram", len(engine.request(TOPICS[0]).prompt_ids))
+        engine.check()
+    finally:
+        other.close()
+        engine.close()
+        store.stop()
+
+
 def test_a_capture_straight_to_ram_is_claimed_only_once_written(tmp_path: Path, model, oracle) -> None:
     """A protected device state keeps its slot, so the next conversation's captures go straight to
     KV-RAM through the staging ring. Its retry, sent while the write is held back, waits for it (no
@@ -396,8 +579,9 @@ def test_a_capture_straight_to_ram_is_claimed_only_once_written(tmp_path: Path, 
     store = tierstore(tmp_path, arena=16 * MiB, disk=0)
     engine = Engine(*model, tierstore=store.address, interactive_ttl=300.0, spill_ahead_pages=-1)
     try:
-        for topic in TOPICS[:2]:  # the first two fill the device's two slots (protected: interactive)
+        for topic in TOPICS[:2]:  # the first two fill the device's two slots, each claimed (so protected)
             same(engine.run(topic), oracle(topic))
+            assert engine.run(topic).cached > 0  # from the device, or from ram and held on the device again
         worker = engine.core.residency.worker
         engine.settle()
         worker.running.clear()
@@ -449,12 +633,20 @@ def test_a_flipped_byte_on_disk_is_never_served_the_request_runs_cold(tmp_path: 
     try:
         for topic in TOPICS:
             same(engine.run(topic), oracle(topic))
-        blobs = sorted((tmp_path / "kv-disk" / "blobs").iterdir())
+        # The store keeps copying RAM states ahead of need meanwhile: their temp files (*.tmp, *.copy.tmp)
+        # come and go, and a blob may be removed between the listing and its read.
+        blobs = sorted(p for p in (tmp_path / "kv-disk" / "blobs").iterdir() if not p.name.endswith(".tmp"))
         assert blobs, "nothing reached the disk tier"
-        for blob in blobs:  # one byte in the middle of every state (its KV or recurrent section)
-            data = bytearray(blob.read_bytes())
-            data[len(data) // 2] ^= 0x40
-            blob.write_bytes(bytes(data))
+        for blob in blobs:  # one byte in the middle of every state (its KV or recurrent section), in place
+            try:
+                with blob.open("r+b") as f:
+                    middle = f.seek(0, 2) // 2
+                    f.seek(middle)
+                    byte = f.read(1)[0]
+                    f.seek(middle)
+                    f.write(bytes([byte ^ 0x40]))
+            except FileNotFoundError:
+                continue
         got = engine.run(TOPICS[0])  # its states are on disk only: every candidate fails its checksum
         same(got, oracle(TOPICS[0]))
         assert (got.tier, got.cached) == ("none", 0)

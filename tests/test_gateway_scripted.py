@@ -406,3 +406,88 @@ def test_unavailable_before_any_output_fails_over(tmp_path: Path) -> None:
         assert gw.stop() == 0, gw.log()
         for e in engines:
             e.stop()
+
+
+def test_unavailable_after_output_began_is_the_clients_error_and_no_other_engine_is_called(
+        tmp_path: Path) -> None:
+    """One chunk, then UNAVAILABLE (its engine died mid-stream), beside a healthy engine: what was sent
+    stands, so the client sees that chunk, then the error, and the other engine gets no call (it would
+    start the answer again behind the chunk already sent)."""
+    calls: list[str] = []
+    lock = threading.Lock()
+
+    def dies_after_one_chunk_once(e: ScriptedEngine, r: engine_pb2.GenerateRequest, context: grpc.ServicerContext
+                                  ) -> Iterator[engine_pb2.GenerateResponse]:
+        with lock:
+            calls.append(e.name)
+            first = len(calls) == 1
+        if not first:  # whichever engine a retry reaches answers whole
+            yield from my_name(e, r, context)
+            return
+        yield engine_pb2.GenerateResponse(index=0, token_ids=[100], text="partial")
+        context.abort(grpc.StatusCode.UNAVAILABLE, "the engine lost its device")
+
+    engines = [ScriptedEngine(f"e{i}") for i in range(2)]
+    for e in engines:
+        e.script = dies_after_one_chunk_once
+    gw = start_gateway(tmp_path, [e.address for e in engines])
+    try:
+        body = {"model": MODEL, "messages": user("x"), "stream": True}
+        with httpx.stream("POST", f"http://{gw.address}/v1/chat/completions", json=body, timeout=60) as streamed:
+            assert streamed.status_code == 200
+            events = [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
+        content = "".join(json.loads(e)["choices"][0]["delta"].get("content") or ""
+                          for e in events[:-1] if "choices" in json.loads(e) and json.loads(e)["choices"])
+        assert content == "partial", events
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "engine_failed" and "failed after output began" in error["message"], error
+        assert events[-1] == "[DONE]"
+        assert calls == [calls[0]] and sum(len(e.requests) for e in engines) == 1  # no second engine was called
+    finally:
+        assert gw.stop() == 0, gw.log()
+        for e in engines:
+            e.stop()
+
+
+def test_an_engine_marked_down_is_still_tried_last(tmp_path: Path) -> None:
+    """Down is the gateway's guess (a probe that timed out under load, an engine that says NOT_SERVING
+    and still answers): such an engine stays a candidate, after every healthy one, so a request whose
+    healthy engine fails before any output is still served there."""
+    import asyncio
+
+    from gateway.engines import EnginePool
+    from gateway.routing import RouteKeys
+    from gateway.upstream import CallSpec, generate
+
+    def unavailable(e: ScriptedEngine, r: engine_pb2.GenerateRequest, context: grpc.ServicerContext
+                    ) -> Iterator[engine_pb2.GenerateResponse]:
+        context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
+        yield engine_pb2.GenerateResponse()
+
+    healthy, marked_down = ScriptedEngine("healthy"), ScriptedEngine("marked down")
+    healthy.script = unavailable
+    marked_down.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # it answers Generate all the same
+
+    async def main() -> None:
+        pool = EnginePool([healthy.address, marked_down.address], interval=3600.0, sessions=False)
+        await pool.start()
+        try:
+            first, second = pool.engines
+            deadline = time.monotonic() + 60
+            while not (first.healthy and not second.healthy):
+                assert time.monotonic() < deadline, "the pool never saw one engine up and one down"
+                await asyncio.sleep(0.02)
+            keys = RouteKeys(b"head", b"conversation")
+            assert pool.candidates(MODEL, keys) == [first, second]  # the down one last, not left out
+            request = engine_pb2.GenerateRequest(request_id="r", model=MODEL)
+            got = [m async for m in generate(pool, request, b"head", CallSpec("messages", "max_tokens"))]
+            assert [m.text for m in got] == ["marked down"]
+            assert (len(healthy.requests), len(marked_down.requests)) == (1, 1)
+        finally:
+            await pool.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        healthy.stop()
+        marked_down.stop()

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+import grpc
 import pytest
 import torch
+import xxhash
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -24,6 +26,7 @@ from engine.outputs import RequestUpdate
 from engine.request import EngineRequest, EngineSequence, MovedState, SeqStatus
 from engine.sampling.params import SamplingParams
 from engine.text.tokenizer import Tokenizer
+from ignis.v1 import common_pb2, tierstore_pb2
 from services import RunningService, start_tierstore
 from tierstore.client import TierStoreClient
 
@@ -283,6 +286,113 @@ def test_a_cancelled_moved_sequence_leaves_nothing_in_any_tier(model, store: Run
         assert (stats.states_ram + stats.states_disk, stats.reservations_pending) == (0, 0)
         driver.core.check_integrity()
         assert driver.core.pages.num_free == driver.core.pages.num_pages
+    finally:
+        driver.close()
+
+
+def test_a_committed_move_resumes_before_a_newcomer_of_its_class(model, store: RunningService) -> None:  # type: ignore[no-untyped-def]
+    """A moved sequence keeps the rank it was admitted with: committed below, it goes back to the head
+    of its class's queue, ahead of a request of its class that arrived after it and waits for the one
+    running place."""
+    prompt = make_prompt(19, seed=1)
+    driver = Driver(model, store.address, reuse_prompt=False, max_num_seqs=1)
+    try:
+        want = driver.run(make_request("alone", prompt))
+        driver.submit(make_request("moved", prompt))
+        driver.step_until(lambda: driver.running_and("moved", lambda s: s.num_output == 3))
+        driver.submit(make_request("newcomer", make_prompt(30, seed=8), max_tokens=4))
+        move_at(driver, "moved", lambda s: s.num_computed == 21)  # 2 pages: written in one window
+        driver.core.step()  # written, committed and queued again; then admission
+        assert driver.running("moved") is not None and driver.running("newcomer") is None
+        driver.step_until(lambda: driver.done("moved") and driver.done("newcomer"))
+        same(driver.result("moved"), want)
+        assert driver.result("newcomer").error is None
+        driver.core.check_integrity()
+    finally:
+        driver.close()
+
+
+def test_a_moved_state_keeps_its_room_in_ram_against_its_own_class(model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A moved state belongs to a request in flight: its reservation is protected (LIVE_PROTECT_SECONDS).
+    While it waits below, another client of its class fills KV-RAM (no disk to move anything to) with
+    protected states of its own until the store refuses one: the moved state is not what makes room,
+    and the sequence resumes from RAM, equal to a run never moved."""
+    store = start_tierstore(tmp_path / "ts", ["--kv-host-pool-bytes", str(8 * MiB), "--kv-disk-bytes", "0"])
+    driver = Driver(model, store.address, reuse_prompt=False, max_num_seqs=1)
+    other = TierStoreClient(store.address, timeout=10)
+    try:
+        prompt = make_prompt(40, seed=4)
+        want = driver.run(make_request("alone", prompt))
+        driver.submit(make_request("moved", prompt))
+        move_at(driver, "moved", lambda s: s.num_output == 2)
+        driver.submit(make_request("blocker", make_prompt(50, seed=5), max_tokens=40))
+        driver.step_until(lambda: driver.core.stats().moving == 0)  # committed below; the blocker runs
+        assert driver.running("moved") is None and driver.running("blocker") is not None
+        assert stored_states(store) == 1
+        namespace, size = b"o" * 16, 512 * 1024
+        other.register(namespace, page_size=P, layout='{"another": "engine"}')
+        with pytest.raises(grpc.RpcError) as refused:
+            for i in range(4 * 8 * MiB // size):  # more than KV-RAM holds
+                data = bytes([i % 251]) * size
+                other.store(i.to_bytes(16, "little"), data, tierstore_pb2.StateMetadata(
+                    namespace=namespace, tokens=P, kind=common_pb2.REUSE_KIND_CHECKPOINT,
+                    request_class=common_pb2.REQUEST_CLASS_INTERACTIVE, checksum=xxhash.xxh3_128_digest(data),
+                    nbytes=size), protect_seconds=3600.0)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert other.stats().protected_refusals == 1
+        driver.step_until(lambda: driver.done("moved") and driver.done("blocker"))
+        same(driver.result("moved"), want)
+        assert len(driver.poisoned) == 1  # it resumed (on poisoned memory), from what was restored
+        stats = driver.core.stats()
+        assert stats.sequences_moved[ReuseTier.RAM] == 1 and stats.sequences_recomputed == 0
+        driver.core.check_integrity()
+    finally:
+        other.close()
+        driver.close()
+        store.stop()
+
+
+def choice_tokens(driver: Driver, rid: str, choice: int) -> list[int]:
+    return [t for u in driver.updates[rid] for d in u.deltas if d.choice == choice for t in d.token_ids]
+
+
+def test_an_interactive_request_moves_every_agent_it_needs_at_once_when_they_share_pages(  # type: ignore[no-untyped-def]
+        model, store: RunningService) -> None:
+    """The two choices of an agent request (n=2) share their prompt's 4 pages. An interactive request
+    fits only once both have moved: both start moving in the step it arrives. While one choice moves,
+    its shared pages stay held by the other, so they are not room coming back (counted as such, the
+    request would wait for pages that never come, and the choices would move one at a time)."""
+    agent_prompt, ask = make_prompt(64, seed=30), make_prompt(90, seed=31)  # 4 pages; 6 pages
+    reference = Driver(model, pages=64)
+    try:
+        want_agent = reference.run(make_request("agent", agent_prompt, max_tokens=12, n=2))
+        want_ask = reference.run(make_request("ask", ask, max_tokens=4))
+    finally:
+        reference.close()
+    driver = Driver(model, store.address, pages=10, reuse_prompt=False)
+    try:
+        pool = driver.core.pages
+        assert pool.num_pages == 10
+        driver.submit(make_request("agent", agent_prompt, max_tokens=12, cls=RequestClass.AGENT, n=2))
+
+        def choices() -> list[EngineSequence]:
+            return [s for s in driver.core.scheduler.running if s.request.request_id == "agent"]
+        driver.step_until(lambda: len(choices()) == 2 and all(s.num_output == 2 for s in choices()))
+        first, second = choices()
+        shared = set(first.page_table) & set(second.page_table)
+        assert len(shared) == 4 and all(pool.refcount(p) == 2 for p in shared)
+        assert (pool.num_used, pool.num_free) == (6, 4)  # the ask's 6 pages fit once both choices have left
+        driver.submit(make_request("ask", ask, max_tokens=4))
+        driver.core.step()
+        assert first.status is SeqStatus.MOVING and second.status is SeqStatus.MOVING
+        driver.step_until(lambda: driver.done("ask") and driver.done("agent"))
+        same(driver.result("ask"), want_ask)
+        assert choice_tokens(driver, "agent", 0) == choice_tokens(reference, "agent", 0)
+        assert choice_tokens(driver, "agent", 1) == choice_tokens(reference, "agent", 1)
+        stats = driver.core.stats()
+        assert stats.sequences_moved[ReuseTier.RAM] >= 2 and stats.sequences_recomputed == 0
+        driver.core.check_integrity()
+        assert pool.num_free == pool.num_pages
     finally:
         driver.close()
 

@@ -143,8 +143,8 @@ def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]
     return n
 
 
-def conversation(task: str) -> list[dict[str, object]]:
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
+def conversation(task: str, system: str = SYSTEM) -> list[dict[str, object]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": task}]
 
 
 def test_same_prompt_twice(pair) -> None:  # type: ignore[no-untyped-def]
@@ -181,16 +181,24 @@ def test_turn_two_reuses_turn_one(pair) -> None:  # type: ignore[no-untyped-def]
     assert r2.cached >= len(req1.prompt_ids) // P * P
 
 
-def test_subagent_burst_shares_the_system_and_tools_head(pair) -> None:  # type: ignore[no-untyped-def]
+# SYSTEM's head (system + tools) renders to exactly 29 pages; with this ending it ends 7 tokens into the 30th,
+# whose other 9 tokens begin the task (which differs per subagent).
+MID_PAGE_SYSTEM = SYSTEM + " Be brief."
+
+
+@pytest.mark.parametrize("system", [SYSTEM, MID_PAGE_SYSTEM], ids=["head-on-a-page-end", "head-mid-page"])
+def test_subagent_burst_shares_the_system_and_tools_head(pair, system: str) -> None:  # type: ignore[no-untyped-def]
+    """The head is published at its last whole page: a head that ends mid-page is published before it
+    (its partial page holds task tokens, which differ per subagent)."""
     name, warm, cold = pair
     tasks = ["Find the flaky test.", "Read the changelog.", "Profile the decoder.", "Draft the release notes.",
              "Check the disk budget."]
-    requests = [warm.request(conversation(t), tools=TOOLS) for t in tasks]
+    requests = [warm.request(conversation(t, system), tools=TOOLS) for t in tasks]
     head = requests[0].head_tokens // P * P
-    assert head > 0 and head % P == 0
+    assert head > 0 and (requests[0].head_tokens % P == 0) == (system == SYSTEM)
     results = [warm.run(r)[0] for r in requests]
     for task, result in zip(tasks, results):
-        same(result, cold.run(cold.request(conversation(task), tools=TOOLS))[0])
+        same(result, cold.run(cold.request(conversation(task, system), tools=TOOLS))[0])
     assert results[0].cached == 0
     for k in range(1, len(tasks)):
         if name != "dense":

@@ -1,17 +1,19 @@
 """Faults in the lower tiers degrade and recover: a truncated index, a read-only or full disk, blobs
 deleted behind the store's back, an arena file truncated or deleted.
 
-The faults are real where this machine allows: real truncated files, a read-only bind mount, a
-small tmpfs (both need mount privileges: those tests skip without them). Two seams stand in where
-no filesystem can fail that way: DiskIO (tierstore/disk.py), through which every disk write goes,
-fails only the LMDB commit (a bind mount cannot turn read-only while LMDB holds its files open);
-and a store call raising Unavailable shows the engine's client what a failing disk read answers.
+The faults are real where this machine allows: real truncated files, a blob folder whose write
+permission is taken away (the kernel refuses every write in it; nothing outside the test's folder
+changes, so nothing is left behind however the test ends), a small tmpfs (needs mount privileges:
+that test skips without them). Two seams stand in where no filesystem can fail that way: DiskIO
+(tierstore/disk.py), through which every disk write goes, fails only the LMDB commit; and a store
+call raising Unavailable shows the engine's client what a failing disk read answers.
 No sleeps: a fake clock moves past back-offs, a poll waits for what a process does on its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import logging
 import os
@@ -140,18 +142,77 @@ def _can_mount() -> bool:
         probe.rmdir()
 
 
-needs_mount = pytest.mark.skipif(not _can_mount(), reason="needs mount privileges (a read-only bind mount, a tmpfs)")
+needs_mount = pytest.mark.skipif(not _can_mount(), reason="needs mount privileges (a tmpfs)")
+
+# Root passes permission checks by its DAC capabilities (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH). A store
+# of the test's own gives them up, so that a folder without write permission refuses it as it refuses any
+# user: in this process, the calling thread for a block (capabilities are per thread; nothing else changes
+# and a process that ends takes them along); a store process is started without them (setpriv).
+_DAC_CAPS = (1 << 1) | (1 << 2)
+_CAPS_V3 = 0x20080522
+_SETPRIV = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _thread_caps(effective: int | None = None) -> int:
+    """The calling thread's effective capabilities (the low word); with `effective`, set them first."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = _CapHeader(_CAPS_V3, 0), (_CapData * 2)()
+    if libc.capget(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    if effective is not None:
+        data[0].effective = effective
+        if libc.capset(ctypes.byref(header), data) != 0:
+            raise OSError(ctypes.get_errno(), "capset")
+    return int(data[0].effective)
+
+
+def _root_can_give_up_dac() -> bool:
+    if os.geteuid() != 0:
+        return True  # not needed
+    try:
+        _thread_caps()
+    except (OSError, AttributeError):
+        return False
+    try:
+        return subprocess.run([*_SETPRIV, "true"], capture_output=True).returncode == 0
+    except OSError:  # no setpriv
+        return False
+
+
+needs_read_only = pytest.mark.skipif(not _root_can_give_up_dac(),
+                                     reason="root here cannot give up its DAC capabilities (capset, setpriv)")
 
 
 @contextmanager
-def read_only(folder: Path) -> Iterator[None]:
-    """``folder`` read-only (EROFS for every write in it) until the block ends."""
-    subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
+def read_only(folder: Path, this_thread_writes: bool = True) -> Iterator[None]:
+    """``folder`` refuses every write until the block ends: its write permission is taken away (the kernel
+    answers EACCES, as a read-only mount answers EROFS; reads go on). As root, the calling thread gives up
+    its DAC capabilities meanwhile when `this_thread_writes` (an in-process store); a store process of the
+    test's was started without them (`store_without_dac`)."""
+    mode = folder.stat().st_mode & 0o7777
+    folder.chmod(mode & ~0o222)
+    caps = _thread_caps() if this_thread_writes and os.geteuid() == 0 else None
     try:
-        subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True)
+        if caps is not None:
+            _thread_caps(caps & ~_DAC_CAPS)
         yield
     finally:
-        subprocess.run(["umount", str(folder)], check=True)
+        if caps is not None:
+            _thread_caps(caps)
+        folder.chmod(mode)
+
+
+def store_without_dac(workdir: Path, args: list[str], metrics: bool = False) -> RunningService:
+    """A tierstore process that permissions bind (as root: without its DAC capabilities)."""
+    return start_tierstore(workdir, args, metrics=metrics, prefix=_SETPRIV if os.geteuid() == 0 else [])
 
 
 @contextmanager
@@ -251,7 +312,7 @@ def test_an_index_truncated_while_serving_is_rebuilt_from_memory(tmp_path: Path)
 
 # ---------------------------------------------------------------- a disk that fails
 
-@needs_mount
+@needs_read_only
 def test_a_read_only_disk_keeps_ram_serving_and_recovers(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="ignis.tierstore")
     clock = Clock()
@@ -293,15 +354,15 @@ def test_a_read_only_disk_keeps_ram_serving_and_recovers(tmp_path: Path, caplog:
         store.close()
 
 
-@needs_mount
+@needs_read_only
 def test_a_read_only_disk_never_turns_a_ram_restore_into_an_internal_error(tmp_path: Path) -> None:
     args = ["--kv-host-pool-bytes", "256KiB", "--kv-disk-path", str(tmp_path / "kv"), "--kv-disk-bytes", "8MiB"]
-    store = start_tierstore(tmp_path / "ts", args, metrics=True)
+    store = store_without_dac(tmp_path / "ts", args, metrics=True)
     try:
         with TierStoreClient(store.address) as c:
             c.register(NS, page_size=16, layout=LAYOUT)
             c.store(h("s0"), make_data("s0", 64 * KiB), make_meta("s0", 64 * KiB))
-            with read_only(tmp_path / "kv" / "blobs"):
+            with read_only(tmp_path / "kv" / "blobs", this_thread_writes=False):
                 for i in range(1, 12):
                     c.store(h(f"s{i}"), make_data(f"s{i}", 64 * KiB), make_meta(f"s{i}", 64 * KiB))
                     lease = c.acquire(h(f"s{i}"))  # a RAM restore, while spills fail underneath
