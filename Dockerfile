@@ -56,10 +56,13 @@ RUN if [ "$VARIANT" = cuda ]; then \
       && rm -rf /var/lib/apt/lists/*; \
     fi
 # One fixed uid for every service: the tierstore's arena file (mode 0600) must be opened by the engine.
-# The folders exist owned by it, so named volumes mounted on them start out writable by it.
+# The folders exist owned by it, so named volumes mounted on them start out writable by it (Docker copies
+# a folder's owner and mode into an empty volume). /var/lib/ignis/engine, the engine's stored responses
+# and integrity key, is 0700: the key file the engine makes there is 0600 in a folder of its own.
 RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin ignis \
- && mkdir -p /var/lib/ignis/kv-disk /var/cache/ignis /models \
- && chown ignis:ignis /var/lib/ignis/kv-disk /var/cache/ignis
+ && mkdir -p /var/lib/ignis/kv-disk /var/lib/ignis/engine /var/cache/ignis /models \
+ && chown ignis:ignis /var/lib/ignis/kv-disk /var/lib/ignis/engine /var/cache/ignis \
+ && chmod 0700 /var/lib/ignis/engine
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \

@@ -90,7 +90,7 @@ def run(states: int, repeats: int, workdir: Path) -> dict[str, Any]:
         "--served-model-name", "ignis-tiny", "--max-queue", "64",
         "--set", f"reuse.retained_device={states}", "--set", "reuse.retained_interactive_ttl=0"])
     try:
-        gateway = launch_gateway(workdir / "gw", [f"127.0.0.1:{engine.port}"])
+        gateway = launch_gateway(workdir / "gw", [engine.address])
         try:
             url = f"http://127.0.0.1:{gateway.port}"
             fill_s = fill(url, states)

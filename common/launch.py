@@ -1,11 +1,12 @@
 """Start the services as processes on free loopback ports (tests and benchmarks), and stop them.
 
 Each service is told ``--port 0 --port-file F``; readiness is polled (the port
-file, then gRPC health or HTTP /health), never slept for. The tierstore serves a
-Unix socket instead (its link is private: tierstore/auth.py): it is told
+file, then gRPC health or HTTP /health), never slept for. The engine and the tierstore
+serve a Unix socket instead (their link is private: common/secret_auth.py): each is told
 ``--socket S --ready-file F``, S in a 0700 folder of the workdir (the same S for the
-same workdir, so a restarted tierstore is found where the last one was), and its
-``address`` is ``unix:S``; a ``--port`` in its args adds TCP (give it a ``--secret-file``).
+same workdir and name, so a restarted service is found where the last one was), and its
+``address`` is ``unix:S``; a ``--port`` in its args adds TCP (give it a ``--secret-file``:
+over TCP every call but health needs the secret).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
-SOCKET_SERVICES = {"tierstore"}  # modules served on a Unix socket rather than a port
+SOCKET_SERVICES = {"tierstore", "engine"}  # modules served on a Unix socket rather than a port
 _MAX_SOCKET_PATH = 100  # of sun_path's 107 bytes, with room to spare
 
 
@@ -61,10 +62,11 @@ class Service:
 
 def launch(name: str, module: str, args: list[str], workdir: Path, ready: Callable[[int], bool],
            timeout: float = 600.0, env: dict[str, str] | None = None, append_log: bool = False,
-           extra: dict[str, int] | None = None) -> Service:
+           extra: dict[str, int] | None = None, prefix: list[str] | None = None) -> Service:
     """`python -m module --port 0 --port-file F args` (a `--port` in args wins); returns once `ready(port)`.
 
-    `append_log` keeps an earlier log in the same workdir (a restart of the same service).
+    `append_log` keeps an earlier log in the same workdir (a restart of the same service). `prefix`: a
+    command that runs it (it must exec it in the same process, as setpriv does).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     on_socket = module in SOCKET_SERVICES
@@ -74,7 +76,7 @@ def launch(name: str, module: str, args: list[str], workdir: Path, ready: Callab
     flags = ["--socket", str(socket_path(workdir, name)), "--ready-file", str(port_file)] if on_socket else \
         ["--port", "0", "--port-file", str(port_file)]
     with log_path.open("ab" if append_log else "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", module, *flags, *args],
+        proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", module, *flags, *args],
                                 cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
     service = Service(name, proc, 0, log_path, dict(extra or {}))
     announced = False
@@ -108,7 +110,7 @@ def socket_path(workdir: Path, name: str) -> Path:
         os.chmod(base, 0o700)
         path = base / digest / f"{name}.sock"
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path.parent, 0o700)  # the tierstore refuses a folder others may enter
+    os.chmod(path.parent, 0o700)  # the engine and tierstore refuse a folder others may enter
     return path
 
 

@@ -199,6 +199,22 @@ class KvDiskSettings(_Section):
             raise SettingsError(f"kv_disk.path: {detail}", key="kv_disk.path", detail=detail)
 
 
+def runtime_dir() -> str:
+    """Where a service keeps its sockets: ``$XDG_RUNTIME_DIR/ignis``, else ``<tmp>/ignis-<uid>`` (made 0700 by its user)."""
+    base = os.environ.get("XDG_RUNTIME_DIR", "")
+    if base and os.path.isabs(base) and os.path.isdir(base):
+        return os.path.join(base, "ignis")
+    return os.path.join(tempfile.gettempdir(), f"ignis-{os.getuid()}")
+
+
+def default_tierstore_socket() -> str:
+    return os.path.join(runtime_dir(), "tierstore.sock")
+
+
+def default_engine_socket() -> str:
+    return os.path.join(runtime_dir(), "engine.sock")
+
+
 @dataclass(slots=True)
 class EngineSettings(_Section):
     """[engine]: the model host."""
@@ -226,18 +242,12 @@ class EngineSettings(_Section):
     spill_window_pages: int = setting(16, parse_int, minimum=1,
                                       doc="KV pages of a live sequence moved down to KV-RAM per step when a "
                                           "higher-ranked request needs its room")
-
-
-def runtime_dir() -> str:
-    """Where a service keeps its sockets: ``$XDG_RUNTIME_DIR/ignis``, else ``<tmp>/ignis-<uid>`` (made 0700 by its user)."""
-    base = os.environ.get("XDG_RUNTIME_DIR", "")
-    if base and os.path.isabs(base) and os.path.isdir(base):
-        return os.path.join(base, "ignis")
-    return os.path.join(tempfile.gettempdir(), f"ignis-{os.getuid()}")
-
-
-def default_tierstore_socket() -> str:
-    return os.path.join(runtime_dir(), "tierstore.sock")
+    socket: str = setting(default_engine_socket(), parse_path,
+                          doc="Unix socket the engine serves gRPC on (0600, in a 0700 folder), for a gateway on "
+                              "this host; empty = none (then --port)")
+    secret_file: str = setting("", parse_path, doc="file holding the shared secret every TCP call (--port) must "
+                                                   "carry, health checks aside (the engine creates it, 0600, if "
+                                                   "missing); required for TCP")
 
 
 @dataclass(slots=True)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import os
 import signal
 import sys
 from http.server import HTTPServer
@@ -15,7 +17,8 @@ import torch
 
 from common.cli_help import DefaultsHelpFormatter
 from common.logs import configure_logging
-from common.settings import Settings, parse_service_args
+from common.secret_auth import Listeners, listeners as secret_listeners
+from common.settings import Settings, default_engine_socket, parse_service_args
 from common.tracing import run_traced
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -44,6 +47,8 @@ _SETTING_FLAGS = {
     "weight_dtype": "engine.weight_dtype",
     "device": "engine.device",
     "tierstore": "tierstore.address",  # --tierstore HOST:PORT
+    "socket": "engine.socket",
+    "secret_file": "engine.secret_file",
 }
 
 
@@ -54,9 +59,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     parser.add_argument("--model", default=TINY_NAME,
                         help=f"checkpoint directory, a Hugging Face repo id already in the local cache, or {TINY_NAME}")
     parser.add_argument("--served-model-name", default=None, help="model id clients use (default: from --model)")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
-    parser.add_argument("--port-file", default=None, help="write the bound port here once serving (for tests)")
+    parser.add_argument("--host", default="127.0.0.1", help="TCP bind address, with --port (default: loopback only)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="also serve gRPC over TCP on this port (0 picks a free one), every call but health "
+                             "checks authenticated with the secret in --secret-file; default: the Unix socket "
+                             "(engine.socket) only")
+    parser.add_argument("--port-file", default=None, help="write the bound TCP port here once serving (for tests)")
+    parser.add_argument("--ready-file", default=None,
+                        help="write JSON {address, socket, port, pid} here once serving (for launchers)")
     parser.add_argument("--metrics-port", type=int, default=0, help="HTTP port of /metrics (0: off)")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds to finish in-flight work on shutdown")
     parser.add_argument("--session-socket", action=argparse.BooleanOptionalAction, default=True,
@@ -79,7 +89,34 @@ def build_core(model_path: Path, settings: Settings) -> EngineCore:
     return EngineCore(loaded, tokenizer, EngineConfig.from_settings(settings))
 
 
+def listeners(args: argparse.Namespace, settings: Settings) -> Listeners:
+    """(addresses to bind, the socket's lock, the TCP secret); OSError (AccessError) if they cannot be private."""
+    e = settings.engine
+    return secret_listeners("engine", e.socket, default_engine_socket(), args.host, args.port, e.secret_file)
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Written whole, then renamed: a poller never reads half of it."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = False) -> int:
+    try:
+        addresses, lock, secret = listeners(args, settings)
+    except OSError as exc:
+        log.error("cannot start the engine: %s", exc)
+        return 2
+    try:
+        return await serve_on(args, settings, addresses, secret, tracing)
+    finally:
+        if lock is not None:
+            lock.close()  # removes the socket
+
+
+async def serve_on(args: argparse.Namespace, settings: Settings, addresses: list[str], secret: bytes | None,
+                   tracing: bool) -> int:
     model_id = args.served_model_name or (TINY_NAME if args.model == TINY_NAME else Path(args.model).name)
     r = settings.responses
     try:  # opened before the model loads: a folder that is not ours fails the start at once
@@ -88,10 +125,21 @@ async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = Fa
         log.error("cannot open the response store %s: %s", r.path, exc)
         return 2
     service = EngineService(model_id, responses=responses)
-    server, port, health = create_server(service, f"{args.host}:{args.port}", tracing)
+    try:
+        server, port, health = create_server(service, addresses, tracing, secret)
+    except OSError as exc:
+        log.error("cannot start the engine: %s", exc)
+        if responses is not None:
+            responses.close()
+        return 2
+    socket = addresses[0].removeprefix("unix:") if addresses[0].startswith("unix:") else ""
+    if socket:
+        os.chmod(socket, 0o600)  # whatever the umask was (its folder is 0700 anyway)
+    served = " and ".join([f"{socket} (Unix socket)"] * bool(socket) +
+                          [f"{args.host}:{port} (TCP, secret required)"] * (args.port is not None))
     await set_serving(health, False)
     await server.start()
-    log.info("engine listening on %s:%d (loading %s)", args.host, port, args.model)
+    log.info("engine listening on %s (loading %s)", served, args.model)
     session_socket = SessionSocket(service)
     if args.session_socket:
         try:
@@ -132,9 +180,13 @@ async def serve(args: argparse.Namespace, settings: Settings, tracing: bool = Fa
                 return 2
             log.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
         await set_serving(health, True)
-        log.info("engine serving %s on %s:%d", model_id, args.host, port)
-        if args.port_file:
-            Path(args.port_file).write_text(str(port))
+        log.info("engine serving %s on %s", model_id, served)
+        if args.port_file and args.port is not None:
+            write_atomically(args.port_file, str(port))
+        if args.ready_file:
+            write_atomically(args.ready_file, json.dumps({
+                "address": f"unix:{socket}" if socket else f"{args.host}:{port}", "socket": socket or None,
+                "port": port if args.port is not None else None, "pid": os.getpid()}))
         await stop.wait()
 
     log.info("shutting down: finishing in-flight work for up to %.0fs", args.grace)

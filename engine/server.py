@@ -16,6 +16,7 @@ from grpc_health.v1 import health
 from common.eviction import EvictionOrder
 from common.grpc_server import build_server
 from common.grpc_server import set_serving as set_health
+from common.secret_auth import SecretAuth
 from common.tracing import QUIET_METHODS, ServerTracingInterceptor
 from engine.proto_convert import (commit_policy, guided_spec, lookup_enabled, request_class, sampling_params,
                                   update_messages)
@@ -283,9 +284,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         return engine_pb2.DeleteResponseResponse(deleted=True)
 
 
-def create_server(service: EngineService, address: str, tracing: bool = False
-                  ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Build (not start) the server on `address` (port 0 picks a free one); returns (server, port, health).
+def create_server(service: EngineService, address: str | list[str], tracing: bool = False,
+                  secret: bytes | None = None) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Build (not start) the server on `address` (``unix:/path``, ``host:port``, port 0 picks a free one, or a
+    list of them); returns (server, port, health), port being the TCP port (0: none).
+
+    Calls over a Unix socket are let in (the socket's mode decides who connects); calls over TCP need
+    `authorization: Bearer <secret>`, all refused without a `secret` (common/secret_auth.py); health is open.
 
     With `tracing`, each RPC is a SERVER span continuing the caller's trace; gateways poll
     ListModels and monitors GetStats, so those are traced only inside a caller's trace.
@@ -293,9 +298,11 @@ def create_server(service: EngineService, address: str, tracing: bool = False
     quiet = (*QUIET_METHODS, f"/{SERVICE_NAME}/ListModels", f"/{SERVICE_NAME}/GetStats",
              f"/{SERVICE_NAME}/ListState",
              f"/{SERVICE_NAME}/GenerateSession")  # a long-lived stream: each call on it has its own span
+    interceptors: list[grpc.aio.ServerInterceptor] = [SecretAuth(secret, "engine")]
+    if tracing:
+        interceptors.append(ServerTracingInterceptor(quiet))
     return build_server(lambda server: engine_pb2_grpc.add_EngineServicer_to_server(service, server),
-                        engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name, address, "engine",
-                        [ServerTracingInterceptor(quiet)] if tracing else [])
+                        engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name, address, "engine", interceptors)
 
 
 async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:

@@ -16,6 +16,7 @@ from typing import Iterator
 
 import uvicorn
 
+from common.bearer import read_secret
 from common.cli_help import DefaultsHelpFormatter
 from common.heap import freeze_startup_heap
 from common.logs import configure_logging
@@ -58,8 +59,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
         description="OpenAI-compatible REST gateway to engines.")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
-    parser.add_argument("--engine", action="append", default=[], metavar="HOST:PORT",
-                        help="an engine's gRPC address; repeat for several engines")
+    parser.add_argument("--engine", action="append", default=[], metavar="HOST:PORT|unix:PATH",
+                        help="an engine's gRPC address: unix:/path of its socket on this host (engine.socket), or "
+                             "HOST:PORT over TCP (with --engine-secret-file); repeat for several engines")
+    parser.add_argument("--engine-secret-file", default="", metavar="PATH",
+                        help="the engines' shared secret (their engine.secret_file), sent on every call over TCP "
+                             "(default: none; a TCP engine then refuses every call but health checks)")
     parser.add_argument("--api-key", default=os.environ.get("IGNIS_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $IGNIS_API_KEY, or none)")
     parser.add_argument("--allow-unauthenticated", action="store_true",
@@ -124,7 +129,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
                         help="event loop: asyncio's own or uvloop (libuv; see the README for what differs)")
     args = parser.parse_args(argv)
     try:
-        config = GatewayConfig(engines=args.engine, api_key=args.api_key or None, metrics_auth=args.metrics_auth,
+        config = GatewayConfig(engines=args.engine, engine_secret_file=args.engine_secret_file, api_key=args.api_key or None, metrics_auth=args.metrics_auth,
                                request_timeout=args.request_timeout, upstream=args.upstream,
                                probe_interval=args.probe_interval,
                                header_timeout=args.header_timeout, body_timeout=args.body_timeout,
@@ -165,6 +170,12 @@ def _raise_fd_limit(needed: int) -> None:
 
 
 async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
+    if config.engine_secret_file:
+        try:  # here, not in the lifespan: a clear line, not a traceback (read again when the engine pool starts)
+            read_secret(config.engine_secret_file)
+        except (OSError, ValueError) as exc:
+            log.error("cannot read --engine-secret-file: %s", exc)
+            return 2
     # Bind first, so --port 0 has a port to report and the port file is written only once serving.
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     # IPPROTO_TCP explicitly: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose proto says TCP,

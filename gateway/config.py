@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -17,7 +18,10 @@ DEFAULT_MAX_STREAM_BUFFER_BYTES = 8 << 20
 
 @dataclass(slots=True)
 class GatewayConfig:
-    engines: list[str]  # HOST:PORT of each engine's gRPC server
+    engines: list[str]  # each engine's gRPC server: HOST:PORT (TCP) or unix:/path (its socket on this host)
+    # The engines' shared secret (engine.secret_file), sent on every call over TCP; "": none (a TCP engine then
+    # refuses every call but health).
+    engine_secret_file: str = ""
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     metrics_auth: bool = False  # /metrics needs the key too (only with api_key)
     request_timeout: float | None = None  # gRPC deadline of one generation, seconds; None = none
@@ -53,7 +57,7 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         if not self.engines and not self.engine_dns:
-            raise ValueError("give at least one engine (--engine HOST:PORT or --engine-dns NAME:PORT)")
+            raise ValueError("give at least one engine (--engine HOST:PORT|unix:/path or --engine-dns NAME:PORT)")
         for name in self.engine_dns:
             DnsName.parse(name)  # raises naming it
         if not self.dns_refresh > 0:
@@ -69,9 +73,13 @@ class GatewayConfig:
         if self.reasoning_parser not in ("", "qwen3", "deepseek_r1", "none"):
             raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}")
         for address in self.engines:
+            if address.startswith("unix:"):
+                if not os.path.isabs(address.removeprefix("unix:")):
+                    raise ValueError(f"engine address {address!r}: a Unix socket needs an absolute path (unix:/path)")
+                continue
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"engine address {address!r} is not HOST:PORT")
+                raise ValueError(f"engine address {address!r} is not HOST:PORT or unix:/path")
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key must not be empty")
         if self.metrics_auth and self.api_key is None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.bearer import read_secret, with_bearer
 from gateway.config import DEFAULT_MAX_STREAM_BUFFER_BYTES, GatewayConfig
 from gateway.discovery import Discovery, DnsName, Resolver, getaddrinfo_resolver
 from gateway.errors import OpenAIError, unavailable
@@ -78,7 +79,8 @@ class EnginePool:
                  rule: RoutingRule | None = None, discovery: Discovery | None = None,
                  dns_refresh: float = 10.0, rewatch_delay: float = 0.5, sessions: bool = True,
                  session_sockets: bool = True, traced: bool = True, max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER_BYTES,
-                 on_slow_reader: Callable[[], None] = lambda: None) -> None:
+                 on_slow_reader: Callable[[], None] = lambda: None, secret: bytes | None = None) -> None:
+        """`secret`: the engines' shared secret, sent on every call to an engine over TCP (not over unix:)."""
         if not addresses and discovery is None:
             raise ValueError("at least one engine address or DNS name is needed")
         self.interval = interval
@@ -92,6 +94,7 @@ class EnginePool:
         self.max_stream_buffer = max_stream_buffer  # bytes held for one call's slow reader (gateway/session.py)
         self.on_slow_reader = on_slow_reader  # a call ended for its slow reader (the fault summary counts it)
         self.traced = traced  # a CLIENT span per Generate call (off when no spans are exported)
+        self.secret = secret
         self.static = list(dict.fromkeys(addresses))
         self.engines: list[EngineClient] = [self._client(a) for a in self.static]
         self._tasks: list[asyncio.Task[None]] = []
@@ -102,14 +105,21 @@ class EnginePool:
     def from_config(cls, config: GatewayConfig, resolver: Resolver = getaddrinfo_resolver,
                     on_slow_reader: Callable[[], None] = lambda: None) -> EnginePool:
         discovery = Discovery([DnsName.parse(n) for n in config.engine_dns], resolver) if config.engine_dns else None
+        secret = read_secret(config.engine_secret_file) if config.engine_secret_file else None
         return cls(config.engines, config.probe_interval, config.probe_timeout, config.routing_rule(), discovery,
                    config.dns_refresh, sessions=config.upstream != "calls",
                    session_sockets=config.upstream == "session", traced=config.tracing,
-                   max_stream_buffer=config.max_stream_buffer_bytes, on_slow_reader=on_slow_reader)
+                   max_stream_buffer=config.max_stream_buffer_bytes, on_slow_reader=on_slow_reader, secret=secret)
 
     def _client(self, address: str) -> EngineClient:
         channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         stub = engine_pb2_grpc.EngineStub(channel)
+        if not address.startswith("unix:"):  # over TCP every call but health needs the secret (the socket: none)
+            if self.secret is not None:
+                stub = with_bearer(stub, self.secret)
+            else:
+                log.warning("engine %s is reached over TCP without --engine-secret-file: it refuses every call "
+                            "but health checks (give its engine.secret_file, or use its unix: socket)", address)
         return EngineClient(address, channel, stub, health_pb2_grpc.HealthStub(channel),
                             session=EngineSession(stub, self.max_stream_buffer, self.on_slow_reader)
                             if self.sessions else None)

@@ -2,15 +2,16 @@
 print how to talk to them, and stop all three cleanly on Ctrl-C.
 
     python scripts/run_all.py [--model DIR|ignis-tiny] [--config ignis.toml] [--set reuse.retained_device=16]
-                              [--gateway-port 8000] [--engine-port 50051] [--tierstore-port PORT]
+                              [--gateway-port 8000] [--engine-port PORT] [--tierstore-port PORT]
                               [--no-tierstore] [-- EXTRA ENGINE FLAGS]
 
 Settings (`--config`, `--set`, and IGNIS_SECTION__KEY variables) reach the engine and the
 tierstore alike. `make run ARGS="..."` passes its ARGS here; `MODEL=DIR make run` serves DIR.
 
-The engine reaches the tierstore over its Unix socket (`tierstore.socket`, by default
-`$XDG_RUNTIME_DIR/ignis/tierstore.sock` or `/tmp/ignis-<uid>/tierstore.sock`). With
-`--tierstore-port`, the tierstore also serves TCP, every call authenticated with the secret in
+The gateway reaches the engine, and the engine the tierstore, over their Unix sockets
+(`engine.socket` and `tierstore.socket`, by default in `$XDG_RUNTIME_DIR/ignis/` or
+`/tmp/ignis-<uid>/`). With `--engine-port` / `--tierstore-port`, the engine / the tierstore
+also serves TCP, every call authenticated with the secret in `engine.secret_file` /
 `tierstore.secret_file` (a new one in the run's scratch folder unless `--set` names one).
 """
 
@@ -82,7 +83,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="a setting for the engine and the tierstore (repeatable)")
     parser.add_argument("--gateway-port", type=int, default=8000)
-    parser.add_argument("--engine-port", type=int, default=50051)
+    parser.add_argument("--engine-port", type=int, default=None,
+                        help="also serve the engine over TCP here (secret in engine.secret_file); "
+                             "default: its Unix socket only")
     parser.add_argument("--tierstore-port", type=int, default=None,
                         help="also serve the tierstore over TCP here (secret in tierstore.secret_file); "
                              "default: its Unix socket only")
@@ -100,8 +103,9 @@ def main() -> int:
     children: list[Child] = []
 
     def start(name: str, module: str, flags: list[str]) -> Child:
-        ready = scratch / f"{name}.{'ready' if module == 'tierstore' else 'port'}"
-        announce = "--ready-file" if module == "tierstore" else "--port-file"
+        on_socket = module in ("tierstore", "engine")  # they write JSON {address, socket, port, ...}
+        ready = scratch / f"{name}.{'ready' if on_socket else 'port'}"
+        announce = "--ready-file" if on_socket else "--port-file"
         # A session of its own: Ctrl-C reaches only us, and we stop the services in order.
         proc = subprocess.Popen([sys.executable, "-m", module, *flags, announce, str(ready)], cwd=ROOT,
                                 start_new_session=True)
@@ -141,15 +145,22 @@ def main() -> int:
         print(f"starting the engine ({args.model}); the first run generates ignis-tiny ...", flush=True)
         # The engine uses the tierstore's socket (no secret), or its TCP port if tierstore.socket is "".
         secret = tcp[2:] if tierstore and not tierstore.startswith("unix:") else []
-        engine_flags = ["--model", args.model, "--port", str(args.engine_port),
-                        "--metrics-port", str(args.engine_metrics_port), *secret, *settings]
+        engine_tcp = [] if args.engine_port is None else \
+            ["--port", str(args.engine_port), "--set", f"engine.secret_file={scratch / 'engine.secret'}"]
+        engine_flags = ["--model", args.model, "--metrics-port", str(args.engine_metrics_port), *secret,
+                        *engine_tcp, *settings]  # the user's --set come later: an engine.secret_file there wins
         if not args.no_tierstore:
             engine_flags += ["--tierstore", tierstore]
-        wait_ready(start("engine", "engine", engine_flags + args.engine_args), 1800)
+        engine = start("engine", "engine", engine_flags + args.engine_args)
+        wait_ready(engine, 1800)
+        # Over its socket, the engine's own folder: no secret (with engine.socket = "", TCP and its secret).
+        ready = json.loads(engine.ready_file.read_text())
+        secret_file = [f.partition("=")[2] for f in engine_flags if f.startswith("engine.secret_file=")]
+        engine_secret = [] if ready["socket"] else ["--engine-secret-file", secret_file[-1]]
         wait_ready(start("gateway", "gateway", [
-            "--host", "127.0.0.1", "--port", str(args.gateway_port),
-            "--engine", f"127.0.0.1:{args.engine_port}"]), 120)
-        print_banner(args, tierstore)
+            "--host", "127.0.0.1", "--port", str(args.gateway_port), "--engine", ready["address"],
+            *engine_secret]), 120)
+        print_banner(args, tierstore, ready["address"])
         while all(c.process.poll() is None for c in children):
             time.sleep(0.5)
         dead = [c.name for c in children if c.process.poll() is not None]
@@ -161,14 +172,16 @@ def main() -> int:
         stop_all()
 
 
-def print_banner(args: argparse.Namespace, tierstore: str) -> None:
+def print_banner(args: argparse.Namespace, tierstore: str, engine: str) -> None:
     model_id = "ignis-tiny" if args.model == "ignis-tiny" else Path(args.model).name
     url = f"http://127.0.0.1:{args.gateway_port}"
     lines = [
         "",
         f"gateway   (OpenAI API)  {url}/v1        metrics {url}/metrics",
-        f"engine    (gRPC)        127.0.0.1:{args.engine_port}     metrics http://127.0.0.1:{args.engine_metrics_port}/metrics",
     ]
+    tcp = f" and 127.0.0.1:{args.engine_port} (secret)" if args.engine_port is not None else ""
+    lines.append(f"engine    (gRPC)        {engine}{tcp}     "
+                 f"metrics http://127.0.0.1:{args.engine_metrics_port}/metrics")
     if not args.no_tierstore:
         tcp = f" and 127.0.0.1:{args.tierstore_port} (secret)" if args.tierstore_port is not None else ""
         lines.append(f"tierstore (gRPC)        {tierstore}{tcp}     "
@@ -183,7 +196,8 @@ def print_banner(args: argparse.Namespace, tierstore: str) -> None:
         f"r = client.chat.completions.create(model=\"{model_id}\", messages=[{{\"role\": \"user\", \"content\": \"hi\"}}])",
         "print(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)",
         "",
-        f"grpcurl -plaintext 127.0.0.1:{args.engine_port} list",
+        f"grpcurl -plaintext -unix {engine.removeprefix('unix:')} list" if engine.startswith("unix:")
+        else f"grpcurl -plaintext -H 'authorization: Bearer <secret>' {engine} list",
         "",
         "Ctrl-C stops everything.",
     ]

@@ -40,14 +40,15 @@ def start_gateway(workdir: Path, engines: list[str], args: list[str] | None = No
 
 
 def start_tierstore(workdir: Path, args: list[str] | None = None, env: dict[str, str] | None = None,
-                    metrics: bool = False, timeout: float = 60.0) -> RunningService:
+                    metrics: bool = False, timeout: float = 60.0, prefix: list[str] | None = None
+                    ) -> RunningService:
     """`python -m tierstore` on a Unix socket of its own (``address`` is ``unix:...``, the same for the
     same workdir); ready once gRPC health says SERVING.
 
     Pass the tier sizes in ``args`` (``--kv-host-pool-bytes``, ``--kv-disk-path``,
     ``--kv-disk-bytes``); ``--port`` and ``--secret-file`` add TCP (``port``). With ``metrics``,
     /metrics listens on ``extra["metrics"]``. The log is appended: a restart on the same
-    workdir keeps the earlier log.
+    workdir keeps the earlier log. ``prefix``: a command that execs it (e.g. setpriv).
     """
     extra: dict[str, int] = {}
     flags = ["--host", "127.0.0.1"]
@@ -55,4 +56,4 @@ def start_tierstore(workdir: Path, args: list[str] | None = None, env: dict[str,
         extra["metrics"] = free_port()
         flags += ["--metrics-port", str(extra["metrics"])]
     return launch("tierstore", "tierstore", [*flags, *(args or [])], workdir, grpc_serving, timeout, env,
-                  append_log=True, extra=extra)
+                  append_log=True, extra=extra, prefix=prefix)

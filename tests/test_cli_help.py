@@ -17,7 +17,8 @@ from engine.model.tiny import resolve_model_path
 
 
 @pytest.mark.parametrize("service, wants", [
-    (engine_main, ["(default: ignis-tiny)", "(default: 50051)", "engine.kv_cache_bytes=VALUE (default: 536870912)",
+    (engine_main, ["(default: ignis-tiny)", "engine.secret_file=VALUE (default: empty)",
+                   "engine.kv_cache_bytes=VALUE (default: 536870912)",
                    "tierstore.address=VALUE (default: empty)"]),
     (tierstore_main, ["kv_disk.bytes=VALUE (default: 4294967296)"]),
     (gateway_main, ["(default: 8000)", "(default: 2.0)"]),

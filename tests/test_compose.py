@@ -379,6 +379,45 @@ def test_kv_disk_volume_holds_the_disk_tier(parse: Parse) -> None:
     assert mount.source in COMPOSE["volumes"] and not mount.read_only
 
 
+def volume_holding(service: dict[str, Any], path: str) -> Mount | None:
+    """The named volume whose mount holds `path` (a folder or file below its target), if one does."""
+    found = [m for m in mounts(service).values()
+             if Path(path).is_relative_to(m.target) and Path(path) != Path(m.target)]
+    return max(found, key=lambda m: len(m.target)) if found else None
+
+
+def test_the_engines_responses_and_integrity_key_outlive_its_container(parse: Parse) -> None:
+    """Stored responses and the integrity key sit on a named volume of the engine's, not in the container's
+    home: a recreated container keeps its responses, and its key, without which every state on the
+    kv-disk volume is refused ("integrity tag mismatch", cached_tokens 0)."""
+    engine = COMPOSE["services"]["engine"]
+    _, settings = parse("engine")
+    for path in (settings.responses.path, settings.engine.integrity_key_file):
+        volume = volume_holding(engine, path)
+        assert volume is not None, f"{path} is in the container's own layer: lost when it is recreated"
+        assert volume.source in COMPOSE["volumes"] and not volume.read_only
+        assert "driver_opts" not in (COMPOSE["volumes"][volume.source] or {}), f"{volume.source}: on disk, not tmpfs"
+        assert all(volume.source not in [m.source for m in mounts(COMPOSE["services"][name]).values()]
+                   for name in ("tierstore", "gateway")), "the engine's key is its alone"
+
+
+def test_the_image_prepares_the_engines_state_volume_private_to_its_user(parse: Parse) -> None:
+    """An empty named volume takes the owner and mode of the image's folder it is mounted on: the image's
+    user (the engine's) must own it, and the integrity key's folder must be 0700 (the key file is 0600)."""
+    engine = COMPOSE["services"]["engine"]
+    _, settings = parse("engine")
+    volume = volume_holding(engine, settings.engine.integrity_key_file)
+    assert volume is not None
+    prepare = next(ins.args for ins in RUNTIME_STAGE if ins.keyword == "RUN" and "useradd" in ins.args)
+    user = re.search(r"useradd .*?(\S+)$", prepare.split("&&")[0].strip())
+    assert user and user.group(1) == "ignis"
+    steps = [step.split() for step in prepare.split("&&")]
+    assert any(step[:2] == ["mkdir", "-p"] and volume.target in step for step in steps)
+    assert any(step[:2] == ["chown", "ignis:ignis"] and volume.target in step for step in steps)
+    if Path(settings.engine.integrity_key_file).parent == Path(volume.target):  # else the engine makes it 0700
+        assert any(step[0] == "chmod" and step[1] in ("700", "0700") and volume.target in step for step in steps)
+
+
 def test_models_volume_and_model_choice(parse: Parse) -> None:
     engine = COMPOSE["services"]["engine"]
     models = next(m for m in mounts(engine).values() if m.source == "models")
@@ -415,6 +454,21 @@ def test_services_find_each_other_by_name(parse: Parse) -> None:
     _, gateway_config = parse("gateway")
     assert engine_settings.tierstore.address == f"tierstore:{tierstore_args.port}"
     assert gateway_config.engines == [f"engine:{engine_args.port}"]
+
+
+def test_the_gateway_sends_the_engines_secret_from_a_tmpfs_only_they_mount(parse: Parse) -> None:
+    """Over TCP the engine refuses every call but health without its secret (engine.secret_file, which it
+    creates): the gateway reads the same file, on a memory-backed volume no other service mounts."""
+    _, engine_settings = parse("engine")
+    _, gateway_config = parse("gateway")
+    secret = engine_settings.engine.secret_file
+    assert secret and gateway_config.engine_secret_file == secret
+    services = COMPOSE["services"]
+    engine_volume, gateway_volume = volume_holding(services["engine"], secret), volume_holding(services["gateway"], secret)
+    assert engine_volume is not None and gateway_volume is not None
+    assert engine_volume.source == gateway_volume.source and not engine_volume.read_only
+    assert COMPOSE["volumes"][engine_volume.source]["driver_opts"]["type"] == "tmpfs"  # never on a disk
+    assert engine_volume.source not in [m.source for m in mounts(services["tierstore"]).values()]
 
 
 # ---------------------------------------------------------------- tests: Dockerfile and context

@@ -292,17 +292,18 @@ def test_queue_bound_is_resource_exhausted(tiny_model_dir: Path, tmp_path: Path)
         assert service.stop() == 0, service.log()
 
 
-async def test_unavailable_while_loading_and_shutting_down() -> None:
+async def test_unavailable_while_loading_and_shutting_down(tmp_path: Path) -> None:
     """Before a model is attached (loading) and after shutdown begins, calls answer UNAVAILABLE
     while health reports NOT_SERVING."""
     from engine.server import EngineService, create_server, set_serving
 
     service = EngineService(MODEL)
-    server, port, health = create_server(service, "127.0.0.1:0")
+    address = f"unix:{tmp_path / 'engine.sock'}"  # over TCP, calls without the secret are UNAUTHENTICATED
+    server, _, health = create_server(service, address)
     await set_serving(health, False)
     await server.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with grpc.aio.insecure_channel(address) as channel:
             stub = engine_pb2_grpc.EngineStub(channel)
             for call in (lambda: stub.Generate(make_request([1, 2, 3])).read(),
                          lambda: stub.Tokenize(engine_pb2.TokenizeRequest(text="hi")),

@@ -205,7 +205,9 @@ def engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     started: list[RunningService] = []
     try:
         for i in range(2):
-            started.append(start_engine(tmp_path_factory.mktemp(f"engine{i}"), str(tiny_model_dir), ENGINE_ARGS))
+            workdir = tmp_path_factory.mktemp(f"engine{i}")
+            tcp = ["--port", "0", "--secret-file", str(workdir / "engine.secret")] if i == 0 else []  # for DNS
+            started.append(start_engine(workdir, str(tiny_model_dir), [*ENGINE_ARGS, *tcp]))
         yield started
     finally:
         for e in started:
@@ -310,7 +312,6 @@ def test_a_killed_engine_is_dropped_at_once_and_comes_back(tiny_model_dir: Path,
     """The health watch, not the probe loop (an hour apart here), takes a killed engine out of routing,
     and brings it back once it serves again on its address."""
     victim = start_engine(tmp_path / "victim", str(tiny_model_dir), ENGINE_ARGS)
-    port = victim.port
 
     async def main() -> RunningService:
         async with pool_of([victim.address, engines[0].address], interval=3600.0,
@@ -329,7 +330,7 @@ def test_a_killed_engine_is_dropped_at_once_and_comes_back(tiny_model_dir: Path,
                 assert pool.candidates(MODEL, route_keys(request, head_key(request)))[0] is not gone
                 assert [m async for m in generate(pool, request, head_key(request), spec)][-1].HasField("usage")
             back = await asyncio.to_thread(start_engine, tmp_path / "victim", str(tiny_model_dir),
-                                           [*ENGINE_ARGS, "--port", str(port)])
+                                           ENGINE_ARGS)  # the same workdir: the same socket address
             await until(lambda: gone.healthy, timeout=60)
             # Back, it names a new session socket (the old one died with it), and calls go there.
             request = swarm_request("on the socket again", 2, head_on(pool, victim.address))
@@ -345,28 +346,29 @@ def test_a_killed_engine_is_dropped_at_once_and_comes_back(tiny_model_dir: Path,
 def test_a_draining_engine_leaves_routing_while_it_finishes(tiny_model_dir: Path, engines: list[RunningService],
                                                              tmp_path: Path) -> None:
     """SIGTERM: the engine says NOT_SERVING and drains. Its health watch takes it out of routing while the
-    process still runs (the probe loop is an hour apart), and its running call goes on."""
-    victim = start_engine(tmp_path / "draining", str(tiny_model_dir), ENGINE_ARGS)
+    process still runs (the probe loop is an hour apart), and its running call goes on. The drain may take
+    5 minutes (--grace), not the default 10 s: a loaded machine took a minute for 512 tokens."""
+    victim = start_engine(tmp_path / "draining", str(tiny_model_dir), [*ENGINE_ARGS, "--grace", "300"])
 
     async def main() -> None:
         async with pool_of([victim.address, engines[0].address], interval=3600.0,
                            rule=RoutingRule("affinity")) as pool:
             draining = next(e for e in pool.engines if e.address == victim.address)
             spec = CallSpec("messages", "max_tokens")
-            request = swarm_request("a long one", 512, head_on(pool, victim.address))  # longer than the watch takes
+            request = swarm_request("a long one", 256, head_on(pool, victim.address))  # longer than the watch takes
             request.sampling.ignore_eos = True
             call = generate(pool, request, head_key(request), spec)
             await anext(call)
             assert draining.in_flight == 1
             victim.process.send_signal(signal.SIGTERM)
-            await until(lambda: not draining.healthy)
+            await until(lambda: not draining.healthy, timeout=120)
             assert victim.process.poll() is None  # still draining: it was NOT_SERVING, not gone
             rest = [m async for m in call]  # the running call finishes
-            assert rest and rest[-1].HasField("usage")
+            assert rest and rest[-1].HasField("usage") and rest[-1].usage.completion_tokens == 256
 
     try:
         asyncio.run(main())
-        assert victim.process.wait(60) == 0
+        assert victim.process.wait(300) == 0
     finally:
         victim.stop()
 
@@ -413,7 +415,8 @@ def test_gateway_with_engine_dns_and_a_dead_engine(engines: list[RunningService]
     served, never sent to the dead ones, and /health lists them all."""
     with socket_closed_port() as dead_port:
         gw = start_gateway(tmp_path, [f"127.0.0.1:{dead_port}"],
-                           ["--engine-dns", f"localhost:{engines[0].port}", "--dns-refresh", "1"])
+                           ["--engine-dns", f"localhost:{engines[0].port}", "--dns-refresh", "1",
+                            "--engine-secret-file", str(engines[0].log_path.parent / "engine.secret")])
     try:
         with openai.OpenAI(base_url=f"http://{gw.address}/v1", api_key="unused", max_retries=0, timeout=60) as c:
             for i in range(4):

@@ -8,8 +8,10 @@ against a real tierstore on its Unix socket."""
 from __future__ import annotations
 
 import argparse
+import base64
 import importlib
 import os
+import stat
 import subprocess
 import sys
 import tomllib
@@ -22,8 +24,11 @@ import pytest
 import yaml  # type: ignore[import-untyped]
 
 from common import healthcheck
+from common.bearer import MIN_SECRET, read_secret
+from common.secret_auth import load_secret
 from common.settings import load_settings
 from common.sizes import parse_size
+from engine.tiers.integrity import IntegrityKey
 from gateway.discovery import DnsName
 from services import start_tierstore
 
@@ -115,7 +120,8 @@ def parse(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -
 def test_the_objects(objects: dict[tuple[str, str], dict[str, Any]]) -> None:
     assert set(objects) == {("StatefulSet", f"{RELEASE}-ignis-engine"), ("Service", f"{RELEASE}-ignis-engine"),
                             ("Deployment", f"{RELEASE}-ignis-gateway"), ("Service", f"{RELEASE}-ignis-gateway"),
-                            ("Secret", f"{RELEASE}-ignis-api-key")}
+                            ("Secret", f"{RELEASE}-ignis-api-key"), ("Secret", f"{RELEASE}-ignis-engine-key"),
+                            ("Secret", f"{RELEASE}-ignis-engine-auth")}
 
 
 @pytest.mark.parametrize("values", [{}, {"otlpEndpoint": "http://jaeger-collector.obs:4317",
@@ -187,6 +193,191 @@ def test_engine_and_tierstore_share_the_arena_and_the_socket(objects: dict[tuple
         store_settings.kv_disk.bytes
     assert "kv-disk" not in {v["name"] for v in pod["spec"]["volumes"]}  # per pod, from the claim template
     assert pod["spec"]["securityContext"]["runAsUser"] == 10001  # one user: its 0600 arena opens in the engine
+
+
+# ---------------------------------------------------------------- what the engine keeps across restarts
+
+
+def mount_like_kubelet(folder: Path, secret: dict[str, Any], volume: dict[str, Any], fs_group: int | None) -> None:
+    """A Secret volume as kubelet writes it (its AtomicWriter): the files in a timestamped folder, `..data`
+    a symlink to that, each item a symlink through `..data`; the files root's, in the volume's mode, and with
+    an fsGroup also in that group with 0440 added (SetVolumeOwnership on a read-only volume: defaultMode
+    0400 becomes 0440, kubernetes/kubernetes#57923)."""
+    stamp = folder / "..2025_01_01_00_00_00.000000001"
+    stamp.mkdir(parents=True)
+    source = volume["secret"]
+    for item in source.get("items") or [{"key": k, "path": k} for k in secret["data"]]:
+        target = stamp / item["path"]
+        target.write_bytes(base64.b64decode(secret["data"][item["key"]]))
+        os.chown(target, 0, 0 if fs_group is None else fs_group)
+        os.chmod(target, item.get("mode", source.get("defaultMode", 0o644)) | (0 if fs_group is None else 0o440))
+        (folder / item["path"]).symlink_to(Path("..data") / item["path"])
+    (folder / "..data").symlink_to(stamp.name)
+
+
+def test_the_engines_integrity_key_is_a_secret_made_once_and_kept(
+        objects: dict[tuple[str, str], dict[str, Any]], parse: Any) -> None:
+    """With a new key every state the engine wrote (KV-disk outlives the pod) is refused: the key is a
+    Secret the chart makes at install (random: two renders differ), finds again at every upgrade (lookup,
+    which `helm template` cannot exercise: checked in the template's text) and uninstall leaves (keep)."""
+    pod = engine_pod(objects)
+    engine = container(pod, "engine")
+    _, settings = parse(engine)
+    key_file = Path(settings.engine.integrity_key_file)
+    volume, read_only = mounts(pod, engine)[str(key_file.parent)]
+    assert read_only and volume["secret"]["items"] == [{"key": key_file.name, "path": key_file.name}]
+    secret = objects[("Secret", volume["secret"]["secretName"])]
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert len(base64.b64decode(secret["data"][key_file.name])) == 32
+    again = render()[("Secret", volume["secret"]["secretName"])]
+    assert again["data"] != secret["data"]  # generated, not a constant of the chart
+    template = (CHART / "templates" / "engine-key-secret.yaml").read_text()
+    assert 'lookup "v1" "Secret" .Release.Namespace $name' in template and "$key | default (randBytes 32)" in template
+    mode = volume["secret"]["defaultMode"]
+    assert mode & 0o007 == 0 and mode & 0o040  # others never; the engine reads it through the pod's fsGroup
+    assert pod["spec"]["securityContext"]["fsGroup"] and pod["spec"]["securityContext"]["runAsUser"] != 0
+    assert volume["secret"]["secretName"] not in str(mounts(pod, container(pod, "tierstore")))  # the engine's only
+    own = render({"engine": {"integrityKey": {"existingSecret": "engine-keys"}}})
+    assert not any(kind == "Secret" and "engine-key" in name for kind, name in own)
+    own_pod = engine_pod(own)
+    own_volume, _ = mounts(own_pod, container(own_pod, "engine"))[str(key_file.parent)]
+    assert own_volume["secret"]["secretName"] == "engine-keys"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes root-owned files, as kubelet does")
+def test_the_engine_reads_its_key_as_kubernetes_mounts_the_secret(
+        objects: dict[tuple[str, str], dict[str, Any]], parse: Any, tmp_path: Path) -> None:
+    """The rendered Secret and volume, mounted as kubelet mounts them (root's, group fsGroup, 0440, a
+    symlink into ..data): the engine's IntegrityKey.from_file takes the Secret's 32 bytes, and still
+    refuses a key others may read, its group may write, or a group-readable key of a user's own."""
+    pod = engine_pod(objects)
+    engine = container(pod, "engine")
+    _, settings = parse(engine)
+    key_file = Path(settings.engine.integrity_key_file)
+    volume, _ = mounts(pod, engine)[str(key_file.parent)]
+    secret = objects[("Secret", volume["secret"]["secretName"])]
+    folder = tmp_path / "mount"  # stands in for key_file.parent
+    mount_like_kubelet(folder, secret, volume, pod["spec"]["securityContext"]["fsGroup"])
+    path = folder / key_file.name
+    assert path.is_symlink() and stat.S_IMODE(path.stat().st_mode) == 0o440
+    data = b"some state bytes"
+    tag = IntegrityKey.from_file(path).tag(b"n" * 16, b"s" * 16, 3, data)
+    mac = IntegrityKey(base64.b64decode(secret["data"][key_file.name])).hasher(b"n" * 16, b"s" * 16, 3, len(data), tag)
+    mac.update(data)
+    assert IntegrityKey.matches(tag, mac)  # the Secret's key, read through the symlink
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["..data", "..2025_01_01_00_00_00.000000001",
+                                                                key_file.name])  # nothing was created
+    for mode, owner in ((0o444, 0), (0o460, 0), (0o440, 10001), (0o640, 10001)):
+        os.chown(path, owner, pod["spec"]["securityContext"]["fsGroup"])
+        os.chmod(path, mode)
+        with pytest.raises(PermissionError, match="open to others"):
+            IntegrityKey.from_file(path)
+
+
+# ---------------------------------------------------------------- the engines' TCP secret
+
+
+def secret_volume(pod: dict[str, Any], c: dict[str, Any], file: Path) -> dict[str, Any]:
+    """The Secret volume that holds `file` in container `c`, mounted read-only, that one file its only item."""
+    volume, read_only = mounts(pod, c)[str(file.parent)]
+    assert read_only and volume["secret"]["items"] == [{"key": file.name, "path": file.name}]
+    return volume
+
+
+GW_SECRETS = {f"secret:{RELEASE}-ignis-api-key/api-key": "a-key"}
+
+
+def test_the_engines_tcp_secret_is_a_secret_made_once_that_the_gateways_send(
+        objects: dict[tuple[str, str], dict[str, Any]], parse: Any) -> None:
+    """The engine serves --port only with engine.secret_file (it exits 2 without): the file comes from a
+    Secret the chart makes at install (random, printable: it goes in a header), finds again at every
+    upgrade (lookup) and keeps, mounted read-only in the engine pods and in the gateways, which send it."""
+    pod = engine_pod(objects)
+    engine = container(pod, "engine")
+    args, settings = parse(engine)
+    assert args.port is not None and settings.engine.secret_file  # TCP, so a secret
+    secret_file = Path(settings.engine.secret_file)
+    volume = secret_volume(pod, engine, secret_file)
+    mode = volume["secret"]["defaultMode"]
+    assert mode & 0o007 == 0 and mode & 0o040  # others never; read through the pod's fsGroup
+    assert pod["spec"]["securityContext"]["fsGroup"] and pod["spec"]["securityContext"]["runAsUser"] != 0
+    name = volume["secret"]["secretName"]
+    assert name not in str(mounts(pod, container(pod, "tierstore")))  # the engine's and the gateways' only
+    gw_pod = gateway_pod(objects)
+    gateway = container(gw_pod, "gateway")
+    _, config = parse(gateway, GW_SECRETS)
+    assert config.engine_secret_file == str(secret_file)
+    gw_volume = secret_volume(gw_pod, gateway, secret_file)
+    assert gw_volume["secret"] == volume["secret"] and gw_pod["spec"]["securityContext"]["fsGroup"]
+    secret = objects[("Secret", name)]
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    value = base64.b64decode(secret["data"][secret_file.name])
+    assert len(value.strip()) >= MIN_SECRET and value.decode().isprintable()
+    assert render()[("Secret", name)]["data"] != secret["data"]  # generated, not a constant of the chart
+    template = (CHART / "templates" / "engine-auth-secret.yaml").read_text()
+    assert 'lookup "v1" "Secret" .Release.Namespace $name' in template and "$secret | default (" in template
+    own = render({"engine": {"authSecret": {"existingSecret": "engine-auth"}}})
+    assert not any(kind == "Secret" and "engine-auth" in name for kind, name in own)
+    for p, c in ((engine_pod(own), "engine"), (gateway_pod(own), "gateway")):
+        assert secret_volume(p, container(p, c), secret_file)["secret"]["secretName"] == "engine-auth"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes root-owned files, as kubelet does")
+def test_the_engine_and_the_gateways_read_their_secret_as_kubernetes_mounts_it(
+        objects: dict[tuple[str, str], dict[str, Any]], parse: Any, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rendered Secret and volume, mounted as kubelet mounts them (root's, group fsGroup, 0440, a symlink
+    into ..data) and read as the pod's user: the engine (load_secret, which would create a missing file) and
+    the gateway (read_secret) take the Secret's value; a file root's but open to others, or another user's,
+    is still refused (whoever wrote it would have chosen the secret)."""
+    pod = engine_pod(objects)
+    engine = container(pod, "engine")
+    _, settings = parse(engine)
+    secret_file = Path(settings.engine.secret_file)
+    volume = secret_volume(pod, engine, secret_file)
+    secret = objects[("Secret", volume["secret"]["secretName"])]
+    context = pod["spec"]["securityContext"]
+    folder = tmp_path / "mount"  # stands in for secret_file.parent
+    mount_like_kubelet(folder, secret, volume, context["fsGroup"])
+    path = folder / secret_file.name
+    assert path.is_symlink() and stat.S_IMODE(path.stat().st_mode) == 0o440
+    monkeypatch.setattr(os, "getuid", lambda: context["runAsUser"])  # the pod's user, not the file's owner
+    value = base64.b64decode(secret["data"][secret_file.name]).strip()
+    assert read_secret(path) == value
+    assert load_secret(path, create=True, setting="engine.secret_file") == value
+    assert len(list(folder.iterdir())) == 3  # ..data, its folder, the file: nothing was created
+    other = context["runAsUser"] + 1
+    for mode, owner, match in ((0o444, 0, "root's and open to others"), (0o460, 0, "root's and open to others"),
+                               (0o440, other, f"belongs to uid {other}"), (0o640, other, f"belongs to uid {other}")):
+        os.chown(path, owner, context["fsGroup"])
+        os.chmod(path, mode)
+        with pytest.raises(ValueError, match=match):
+            read_secret(path)
+
+
+def test_the_engines_responses_are_on_the_pods_claim(objects: dict[tuple[str, str], dict[str, Any]],
+                                                     parse: Any) -> None:
+    """Stored responses outlive the pod as KV-disk does: a folder of the engine's own on the pod's claim
+    (the claim itself is mounted: kubelet would make a subPath folder root's, which the engine refuses)."""
+    pod = engine_pod(objects)
+    engine, store = container(pod, "engine"), container(pod, "tierstore")
+    _, settings = parse(engine)
+    _, store_settings = parse(store)
+    responses = Path(settings.responses.path)
+    engine_mounts = mounts(pod, engine)
+    claim = objects[("StatefulSet", f"{RELEASE}-ignis-engine")]["spec"]["volumeClaimTemplates"][0]["metadata"]["name"]
+    holders = [p for p in engine_mounts if responses.is_relative_to(p) and p != "/"]
+    assert holders, f"{responses} is in the container's own layer: lost with the pod"
+    holder = max(holders, key=len)
+    assert engine_mounts[holder] == ({"claimTemplate": claim}, False) and responses != Path(holder)
+    assert not any("subPath" in m for m in engine["volumeMounts"])
+    kv = Path(store_settings.kv_disk.path)
+    assert not responses.is_relative_to(kv) and not kv.is_relative_to(responses)  # each its own folder
+    moved = render({"tierstore": {"kvDisk": {"mountPath": "/data", "path": "/data/kv"}},
+                    "engine": {"responsesDir": "stored"}})
+    moved_engine = container(engine_pod(moved), "engine")
+    assert env_of(moved_engine)["IGNIS_RESPONSES__PATH"] == "/data/stored"
+    assert mounts(engine_pod(moved), moved_engine)["/data"] == ({"claimTemplate": claim}, False)
 
 
 def test_probes_ask_the_ports_and_socket_the_services_bind(objects: dict[tuple[str, str], dict[str, Any]],

@@ -1,5 +1,5 @@
-"""`make run` (scripts/run_all.py): three services up and answering, the engine on the tierstore's Unix
-socket, then Ctrl-C leaves nothing of its own behind and touches nothing of anyone else's."""
+"""`make run` (scripts/run_all.py): three services up and answering, the gateway on the engine's and the
+engine on the tierstore's Unix socket, then Ctrl-C leaves nothing of its own behind and touches nothing of anyone else's."""
 
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def test_make_run_serves_then_ctrl_c_stops_all_three_and_removes_the_arena(tiny_
     sockets = tmp_path / "run"
     sockets.mkdir(mode=0o700)
     socket = sockets / "ts.sock"  # not the default runtime path: other stacks may be running on this host
+    engine_socket = sockets / "engine.sock"
     # Another stack's arena, made after ours started and not yet locked (its tierstore is starting):
     # the old shutdown removed every arena newer than itself.
     foreign = Path("/dev/shm") / f"ignis-tierstore-{os.getpid()}-another-stack"
@@ -60,7 +61,7 @@ def test_make_run_serves_then_ctrl_c_stops_all_three_and_removes_the_arena(tiny_
         proc = subprocess.Popen(
             [sys.executable, "scripts/run_all.py", "--model", str(tiny_model_dir),
              "--set", "reuse.kv_host_pool_bytes=16MiB", "--set", f"kv_disk.path={tmp_path / 'kv-disk'}",
-             "--set", f"tierstore.socket={socket}",
+             "--set", f"tierstore.socket={socket}", "--set", f"engine.socket={engine_socket}",
              *[f for name, port in ports.items() for f in (f"--{name}-port", str(port))]],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "IGNIS_LOG_LEVEL": "WARNING"})
     try:
@@ -72,6 +73,8 @@ def test_make_run_serves_then_ctrl_c_stops_all_three_and_removes_the_arena(tiny_
         text = output.decode()
         assert f"http://127.0.0.1:{ports['gateway']}/v1" in text and "grpcurl" in text and "from openai" in text
         assert f"tierstore (gRPC)        unix:{socket}" in text  # the engine's link: the socket, no TCP
+        # The gateway's link: the engine's socket; its TCP port (--engine-port) takes the secret only.
+        assert f"engine    (gRPC)        unix:{engine_socket} and 127.0.0.1:{ports['engine']} (secret)" in text
         foreign.write_bytes(b"")
 
         base = f"http://127.0.0.1:{ports['gateway']}"
@@ -87,12 +90,15 @@ def test_make_run_serves_then_ctrl_c_stops_all_three_and_removes_the_arena(tiny_
         assert len(arenas_of(tierstore)) == 1  # its shared-memory file, while it runs
         engine_args = Path(f"/proc/{[p for p in services if module_of(p) == 'engine'][0]}/cmdline").read_bytes()
         assert f"unix:{socket}".encode() in engine_args
+        gateway_args = Path(f"/proc/{[p for p in services if module_of(p) == 'gateway'][0]}/cmdline").read_bytes()
+        assert f"\0--engine\0unix:{engine_socket}\0".encode() in gateway_args
 
         proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers to the foreground process
         assert proc.wait(60) == 0, (tmp_path / "run.log").read_text()
         assert "all services stopped" in (tmp_path / "run.log").read_text()
         assert not [pid for pid in services if alive(pid)]  # no orphans
         assert not arenas_of(tierstore) and not socket.exists()  # its arena file and its socket are gone
+        assert not engine_socket.exists()
         assert foreign.exists()  # and nobody else's
     finally:
         if proc.poll() is None:

@@ -18,7 +18,8 @@ from common.logs import configure_logging
 from common.settings import Settings, default_tierstore_socket, parse_service_args
 from common.tracing import run_traced
 from common.metrics import serve_metrics
-from tierstore.auth import SocketLock, load_secret, private_dir
+from common.secret_auth import Listeners, SocketLock
+from common.secret_auth import listeners as secret_listeners
 from tierstore.copy_ahead import CopyAhead
 from tierstore.match_socket import MatchSocket
 from tierstore.metrics import store_registry
@@ -56,26 +57,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     return parse_service_args(parser, _SETTING_FLAGS, argv)
 
 
-def listeners(args: argparse.Namespace, settings: Settings) -> tuple[list[str], SocketLock | None, bytes | None]:
+def listeners(args: argparse.Namespace, settings: Settings) -> Listeners:
     """(addresses to bind, the socket's lock, the TCP secret); OSError (AccessError) if they cannot be private."""
-    addresses: list[str] = []
-    lock = secret = None
-    if settings.tierstore.socket:
-        path = Path(settings.tierstore.socket)
-        # Our own runtime folder is made private; a folder someone chose must already be.
-        private_dir(path.parent, fix=str(path.parent) == os.path.dirname(default_tierstore_socket()),
-                    follow_symlinks=False)
-        lock = SocketLock(path)
-        addresses.append(f"unix:{path}")
-    if args.port is not None:
-        if not settings.tierstore.secret_file:
-            raise OSError("--port (TCP) needs a shared secret: set tierstore.secret_file (--secret-file); "
-                          "it is created with a random secret if missing")
-        secret = load_secret(settings.tierstore.secret_file, create=True)
-        addresses.append(f"{args.host}:{args.port}")
-    if not addresses:
-        raise OSError("nothing to serve on: tierstore.socket is empty and no --port is given")
-    return addresses, lock, secret
+    t = settings.tierstore
+    return secret_listeners("tierstore", t.socket, default_tierstore_socket(), args.host, args.port, t.secret_file)
 
 
 def start_match_socket(store: TierStore, lock: SocketLock | None) -> MatchSocket | None:

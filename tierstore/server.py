@@ -22,7 +22,7 @@ from common.grpc_server import set_serving as set_health
 from common.tracing import ServerTracingInterceptor
 from ignis.v1 import tierstore_pb2, tierstore_pb2_grpc
 from tierstore.arena import Extent
-from tierstore.auth import SecretAuth
+from common.secret_auth import SecretAuth
 from tierstore.errors import (AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, TierStoreError,
                               Unavailable)
 from tierstore.registry import Registration

@@ -35,6 +35,8 @@ from pathlib import Path
 import blake3
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from common.private_files import open_to_others
+
 KEY_BYTES = 32
 NONCE_BYTES = 16
 MAC_BYTES = 16
@@ -131,7 +133,11 @@ class IntegrityKey:
     @classmethod
     def from_file(cls, path: str | Path) -> IntegrityKey:
         """Read the key, creating the file (0600, folder 0700) with a random key if it is missing,
-        so states on disk stay readable across engine restarts."""
+        so states on disk stay readable across engine restarts.
+
+        The file is refused when others may read it (common/private_files.py: only its owner may, except
+        that a root-owned file may also be group-readable, as Kubernetes mounts a Secret for a pod with an
+        fsGroup; the file exists there, so nothing is created on that read-only mount)."""
         path = Path(path)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
@@ -143,8 +149,10 @@ class IntegrityKey:
                 f.write(secrets.token_bytes(KEY_BYTES))
                 f.flush()
                 os.fsync(f.fileno())
-        if path.stat().st_mode & 0o077:
-            raise PermissionError(f"the integrity key {path} is readable by others: chmod 600 it")
+        st = path.stat()
+        if open_to_others(st):
+            raise PermissionError(f"the integrity key {path} is open to others (mode {st.st_mode & 0o777:o}): "
+                                  "chmod 600 it (group read only on a file root owns, e.g. a Kubernetes Secret's)")
         return cls(path.read_bytes())
 
     def hasher(self, name: bytes, namespace: bytes, tokens: int, nbytes: int, tag: bytes | None = None) -> StateMac:

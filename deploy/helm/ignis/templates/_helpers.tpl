@@ -22,6 +22,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if .Values.apiKey.existingSecret -}}{{ .Values.apiKey.existingSecret }}{{- else -}}{{ include "ignis.fullname" . }}-api-key{{- end -}}
 {{- end -}}
 
+{{- define "ignis.integrityKeySecret" -}}
+{{- if .Values.engine.integrityKey.existingSecret -}}{{ .Values.engine.integrityKey.existingSecret }}{{- else -}}{{ include "ignis.fullname" . }}-engine-key{{- end -}}
+{{- end -}}
+
+{{- define "ignis.engineAuthSecret" -}}
+{{- if .Values.engine.authSecret.existingSecret -}}{{ .Values.engine.authSecret.existingSecret }}{{- else -}}{{ include "ignis.fullname" . }}-engine-auth{{- end -}}
+{{- end -}}
+
 {{/* The engines' headless Service: its DNS name resolves to every ready engine pod. */}}
 {{- define "ignis.engineService" -}}
 {{ include "ignis.fullname" . }}-engine
