@@ -132,17 +132,7 @@ class OutputBuilder:
                             "arguments": call.arguments, "status": "completed"}
         if named is not None and named.namespace:
             item["namespace"] = named.namespace
-        self.items.append(item)
-        index = len(self.items) - 1
-        return [
-            {"type": "response.output_item.added", "output_index": index,
-             "item": dict(item, arguments="", status="in_progress")},
-            {"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": index,
-             "delta": call.arguments},
-            {"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index,
-             "name": call.name, "arguments": call.arguments},
-            {"type": "response.output_item.done", "output_index": index, "item": item},
-        ]
+        return self._call(item, "arguments", "function_call_arguments", {"name": call.name, "arguments": call.arguments})
 
     def _custom_call(self, call: ToolCall, named: ToolName) -> list[JSONObject]:
         text = custom_input(call.arguments)
@@ -150,14 +140,16 @@ class OutputBuilder:
                             "input": text, "status": "completed"}
         if named.namespace:
             item["namespace"] = named.namespace
+        return self._call(item, "input", "custom_tool_call_input", {"input": text})
+
+    def _call(self, item: JSONObject, field: str, event: str, done: JSONObject) -> list[JSONObject]:
+        """A call item's events: added in progress, its `field` in one delta, `done`, the item done."""
         self.items.append(item)
         index = len(self.items) - 1
         return [
             {"type": "response.output_item.added", "output_index": index,
-             "item": dict(item, input="", status="in_progress")},
-            {"type": "response.custom_tool_call_input.delta", "item_id": item["id"], "output_index": index,
-             "delta": text},
-            {"type": "response.custom_tool_call_input.done", "item_id": item["id"], "output_index": index,
-             "input": text},
+             "item": dict(item, **{field: "", "status": "in_progress"})},
+            {"type": f"response.{event}.delta", "item_id": item["id"], "output_index": index, "delta": item[field]},
+            {"type": f"response.{event}.done", "item_id": item["id"], "output_index": index, **done},
             {"type": "response.output_item.done", "output_index": index, "item": item},
         ]

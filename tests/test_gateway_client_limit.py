@@ -23,6 +23,7 @@ import websockets.sync.client
 from gateway.__main__ import parse_args
 from gateway.client_connections import ClientConnections
 from services import RunningService, start_gateway
+from test_gateway_hardening import read_until_closed
 
 MODEL = "ignis-tiny"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -38,13 +39,6 @@ def other_client(gateway: RunningService) -> httpx.Client:
 def connect(gateway: RunningService, source: str) -> socket.socket:
     host, port = gateway.address.rsplit(":", 1)
     return socket.create_connection((host, int(port)), timeout=60, source_address=(source, 0))
-
-
-def read_until_closed(sock: socket.socket) -> bytes:
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
-    return data
 
 
 def error_of(answer: bytes) -> dict[str, Any]:
