@@ -189,11 +189,13 @@ def print_banner(args: argparse.Namespace, tierstore: str, engine: str) -> None:
     lines += [
         "",
         f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
-        f"  -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'",
+        f"  -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}], "
+        "\"max_tokens\": 32}'",
         "",
         "from openai import OpenAI",
         f"client = OpenAI(base_url=\"{url}/v1\", api_key=\"unused\")",
-        f"r = client.chat.completions.create(model=\"{model_id}\", messages=[{{\"role\": \"user\", \"content\": \"hi\"}}])",
+        f"r = client.chat.completions.create(model=\"{model_id}\", messages=[{{\"role\": \"user\", \"content\": \"hi\"}}],",
+        "                                   max_tokens=32)  # unset: up to the end of the context",
         "print(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)",
         "",
         f"grpcurl -plaintext -unix {engine.removeprefix('unix:')} list" if engine.startswith("unix:")

@@ -72,6 +72,7 @@ def test_make_run_serves_then_ctrl_c_stops_all_three_and_removes_the_arena(tiny_
             time.sleep(0.2)
         text = output.decode()
         assert f"http://127.0.0.1:{ports['gateway']}/v1" in text and "grpcurl" in text and "from openai" in text
+        assert '"max_tokens": 32}' in text and "max_tokens=32)" in text  # a random model would run to the context
         assert f"tierstore (gRPC)        unix:{socket}" in text  # the engine's link: the socket, no TCP
         # The gateway's link: the engine's socket; its TCP port (--engine-port) takes the secret only.
         assert f"engine    (gRPC)        unix:{engine_socket} and 127.0.0.1:{ports['engine']} (secret)" in text
