@@ -304,7 +304,9 @@ def test_acquire_stream_hands_out_the_bytes_as_they_land(start: Start, tmp_path:
         assert c.match(NS, [h(1)])[0].tier == DISK
         messages = list(c.acquire_stream(h(1), lease_seconds=5))
         first, *middle, last = messages  # progress a slow reader has not taken yet is merged into one step
-        assert first.HasField("lease") and first.ready_bytes < n and not first.verified
+        # The lease comes first, unverified; how much has landed by then is the disk's and the scheduler's
+        # business (a warm page cache may have read it all: the progress is then merged into it).
+        assert first.HasField("lease") and first.ready_bytes <= n and not first.verified
         assert first.lease.from_tier == DISK and first.lease.metadata.nbytes == n
         assert not any(m.HasField("lease") or m.verified for m in middle)
         ready = [m.ready_bytes for m in (first, *middle)]
