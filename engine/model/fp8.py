@@ -49,8 +49,9 @@ def parse_fp8(quantization: Any) -> Fp8Blocks | None:
     return Fp8Blocks(block[0], block[1])
 
 
-def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, blocks: Fp8Blocks, name: str) -> torch.Tensor:
-    """`weight` (fp8, [..., out, in]) times its block's scale, in float32."""
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, blocks: Fp8Blocks, name: str,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`weight` (fp8, [..., out, in]) times its block's scale, computed in float32, kept in `dtype`."""
     rows, cols = weight.shape[-2], weight.shape[-1]
     want = (-(-rows // blocks.rows), -(-cols // blocks.cols))
     if tuple(scale_inv.shape[-2:]) != want or scale_inv.shape[:-2] != weight.shape[:-2]:
@@ -59,11 +60,13 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, blocks: Fp8Blocks,
                               f"{[*weight.shape[:-2], *want]}")
     scale = scale_inv.float().repeat_interleave(blocks.rows, dim=-2)[..., :rows, :]
     scale = scale.repeat_interleave(blocks.cols, dim=-1)[..., :cols]
-    return weight.float() * scale
+    return (weight.float() * scale).to(dtype)
 
 
-def dequantize_all(tensors: dict[str, torch.Tensor], blocks: Fp8Blocks) -> tuple[dict[str, torch.Tensor], int]:
-    """Every weight with a `_scale_inv` beside it dequantized, the scales dropped; (tensors, how many).
+def dequantize_all(tensors: dict[str, torch.Tensor], blocks: Fp8Blocks, dtype: torch.dtype
+                   ) -> tuple[dict[str, torch.Tensor], int]:
+    """Every weight with a `_scale_inv` beside it dequantized into `dtype` (the compute dtype: only one
+    tensor at a time is ever float32, not the whole model), the scales dropped; (tensors, how many).
     A scale without its weight, or an fp8 weight without its scale, names the tensor."""
     out: dict[str, torch.Tensor] = {}
     done = 0
@@ -74,7 +77,7 @@ def dequantize_all(tensors: dict[str, torch.Tensor], blocks: Fp8Blocks) -> tuple
             continue
         scale = tensors.get(name + SCALE_SUFFIX)
         if scale is not None:
-            out[name] = dequantize(tensor, scale, blocks, name)
+            out[name] = dequantize(tensor, scale, blocks, name, dtype)
             done += 1
         elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise CheckpointError(f"tensor {name!r} is fp8 but has no {name + SCALE_SUFFIX!r} beside it")

@@ -103,7 +103,7 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
     torch_dtype = resolve_dtype(dtype, dev, config)
     tensors, digest, files = open_checkpoint_weights(path)
     if config.fp8 is not None:  # no FP8 GEMM here: the weights are served dequantized (engine/model/fp8.py)
-        tensors, dequantized = dequantize_all(tensors, config.fp8)
+        tensors, dequantized = dequantize_all(tensors, config.fp8, torch_dtype)
         log.info("%s: %d fp8 weights (blocks of %dx%d) dequantized at load to %s", path.name, dequantized,
                  config.fp8.rows, config.fp8.cols, torch_dtype)
     side: dict[str, dict[str, torch.Tensor]] = {}
