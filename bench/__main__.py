@@ -20,7 +20,8 @@ SUITES: list[tuple[list[str], bool]] = [
     (["bench.structured"], True),  # decode with a json_schema grammar vs unconstrained, batch 1 and 8
     (["bench.responses"], False),  # a 20-turn tool-call loop: full resend vs previous_response_id vs WebSocket
     (["bench.tiers"], False),
-    (["bench.residency"], True),  # where state lives under pressure: move-down vs recompute, spills, host slots
+    (["bench.residency"], True),
+    (["bench.long_prefill"], False),  # short probes' TTFT beside a 24k-token prefill: step time target auto vs off  # where state lives under pressure: move-down vs recompute, spills, host slots
     (["bench.gateway"], False),
     (["bench.overhead"], False),  # the engine's Python around the model at 64 and 256 sequences, tiny model
     (["bench.monitor"], False),  # the Monitor's page with 1,000 retained states in headless Chromium

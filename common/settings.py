@@ -114,6 +114,25 @@ def parse_path(value: object) -> str:
     return os.path.abspath(os.path.expanduser(text)) if text else ""
 
 
+def parse_step_time_target(value: object) -> float:
+    """`auto` (0.0), `off` (infinity) or milliseconds > 0 (engine.step_time_target_ms)."""
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word == "auto":
+            return 0.0
+        if word == "off":
+            return math.inf
+        try:
+            value = float(word)
+        except ValueError:
+            raise ValueError(f"expected auto, off or milliseconds; got {value!r}") from None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    if value == 0:
+        return 0.0
+    raise ValueError(f"expected auto, off or milliseconds > 0; got {value!r}")
+
+
 def choice(*allowed: str) -> Callable[[object], str]:
     """A parser accepting one of ``allowed`` (case-insensitive)."""
 
@@ -225,6 +244,11 @@ class EngineSettings(_Section):
     max_queue: int = setting(256, parse_int, minimum=1, doc="waiting requests before RESOURCE_EXHAUSTED")
     max_num_seqs: int = setting(64, parse_int, minimum=1, doc="sequences running at once")
     prefill_chunk_tokens: int = setting(2048, parse_int, minimum=1, doc="prefill token budget per step")
+    step_time_target_ms: float = setting(0.0, parse_step_time_target,
+                                         doc="a step that runs prompt tokens is sized to take about this long, "
+                                             "so requests that arrive meanwhile wait little: auto (3x the "
+                                             "engine's cheapest recent prefill step), off (the token budget "
+                                             "alone) or milliseconds")
     kv_cache_bytes: int = setting(512 * MiB, parse_size, minimum=1, doc="device KV page pool (bytes)")
     dtype: str = setting("auto", choice("auto", "float32", "bfloat16", "float16"), doc="compute dtype")
     kv_dtype: str = setting("auto", choice("auto", "float32", "bfloat16", "float16"),

@@ -42,6 +42,7 @@ _SETTING_FLAGS = {
     "page_size": "engine.page_size",
     "kv_cache_bytes": "engine.kv_cache_bytes",
     "prefill_chunk_tokens": "engine.prefill_chunk_tokens",
+    "step_time_target_ms": "engine.step_time_target_ms",
     "dtype": "engine.dtype",
     "kv_dtype": "engine.kv_dtype",
     "weight_dtype": "engine.weight_dtype",

@@ -25,6 +25,7 @@ class EngineConfig:
     kv_cache_bytes: int = from_setting("engine.kv_cache_bytes")
     max_num_seqs: int = from_setting("engine.max_num_seqs")
     prefill_chunk_tokens: int = from_setting("engine.prefill_chunk_tokens")  # tokens per step: decodes and chunks
+    step_time_target_ms: float = from_setting("engine.step_time_target_ms")  # 0: auto; inf: off (step_pacing.py)
     max_queue: int = from_setting("engine.max_queue")
     max_model_len: int = from_setting("engine.max_model_len")  # 0: from the model config (and the cache's capacity)
     reuse_prompt: bool = from_setting("reuse.prompt")

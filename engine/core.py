@@ -34,8 +34,9 @@ from engine.request import EngineRequest, EngineSequence, FinishReason, SeqStatu
 from engine.runner import ModelRunner
 from engine.sampling.defaults import SamplingDefaults
 from engine.sampling.sampler import RequestSampler
-from engine.scheduler import Scheduler, SchedulerLimits
+from engine.scheduler import Scheduler, SchedulerLimits, StepPlan
 from engine.state_listing import EngineSnapshot, take_snapshot
+from engine.step_pacing import StepPacing
 from engine.step_sampling import StepSampling
 from engine.text.detokenizer import TextStream
 from engine.text.tokenizer import Tokenizer
@@ -66,10 +67,11 @@ class EngineCore:
         self.runner = ModelRunner(loaded.model, self.cache)
         self.sampling_defaults = SamplingDefaults.from_checkpoint(loaded.path)  # generation_config.json
         self.moves = self.residency.moves
+        self.pacing = StepPacing(config.step_time_target_ms, config.prefill_chunk_tokens)
         self.scheduler = Scheduler(
             SchedulerLimits(config.page_size, config.max_num_seqs, config.prefill_chunk_tokens),
             self.pages, self.slots, reuse=self.reuse, fork_copy=self.runner.fork_state,
-            residency=self.residency,
+            residency=self.residency, pacing=self.pacing,
         )
         self._fingerprint = model_fingerprint(loaded.config.fingerprint_fields(), loaded.weights_digest)
         self._namespaces: dict[bytes, StateHash] = {}
@@ -270,6 +272,7 @@ class EngineCore:
             live.sink(RequestUpdate(request_id, error=message))
 
     def step(self) -> None:
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         self.totals.preempted += len(plan.preempted)
         if plan.empty:
@@ -278,6 +281,13 @@ class EngineCore:
             seqs = plan.decode_seqs
             self._decoded(seqs, self.runner.run_decodes(seqs, plan.steady))
             return
+        self._run_chunks(plan)
+        if plan.prefill_tokens:
+            if self.loaded.model.device.type == "cuda":  # a chunk that samples nothing left its work queued
+                torch.cuda.synchronize(self.loaded.model.device)
+            self.pacing.observe(time.perf_counter() - started, plan.paced)
+
+    def _run_chunks(self, plan: StepPlan) -> None:
         step = self.runner.run(plan.chunks)
         to_sample: list[tuple[EngineSequence, torch.Tensor]] = []
         deltas: Deltas = {}

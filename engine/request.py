@@ -148,6 +148,7 @@ class EngineSequence:
         # computed tokens then (moved again with no more computed is a thrash: engine/scheduler.py).
         self.hold_until_step = 0
         self.computed_at_resume: int | None = None
+        self.prefill_yields = 0  # steps in a row its prefill waited for shorter prompts' last chunks (scheduler)
         # Sort key: higher sorts later = lower rank = preempted first (kept: the scheduler sorts every step).
         self.rank_key: tuple[int, float] = (int(request.request_class), request.arrival)
 

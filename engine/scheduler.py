@@ -23,9 +23,11 @@ from engine.residency.layer import Residency
 from engine.residency.live_moves import LiveMoves
 from engine.request import EngineSequence, MovedState, SeqStatus
 from engine.steady_decodes import SteadyDecodes
+from engine.step_pacing import StepPacing
 from engine.tracing import admission_stage
 
 _RANK = attrgetter("rank_key")
+MAX_PREFILL_YIELDS = 4  # steps in a row a prompt's chunk waits for shorter prompts ending theirs
 # Copies a parent's computed state into a forked child: (parent, child, child's private last page or None).
 ForkCopy = Callable[[EngineSequence, EngineSequence, int | None], None]
 
@@ -70,6 +72,8 @@ class StepPlan:
     decode_seqs: list[EngineSequence] = field(default_factory=list)  # a decodes_only plan's sequences, in order
     # The same list of sequences as the last step's plan (decode_seqs is that list), each one token on.
     steady: bool = False
+    prefill_tokens: int = 0  # prompt tokens the plan's chunks run (not the decodes')
+    paced: bool = False  # the step pacing's allowance cut a prefill chunk (engine/step_pacing.py)
 
     @property
     def empty(self) -> bool:
@@ -90,8 +94,9 @@ class SchedulerLimits:
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, pages: PagePool, slots: SlotPool | None,
                  reuse: PromptReuse | None = None, fork_copy: ForkCopy | None = None,
-                 residency: Residency | None = None) -> None:
+                 residency: Residency | None = None, pacing: StepPacing | None = None) -> None:
         self.limits = limits
+        self.pacing = pacing  # None: a step's prefill is bounded by the token budget alone
         self.pages = pages
         self.slots = slots
         self.reuse = reuse or NoReuse()
@@ -107,6 +112,8 @@ class Scheduler:
     # --- queues -------------------------------------------------------------
     def add(self, seq: EngineSequence) -> None:
         self.waiting[seq.request.request_class].append(seq)
+        if self.pacing is not None:
+            self.pacing.arrived()
 
     @property
     def num_waiting(self) -> int:
@@ -275,25 +282,48 @@ class Scheduler:
             if seq.status is SeqStatus.RUNNING and budget > 0 and not waits:
                 chunks.append(ScheduledChunk(seq, 1))
                 budget -= 1
-        # Prefills by class, then shortest remaining first: a short prompt that arrives
-        # during a 16k-token prefill gets its first token without waiting for all of it.
-        for seq in sorted(prefilling, key=lambda s: (s.rank_key[0], s.num_pending, s.rank_key[1])):
-            if budget <= 0 or seq.status is not SeqStatus.RUNNING:
-                continue
-            n = min(seq.num_pending, budget)
-            cut = self.reuse.cut_point(seq)
-            if cut is not None:
-                n = min(n, cut - seq.num_computed)  # end the chunk where state is captured
-            if not self._grow(seq, seq.num_computed + n):
-                continue  # pages were reserved at admission; only a fork's growth can get here
-            chunks.append(ScheduledChunk(seq, n))
-            budget -= n
+        self._prefill_chunks(prefilling, budget, plan, chunks, bool(decoding))
         if plan.decodes_only:
             plan.decode_seqs = [c.seq for c in chunks]
             if plan.decode_seqs and not plan.preempted and not plan.moving \
                     and len(plan.decode_seqs) == len(self.running):
                 self._steady = SteadyDecodes.of(self.running, plan.decode_seqs, page_size)
         return plan
+
+    def _prefill_chunks(self, prefilling: list[EngineSequence], budget: int, plan: StepPlan,
+                        chunks: list[ScheduledChunk], decoding: bool) -> None:
+        """Prefills by class, then shortest remaining first: a short prompt that arrives during a 16k-token
+        prefill gets its first token without waiting for all of it.
+
+        Paced by time (engine/step_pacing.py), the allowance bounds a step's prefill tokens, so a step
+        that runs a long prompt's chunk still ends soon and what arrives meanwhile waits little; and a
+        step that ends a prompt runs no longer prompt beside it: that first token costs a small step (a
+        long prompt's chunk costs its attention over the whole context, however few its tokens). A prompt
+        that yielded MAX_PREFILL_YIELDS steps in a row takes its chunk anyway, so a stream of short
+        prompts slows a long one and never stops it."""
+        paced_by_time = self.pacing is not None and not self.pacing.off
+        allowance = budget if self.pacing is None or not prefilling else self.pacing.pace(decoding)
+        ends_a_prompt = False
+        for seq in sorted(prefilling, key=lambda s: (s.rank_key[0], s.num_pending, s.rank_key[1])):
+            if budget <= 0 or allowance <= 0 or seq.status is not SeqStatus.RUNNING:
+                continue
+            if ends_a_prompt and seq.prefill_yields < MAX_PREFILL_YIELDS:
+                seq.prefill_yields += 1
+                continue
+            n = min(seq.num_pending, budget, allowance)
+            paced = n == allowance < min(seq.num_pending, budget)
+            cut = self.reuse.cut_point(seq)
+            if cut is not None and cut - seq.num_computed < n:
+                n, paced = cut - seq.num_computed, False  # end the chunk where state is captured
+            if not self._grow(seq, seq.num_computed + n):
+                continue  # pages were reserved at admission; only a fork's growth can get here
+            chunks.append(ScheduledChunk(seq, n))
+            seq.prefill_yields = 0
+            budget -= n
+            allowance -= n
+            plan.prefill_tokens += n
+            plan.paced |= paced
+            ends_a_prompt |= paced_by_time and n == seq.num_pending
 
     def _grow_each(self, entering: list[EngineSequence]) -> bool:
         """A page for each of a steady plan's sequences whose new position starts one, unless it has it;

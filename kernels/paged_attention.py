@@ -6,13 +6,31 @@ so token position p lives in page_table[p // P] at offset p % P.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
 
-def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, length: int) -> torch.Tensor:
-    """cache: [num_pages, P, Hkv, D]; page_table: [n] page ids -> [length, Hkv, D]."""
-    pages = cache.index_select(0, page_table)  # [n, P, Hkv, D]
+_workspace = threading.local()  # per step thread: its gather buffers, reused step after step
+
+
+def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, length: int, slot: int = 0) -> torch.Tensor:
+    """cache: [num_pages, P, Hkv, D]; page_table: [n] page ids -> [length, Hkv, D].
+
+    Into this thread's buffer `slot` (K and V each have theirs), grown to the longest context gathered
+    and then reused: a fresh [context, Hkv, D] tensor every layer of every chunk was a large block that
+    the allocator mapped and unmapped each time, and its pages faulted in and zeroed again each step
+    (engine/model/host_memory.py). The result is valid until the next gather into the same slot."""
+    shape = (page_table.shape[0], *cache.shape[1:])
+    buffers: dict[tuple[int, torch.device, torch.dtype, torch.Size], torch.Tensor] = \
+        _workspace.__dict__.setdefault("buffers", {})
+    key = (slot, cache.device, cache.dtype, cache.shape[1:])
+    buffer = buffers.get(key)
+    if buffer is None or buffer.shape[0] < shape[0]:
+        buffer = buffers[key] = torch.empty((max(shape[0], 2 * (0 if buffer is None else buffer.shape[0])),
+                                            *shape[1:]), dtype=cache.dtype, device=cache.device)
+    pages = torch.index_select(cache, 0, page_table, out=buffer[: shape[0]])  # [n, P, Hkv, D]
     return pages.reshape(-1, *cache.shape[2:])[:length]
 
 
@@ -33,8 +51,8 @@ def paged_attention(
     """
     tq, heads, _ = q.shape
     # The KV dtype (engine.kv_dtype) may differ from q's: SDPA takes one dtype, so the gathered copy is q's.
-    k = gather_pages(k_cache, page_table, context_len).to(q.dtype)  # [Tk, Hkv, D]
-    v = gather_pages(v_cache, page_table, context_len).to(q.dtype)
+    k = gather_pages(k_cache, page_table, context_len, 0).to(q.dtype)  # [Tk, Hkv, D]
+    v = gather_pages(v_cache, page_table, context_len, 1).to(q.dtype)
     if sliding_window is None and tq == 1:  # a decode: no mask at all
         return single_query_attention(q[0], k, v, scale).unsqueeze(0)
     allowed: torch.Tensor | None = None

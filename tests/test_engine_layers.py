@@ -16,7 +16,7 @@ ENGINE = Path(__file__).resolve().parent.parent / "engine"
 LAYERS = [
     "facts", "config", "kv", "sampling", "text", "guided", "model",
     "request", "outputs", "prompt", "proto_convert",
-    "tiers", "residency", "cache", "tracing", "steady_decodes", "scheduler", "runner", "metrics", "output_processor", "step_sampling", "engine_stats", "state_listing",
+    "tiers", "residency", "cache", "tracing", "steady_decodes", "step_pacing", "scheduler", "runner", "metrics", "output_processor", "step_sampling", "engine_stats", "state_listing",
     "responses_store",
     "builder", "offline", "inbox", "core", "call_status", "session", "server", "session_socket", "__main__",
 ]

@@ -80,7 +80,8 @@ def test_value_reads_section_dot_key() -> None:
 # A value other than the default for every setting the engine core reads.
 ENGINE_CONFIG_VALUES = {
     "engine.page_size": 32, "engine.kv_dtype": "bfloat16", "engine.kv_cache_bytes": 3 << 20,
-    "engine.max_num_seqs": 5, "engine.prefill_chunk_tokens": 100, "engine.max_queue": 9,
+    "engine.max_num_seqs": 5, "engine.prefill_chunk_tokens": 100, "engine.step_time_target_ms": 25.0,
+    "engine.max_queue": 9,
     "engine.max_model_len": 777, "reuse.prompt": False, "reuse.retained_device": 2, "reuse.retained_host": 4,
     "reuse.retained_host_tokens": 300, "reuse.retained_interactive_ttl": 12.5, "tierstore.address": "unix:/run/ts.sock",
     "tierstore.secret_file": "/etc/ignis/secret", "engine.spill_window_pages": 3,
