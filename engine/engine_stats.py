@@ -33,7 +33,7 @@ def gather_stats(scheduler: Scheduler, residency: Residency, rc: ReuseCounters, 
     live_pages, cached_pages = _page_use(scheduler, residency)
     retained_total, retained_used = residency.retained_slots
     host_total, host_used = residency.host_slots
-    moves, slots = residency.moves.counters, scheduler.slots
+    moves, slots, pacing = residency.moves.counters, scheduler.slots, scheduler.pacing
     return EngineStats(
         waiting_interactive=len(scheduler.waiting[RequestClass.INTERACTIVE]),
         waiting_agent=len(scheduler.waiting[RequestClass.AGENT]),
@@ -70,4 +70,7 @@ def gather_stats(scheduler: Scheduler, residency: Residency, rc: ReuseCounters, 
         sequences_recomputed=t.preempted + moves.restore_failures,
         moving=len(residency.moves.moving),
         sequence_thrash=moves.thrash,
+        prefill_allowance_tokens=pacing.allowance if pacing else scheduler.limits.step_token_budget,
+        step_time_target_seconds=(pacing.target_s or 0.0) if pacing else 0.0,
+        paced_steps=pacing.bounded_steps if pacing else 0,
     )

@@ -197,6 +197,12 @@ class EngineCollector(Collector):
             moved.add_metric([tier.value], count)
         yield moved
         yield GaugeMetricFamily("ignis_sequences_moving", "Live sequences being moved down a tier now", value=s.moving)
+        yield GaugeMetricFamily("ignis_prefill_allowance_tokens", "Prompt tokens the next step may run "
+                                "(engine.step_time_target_ms paces them)", value=s.prefill_allowance_tokens)
+        yield GaugeMetricFamily("ignis_step_time_target_seconds", "The step time the prefill allowance aims at "
+                                "now (0: off, or nothing measured yet)", value=s.step_time_target_seconds)
+        yield CounterMetricFamily("ignis_paced_steps", "Steps whose prompt tokens the step time target cut",
+                                  value=s.paced_steps)
         reused = CounterMetricFamily("ignis_retained_reused_tokens", "Prompt tokens whose state was reused, by tier",
                                      labels=["tier"])
         for tier, tokens in s.reused_tokens.items():

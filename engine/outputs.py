@@ -84,3 +84,6 @@ class EngineStats:  # noqa: D101 - a snapshot for GetStats and /metrics
     sequences_recomputed: int = 0  # live sequences that lost their state and prefilled it again
     moving: int = 0  # live sequences being moved down now
     sequence_thrash: int = 0  # moved down again with nothing computed since they resumed (a bug if ever > 0)
+    prefill_allowance_tokens: int = 0  # prompt tokens the next step may run (engine/step_pacing.py)
+    step_time_target_seconds: float = 0.0  # what the allowance aims at now; 0 when off or not measured yet
+    paced_steps: int = 0  # steps whose prefill the step time target cut

@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from types import FrameType
 from typing import Iterator
 
 import uvicorn
@@ -28,18 +29,27 @@ from gateway.connection_faults import UvicornWarnings
 from gateway.event_loop import LOOPS, install, running_loop
 from gateway.http_protocol import HTTP_PARSERS, protocol_class
 from gateway.session_socket import loopback_host
+from gateway.shutdown import Shutdown
 from gateway.state import GatewayState
 
 log = logging.getLogger("ignis.gateway")
 BACKLOG = 1024  # listen queue; also how many connections asyncio accepts per wake-up at most
 WS_PING_INTERVAL = WS_PING_TIMEOUT = 20.0  # seconds (uvicorn's defaults, said here)
+# Past --grace: time for the streams the stop ended to send their last event; then uvicorn cancels what is left.
+END_MARGIN = 5.0
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, ending with status 0 after a graceful SIGTERM/SIGINT stop.
+    """uvicorn's server, with the gateway's stop (gateway/shutdown.py), ending with status 0 after it.
 
-    (uvicorn re-raises the signal once it has shut down, so the process would end killed by it.)
+    A SIGTERM/SIGINT drains for `grace` seconds, then ends the generations still running with a final
+    event; a second signal ends them at once. (uvicorn would cancel them at the grace's end, and
+    re-raise the signal once it has shut down, so the process would end killed by it.)
     """
+
+    def __init__(self, config: uvicorn.Config, stop: Shutdown, grace: float) -> None:
+        super().__init__(config)
+        self.gateway_stop, self.grace = stop, grace
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -51,6 +61,31 @@ class _Server(uvicorn.Server):
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and not self.gateway_stop.ended:
+            log.info("%s again: ending the open streams now", signal.Signals(sig).name)
+            self.gateway_stop.end()
+            return
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        log.info("stopping: open streams have %g s to finish (--grace), then end with an error event; "
+                 "a second signal ends them now", self.grace)
+        for server in self.servers:  # no new connection from here (uvicorn's shutdown closes them again)
+            server.close()
+        self.gateway_stop.drain()
+        ending = asyncio.get_running_loop().call_later(self.grace, self.gateway_stop.end)
+        try:
+            # The WebSockets close themselves (1001) after their turn: uvicorn's shutdown would cut them (1012).
+            try:
+                async with asyncio.timeout(self.grace + END_MARGIN):
+                    await self.gateway_stop.sockets_closed()
+            except TimeoutError:
+                log.warning("WebSockets still open %g s after the grace: closed with 1012", END_MARGIN)
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfig]:
@@ -122,7 +157,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
                         help="split <think>...</think> into reasoning_content, for every model "
                              "(default: what each engine reads off its chat template)")
     parser.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
-    parser.add_argument("--grace", type=float, default=10.0, help="seconds to finish open streams on shutdown")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds open requests have to finish on shutdown (SIGTERM/SIGINT); then streams end "
+                             "with an error event (response.failed on /v1/responses), others with a 503")
     parser.add_argument("--http", choices=HTTP_PARSERS, default=HTTP_PARSERS[0],
                         help="HTTP/1.1 parser: httptools (llhttp, in C) or h11 (pure Python)")
     parser.add_argument("--loop", choices=LOOPS, default="asyncio",
@@ -189,7 +226,7 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
     # An upgraded WebSocket's liveness is its ping/pong (a ping every 20 s, the pong due within 20 s),
     # never the HTTP header deadline (gateway/http_protocol.py stops watching it once upgraded).
     uv_config = uvicorn.Config(app, log_level="info", access_log=args.access_log,
-                               timeout_graceful_shutdown=args.grace, lifespan="on", log_config=None,
+                               timeout_graceful_shutdown=args.grace + END_MARGIN, lifespan="on", log_config=None,
                                http=protocol_class(config, state.faults, state.metrics, args.http), backlog=BACKLOG,
                                ws_ping_interval=WS_PING_INTERVAL, ws_ping_timeout=WS_PING_TIMEOUT)
     # Connections, plus one accept batch (asyncio takes up to `backlog` per wake-up) and some to spare.
@@ -197,7 +234,7 @@ async def serve(args: argparse.Namespace, config: GatewayConfig) -> int:
     # Floods of broken clients are counted into one summary line, not logged one by one.
     asyncio.get_running_loop().set_exception_handler(state.faults.accept_failures)
     logging.getLogger("uvicorn.error").addFilter(UvicornWarnings(state.faults))
-    server = _Server(uv_config)
+    server = _Server(uv_config, state.shutdown, args.grace)
 
     async def announce() -> None:
         while not server.started:

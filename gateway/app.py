@@ -50,7 +50,7 @@ def create_app(config: GatewayConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        pool = EnginePool.from_config(config, on_slow_reader=state.faults.slow_reader)
+        pool = EnginePool.from_config(config, on_slow_reader=state.faults.slow_reader, shutdown=state.shutdown)
         state._pool = pool
         await pool.start()
         summaries = asyncio.create_task(state.faults.run(), name="connection-fault-summaries")

@@ -37,6 +37,7 @@ from gateway.errors import OpenAIError, unavailable
 from gateway.routing import RouteKeys, RoutingRule, rendezvous_order
 from gateway.session import EngineSession
 from gateway.session_socket import on_this_host
+from gateway.shutdown import Shutdown
 from ignis.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("ignis.gateway")
@@ -79,8 +80,10 @@ class EnginePool:
                  rule: RoutingRule | None = None, discovery: Discovery | None = None,
                  dns_refresh: float = 10.0, rewatch_delay: float = 0.5, sessions: bool = True,
                  session_sockets: bool = True, traced: bool = True, max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER_BYTES,
-                 on_slow_reader: Callable[[], None] = lambda: None, secret: bytes | None = None) -> None:
-        """`secret`: the engines' shared secret, sent on every call to an engine over TCP (not over unix:)."""
+                 on_slow_reader: Callable[[], None] = lambda: None, secret: bytes | None = None,
+                 shutdown: Shutdown | None = None) -> None:
+        """`secret`: the engines' shared secret, sent on every call to an engine over TCP (not over unix:).
+        `shutdown`: the server's stop, which ends the Generate calls still running when its grace is spent."""
         if not addresses and discovery is None:
             raise ValueError("at least one engine address or DNS name is needed")
         self.interval = interval
@@ -95,6 +98,7 @@ class EnginePool:
         self.on_slow_reader = on_slow_reader  # a call ended for its slow reader (the fault summary counts it)
         self.traced = traced  # a CLIENT span per Generate call (off when no spans are exported)
         self.secret = secret
+        self.shutdown = shutdown or Shutdown()
         self.static = list(dict.fromkeys(addresses))
         self.engines: list[EngineClient] = [self._client(a) for a in self.static]
         self._tasks: list[asyncio.Task[None]] = []
@@ -103,13 +107,14 @@ class EnginePool:
 
     @classmethod
     def from_config(cls, config: GatewayConfig, resolver: Resolver = getaddrinfo_resolver,
-                    on_slow_reader: Callable[[], None] = lambda: None) -> EnginePool:
+                    on_slow_reader: Callable[[], None] = lambda: None, shutdown: Shutdown | None = None) -> EnginePool:
         discovery = Discovery([DnsName.parse(n) for n in config.engine_dns], resolver) if config.engine_dns else None
         secret = read_secret(config.engine_secret_file) if config.engine_secret_file else None
         return cls(config.engines, config.probe_interval, config.probe_timeout, config.routing_rule(), discovery,
                    config.dns_refresh, sessions=config.upstream != "calls",
                    session_sockets=config.upstream == "session", traced=config.tracing,
-                   max_stream_buffer=config.max_stream_buffer_bytes, on_slow_reader=on_slow_reader, secret=secret)
+                   max_stream_buffer=config.max_stream_buffer_bytes, on_slow_reader=on_slow_reader, secret=secret,
+                   shutdown=shutdown)
 
     def _client(self, address: str) -> EngineClient:
         channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
@@ -10,6 +10,7 @@ from gateway.config import GatewayConfig
 from gateway.connection_faults import ConnectionFaults
 from gateway.engines import EnginePool
 from gateway.metrics import GatewayMetrics
+from gateway.shutdown import Shutdown
 
 
 @dataclass(slots=True)
@@ -17,6 +18,7 @@ class GatewayState:
     config: GatewayConfig
     metrics: GatewayMetrics
     faults: ConnectionFaults  # shared with the HTTP protocol (gateway/http_protocol.py)
+    shutdown: Shutdown = field(default_factory=Shutdown)  # the server's stop (gateway/__main__.py starts it)
     _pool: EnginePool | None = None  # made in the lifespan: grpc.aio channels bind to the running loop
 
     @property

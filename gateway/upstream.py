@@ -10,7 +10,8 @@ retry is invisible; a full engine stays up). After the first message, errors
 are the client's to see, and so is DEADLINE_EXCEEDED (the request's own
 deadline is spent: a retry could not meet it). While a call runs it counts in
 its engine's in-flight load (the routing rule's load term). Closing the generator (the client went away) cancels the gRPC call, and
-the engine then frees the sequence. Use it under `contextlib.aclosing`.
+the engine then frees the sequence. The server's stop ends a call still running when its grace is
+spent: `ShuttingDown` (gateway/shutdown.py). Use it under `contextlib.aclosing`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from gateway.engines import EngineClient, EnginePool
 from gateway.errors import OpenAIError, from_grpc, unavailable
 from gateway.routing import route_keys
 from gateway.session import SessionBroken, SessionCall, SlowReader
+from gateway.shutdown import ShuttingDown
 from ignis.v1 import engine_pb2
 
 GENERATE = "/ignis.v1.Engine/Generate"
@@ -68,13 +70,23 @@ async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest, key: b
         started = False
         code = grpc.StatusCode.CANCELLED  # unless the call ends by itself: the client went away
         try:
-            async for msg in call:
-                started = True
-                yield msg
+            with pool.shutdown.generation(call):  # once the stop's grace is spent, it cancels the call
+                async for msg in call:
+                    started = True
+                    yield msg
             code = grpc.StatusCode.OK
             return
+        except asyncio.CancelledError:
+            # A Generate call of its own raises this when cancelled (a session call: CANCELLED, below); the
+            # task itself was not cancelled (the client is still there): the stop ended it.
+            task = asyncio.current_task()
+            if pool.shutdown.ended and task is not None and not task.cancelling():
+                raise ShuttingDown() from None
+            raise
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
+            if code == grpc.StatusCode.CANCELLED and pool.shutdown.ended:
+                raise ShuttingDown() from None
             if isinstance(exc, SlowReader):  # the client's pace ended it: no other engine is tried
                 raise OpenAIError(408, exc.details() or "", code="slow_reader") from None
             if isinstance(exc, SessionBroken) and code != grpc.StatusCode.UNAVAILABLE and not started:

@@ -1,7 +1,7 @@
 """Which implementation of each kernel a device runs: the one place that decides.
 
 CUDA runs the Triton kernels (kernels/triton_*.py); the CPU runs the torch references
-(kernels/paged_attention.py, gated_delta.py, causal_conv.py, state_copy.py) but for decode
+(kernels/paged_attention.py, gated_delta.py, causal_conv.py, state_copy.py, fp8_gemm.py) but for decode
 attention (reading K/V pages in place), the GDN decode step (fused) and the GDN prefill conv,
 which are the C/OpenMP kernels of kernels/cpu/ (built by `make kernels`; without them, or with
 IGNIS_CPU_KERNELS=reference, the references run, logged once);
@@ -54,6 +54,11 @@ class CopyRows(Protocol):
     def __call__(self, pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None: ...
 
 
+class Fp8BlockLinear(Protocol):
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                 bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Kernels:
     """One implementation of every kernel, all behind the torch references' signatures."""
@@ -65,6 +70,7 @@ class Kernels:
     gated_delta_decode_step_: GatedDeltaDecodeStep
     causal_conv1d: CausalConv
     copy_rows_: CopyRows
+    fp8_block_linear: Fp8BlockLinear  # a linear on FP8 weights with block scales (engine/model/fp8.py's Fp8Linear)
     # paged_decode_attention reads pages in place, so one batched call costs nothing per padded
     # position and wins at any context length (engine/model/batch.py asks, to batch the decodes).
     decode_in_place: bool = False
@@ -90,11 +96,11 @@ class Kernels:
 
 
 def torch_kernels() -> Kernels:
-    from kernels import causal_conv, gated_delta, paged_attention, state_copy
+    from kernels import causal_conv, fp8_gemm, gated_delta, paged_attention, state_copy
 
     return Kernels("torch", paged_attention.paged_attention, paged_attention.paged_decode_attention,
                    gated_delta.chunk_gated_delta_rule, gated_delta.gated_delta_decode_step_,
-                   causal_conv.causal_conv1d, state_copy.copy_rows_)
+                   causal_conv.causal_conv1d, state_copy.copy_rows_, fp8_gemm.fp8_block_linear)
 
 
 def cpu_kernels() -> Kernels:
@@ -118,11 +124,12 @@ def cpu_kernels() -> Kernels:
 
 def triton_kernels() -> Kernels:
     """The Triton kernels; raises ImportError without Triton."""
-    from kernels import triton_causal_conv, triton_gated_delta, triton_paged_attention, triton_state_copy
+    from kernels import (triton_causal_conv, triton_fp8_gemm, triton_gated_delta, triton_paged_attention,
+                         triton_state_copy)
 
     return Kernels("triton", triton_paged_attention.paged_attention, triton_paged_attention.paged_decode_attention,
                    triton_gated_delta.chunk_gated_delta_rule, triton_gated_delta.gated_delta_decode_step_,
-                   triton_causal_conv.causal_conv1d, triton_state_copy.copy_rows_)
+                   triton_causal_conv.causal_conv1d, triton_state_copy.copy_rows_, triton_fp8_gemm.fp8_block_linear)
 
 
 @functools.cache

@@ -3,10 +3,15 @@ print how to talk to them, and stop all three cleanly on Ctrl-C.
 
     python scripts/run_all.py [--model DIR|ignis-tiny] [--config ignis.toml] [--set reuse.retained_device=16]
                               [--gateway-port 8000] [--engine-port PORT] [--tierstore-port PORT]
-                              [--no-tierstore] [-- EXTRA ENGINE FLAGS]
+                              [--no-tierstore] [GATEWAY FLAGS] [-- EXTRA ENGINE FLAGS]
 
 Settings (`--config`, `--set`, and IGNIS_SECTION__KEY variables) reach the engine and the
 tierstore alike. `make run ARGS="..."` passes its ARGS here; `MODEL=DIR make run` serves DIR.
+
+Every other flag is the gateway's (`python -m gateway --help`), checked before anything starts:
+`--api-key KEY`, `--allowed-origins ORIGIN`, `--header-timeout S`, `--access-log`, `--grace S`, ...
+(`make run ARGS="--api-key sk-x --access-log"`). Its `--port` is `--gateway-port` here, and its
+`--engine`, `--engine-secret-file` and `--port-file` are set here.
 
 The gateway reaches the engine, and the engine the tierstore, over their Unix sockets
 (`engine.socket` and `tierstore.socket`, by default in `$XDG_RUNTIME_DIR/ignis/` or
@@ -30,9 +35,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.__main__ import parse_args as parse_gateway_args
+
 ROOT = Path(__file__).resolve().parent.parent
 SHM_DIR = Path("/dev/shm")
 ARENA_PREFIX = "ignis-tierstore-"  # tierstore/arena.py names its shared-memory file so
+# The gateway's flags this script sets itself; for each, what to give instead (None: nothing).
+GATEWAY_FLAGS_SET_HERE = {"--port": "--gateway-port", "--engine": None, "--engine-dns": None,
+                          "--engine-secret-file": None, "--port-file": None}
 
 
 @dataclass
@@ -40,6 +50,7 @@ class Child:
     name: str
     process: subprocess.Popen[bytes]
     ready_file: Path
+    stop_within: float = 30.0  # seconds from SIGTERM; then it is killed
 
 
 def wait_ready(child: Child, timeout: float) -> None:
@@ -75,8 +86,14 @@ def remove_arenas_of(pid: int) -> list[Path]:
     return removed
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """This script's flags; `gateway_args` (the flags it does not know, checked by the gateway's own
+    parser, which `gateway` holds parsed) and `engine_args` (after ``--``) pass through."""
+    argv = sys.argv[1:] if argv is None else argv
+    ours, engine_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    # No abbreviations: a gateway flag must never be read as a prefix of one of ours (--engine of --engine-port).
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--model", default=os.environ.get("MODEL") or "ignis-tiny",
                         help="checkpoint directory, or ignis-tiny (default; $MODEL)")
     parser.add_argument("--config", default=None, metavar="PATH", help="TOML settings file (engine and tierstore)")
@@ -92,8 +109,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--engine-metrics-port", type=int, default=9400)
     parser.add_argument("--tierstore-metrics-port", type=int, default=9401)
     parser.add_argument("--no-tierstore", action="store_true", help="device-only reuse: do not start the tierstore")
-    parser.add_argument("engine_args", nargs="*", help="extra engine flags (after --)")
-    return parser.parse_args()
+    args, gateway_args = parser.parse_known_args(ours)
+    for flag in gateway_args:
+        name = flag.partition("=")[0]
+        if name in GATEWAY_FLAGS_SET_HERE:
+            instead = GATEWAY_FLAGS_SET_HERE[name]
+            parser.error(f"{name} is set by make run" + (f": give {instead}" if instead else ""))
+    try:  # the gateway's own check, now: not after the engine took minutes to load
+        args.gateway, _ = parse_gateway_args(["--engine", "unix:/checked-by-run-all", *gateway_args])
+    except SystemExit as exc:
+        if exc.code:
+            print("(make run passes the flags it does not know to the gateway: python -m gateway --help)",
+                  file=sys.stderr)
+        raise
+    args.gateway_args, args.engine_args = gateway_args, engine_args
+    return args
 
 
 def main() -> int:
@@ -102,14 +132,14 @@ def main() -> int:
     scratch = Path(tempfile.mkdtemp(prefix="ignis-run-"))
     children: list[Child] = []
 
-    def start(name: str, module: str, flags: list[str]) -> Child:
+    def start(name: str, module: str, flags: list[str], stop_within: float = 30.0) -> Child:
         on_socket = module in ("tierstore", "engine")  # they write JSON {address, socket, port, ...}
         ready = scratch / f"{name}.{'ready' if on_socket else 'port'}"
         announce = "--ready-file" if on_socket else "--port-file"
         # A session of its own: Ctrl-C reaches only us, and we stop the services in order.
         proc = subprocess.Popen([sys.executable, "-m", module, *flags, announce, str(ready)], cwd=ROOT,
                                 start_new_session=True)
-        child = Child(name, proc, ready)
+        child = Child(name, proc, ready, stop_within)
         children.append(child)
         return child
 
@@ -118,9 +148,9 @@ def main() -> int:
             if child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)
             try:
-                child.process.wait(30)
+                child.process.wait(child.stop_within)
             except subprocess.TimeoutExpired:
-                print(f"{child.name} did not stop in 30 s: killed", flush=True)
+                print(f"{child.name} did not stop in {child.stop_within:g} s: killed", flush=True)
                 child.process.kill()
                 child.process.wait()
         for child in children:  # only if the tierstore could not remove its own (it was killed)
@@ -159,7 +189,8 @@ def main() -> int:
         engine_secret = [] if ready["socket"] else ["--engine-secret-file", secret_file[-1]]
         wait_ready(start("gateway", "gateway", [
             "--host", "127.0.0.1", "--port", str(args.gateway_port), "--engine", ready["address"],
-            *engine_secret]), 120)
+            *engine_secret, *args.gateway_args],  # the user's come later: a --host there wins
+            stop_within=max(30.0, args.gateway.grace + 20.0)), 120)  # its drain (--grace), and the streams' ends
         print_banner(args, tierstore, ready["address"])
         while all(c.process.poll() is None for c in children):
             time.sleep(0.5)
@@ -174,7 +205,11 @@ def main() -> int:
 
 def print_banner(args: argparse.Namespace, tierstore: str, engine: str) -> None:
     model_id = "ignis-tiny" if args.model == "ignis-tiny" else Path(args.model).name
-    url = f"http://127.0.0.1:{args.gateway_port}"
+    host = args.gateway.host if args.gateway.host not in ("0.0.0.0", "::") else "127.0.0.1"  # any: loopback too
+    url = f"http://{f'[{host}]' if ':' in host else host}:{args.gateway_port}"
+    # The key itself stays out of the banner (terminal scrollback, logs).
+    key = "<your API key>" if args.gateway.api_key else "unused"
+    auth = [f"  -H 'Authorization: Bearer {key}' \\"] if args.gateway.api_key else []
     lines = [
         "",
         f"gateway   (OpenAI API)  {url}/v1        metrics {url}/metrics",
@@ -189,11 +224,12 @@ def print_banner(args: argparse.Namespace, tierstore: str, engine: str) -> None:
     lines += [
         "",
         f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+        *auth,
         f"  -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}], "
         "\"max_tokens\": 32}'",
         "",
         "from openai import OpenAI",
-        f"client = OpenAI(base_url=\"{url}/v1\", api_key=\"unused\")",
+        f"client = OpenAI(base_url=\"{url}/v1\", api_key=\"{key}\")",
         f"r = client.chat.completions.create(model=\"{model_id}\", messages=[{{\"role\": \"user\", \"content\": \"hi\"}}],",
         "                                   max_tokens=32)  # unset: up to the end of the context",
         "print(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)",

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from common.settings import load_settings
 from engine.config import EngineConfig
@@ -231,6 +232,13 @@ def test_a_paced_prefill_computes_what_an_unpaced_one_does(tiny: tuple[LoadedMod
             assert len(prefill_steps) >= 700 // (4 * MIN_CHUNK)
         logprobs = [lp for u in run.updates["long"] for d in u.deltas for lp in (d.logprobs or ())]
         outputs.append((run.tokens("long"), logprobs))
+        if target == 0.001:  # what /metrics says of it
+            stats = run.core.stats()
+            assert stats.paced_steps >= len(prefill_steps) - 2  # all but the first and the last
+            assert (stats.prefill_allowance_tokens, stats.step_time_target_seconds) == (MIN_CHUNK, 1e-6)
+            exposed = generate_latest(run.core.metrics.registry).decode()
+            assert f"ignis_prefill_allowance_tokens {float(MIN_CHUNK)}" in exposed
+            assert f"ignis_paced_steps_total {float(stats.paced_steps)}" in exposed
     assert outputs[1][0] == outputs[0][0]  # the same greedy tokens
     for paced, unpaced in zip(outputs[1][1], outputs[0][1]):
         assert paced.logprob == pytest.approx(unpaced.logprob, abs=1e-3)

@@ -19,8 +19,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -31,45 +29,21 @@ from engine.kv.device_cache import CacheGeometry, DeviceCache
 from engine.model.batch import ForwardBatch, LogitsWanted, SequenceChunk
 from engine.model.loader import load_model
 from kernels import causal_conv, gated_delta, paged_attention, state_copy
-from kernels.select import Kernels, kernels_for, triton_kernels
+from kernels.select import kernels_for, triton_kernels
+from triton_harness import (INTERPRETED, Target, compile_only_for_hopper, compiled_in_a_child,  # noqa: F401
+                            run_interpreted_child, target)
 
 ROOT = Path(__file__).resolve().parents[1]
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # this process is the child (or a manual run)
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
           pytest.param(torch.bfloat16, id="bf16")]
 PAGE = 16
 
 
-@dataclass(frozen=True)
-class Target:
-    device: torch.device
-    ops: Kernels
-
-
-TARGETS = ([pytest.param("cpu", id="interpret")] if INTERPRETED
-           else [pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)])
-
-
-@pytest.fixture(scope="module", params=TARGETS)
-def target(request: pytest.FixtureRequest) -> Target:
-    pytest.importorskip("triton")
-    return Target(torch.device(request.param), triton_kernels())
-
-
 @pytest.mark.skipif(INTERPRETED, reason="this is the child run")
 def test_interpreted_cases() -> None:
     """Every `interpret` case, in a child pytest that imports Triton under TRITON_INTERPRET=1."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    began = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",
-                           str(Path(__file__).relative_to(ROOT))],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    took = time.monotonic() - began
-    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
-    assert " passed" in done.stdout, done.stdout[-2000:]
-    print(f"interpreted Triton cases: {took:.1f} s\n{done.stdout.splitlines()[-1]}")
+    run_interpreted_child(__file__)
 
 
 def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -299,45 +273,17 @@ def test_model_on_the_triton_kernels_equals_the_torch_path(target: Target, arch:
 
 # --- compiled for the GPU, without one -----------------------------------------------------------
 
-HOPPER_SHARED_BYTES = 232448  # the most shared memory one block may use on H100/H200 (227 KiB)
-
-
 def compile_for_hopper() -> dict[str, int]:
-    """Compile (never launch) every kernel for sm_90 through its real wrapper at the served shapes,
-    on a CPU: a stand-in driver names the target and each launch only compiles. Catches what the
-    interpreter lets through (typing, rebinding, globals) and tiles over the shared-memory limit.
-    Returns each compiled kernel's shared memory in bytes. Run in a process of its own."""
+    """Compile (never launch) every kernel for sm_90 through its real wrapper at the served shapes, on a
+    CPU (tests/hopper_compile.py). Returns each compiled kernel's shared memory in bytes. Run in a
+    process of its own."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-    from triton.runtime.jit import JITFunction
 
     from kernels import (triton_causal_conv, triton_gated_delta, triton_paged_attention, triton_state_copy,
                          triton_support)
 
-    class HopperCompiler:
-        def get_current_device(self) -> int:
-            return 0
-
-        def get_current_stream(self, device: int | None = None) -> int:
-            return 0
-
-        def get_current_target(self) -> GPUTarget:
-            return GPUTarget("cuda", 90, 32)
-
-    driver.set_active(HopperCompiler())
-    compiled: dict[str, int] = {}
-    run = JITFunction.run
-
-    def compile_only(self, *args, grid, warmup, **kwargs):  # JITFunction.run, compiling only
-        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled[f"{self.fn.__name__}/{len(compiled)}"] = kernel.metadata.shared
-        return kernel
-
-    JITFunction.run = compile_only
-    for module in (triton_causal_conv, triton_gated_delta, triton_paged_attention, triton_state_copy,
-                   triton_support):
-        setattr(module, "interpreting", lambda device: False)  # the GPU's tiles and dots
+    compiled = compile_only_for_hopper(triton_causal_conv, triton_gated_delta, triton_paged_attention,
+                                       triton_state_copy, triton_support)
     ops = triton_kernels()
     bf16 = torch.bfloat16
     for dim in (128, 256):  # fp32 caches compile the same code with IEEE dots (115 KB at dim 128)
@@ -363,21 +309,10 @@ def compile_for_hopper() -> dict[str, int]:
 @pytest.mark.skipif(INTERPRETED, reason="the parent run checks this")
 def test_every_kernel_compiles_for_hopper_within_its_shared_memory() -> None:
     pytest.importorskip("triton")
-    code = ("import json, sys\nsys.path.insert(0, 'tests')\nimport test_triton_kernels as t\n"
-            "print(json.dumps(t.compile_for_hopper()))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(ROOT / ".cache" / "triton-sm90")  # git-ignored; reruns skip the compiler
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-6000:]
-    import json
-
-    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    shared = compiled_in_a_child("test_triton_kernels")
     names = {name.split("/")[0] for name in shared}
     assert names == {"_prefill_kernel", "_decode_kernel", "_merge_kernel", "_chunk_prepare", "_chunk_scan",
                      "_decode_step", "_conv_kernel", "_copy_kernel"}, names
-    too_big = {name: size for name, size in shared.items() if size > HOPPER_SHARED_BYTES}
-    assert not too_big, f"over the {HOPPER_SHARED_BYTES} bytes of shared memory a block may use: {too_big}"
 
 
 # --- the one place that picks --------------------------------------------------------------------

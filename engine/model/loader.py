@@ -19,7 +19,7 @@ from engine.model.config import ModelConfig, load_config
 from engine.model.cpu_linear import onednn_bf16_available, use_onednn_linears
 from engine.model.decoder import CausalLM
 from engine.model.errors import CheckpointError
-from engine.model.fp8 import dequantize_all
+from engine.model.fp8 import dequantize_all, fp8_gemm_absent, fp8_linear_weights, load_note, use_fp8_linears
 from engine.model.layers import Rotary
 from engine.model.safetensors_mmap import SafetensorsFile, open_checkpoint_weights
 
@@ -60,8 +60,7 @@ def _normalise_names(tensors: dict[str, torch.Tensor], config: ModelConfig, side
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for name, tensor in tensors.items():
-        if name.startswith("model.language_model."):  # the text model of a multimodal checkpoint
-            name = "model." + name[len("model.language_model."):]
+        name = _decoder_name(name)
         part = next((part for part, pattern in _SIDE_PARTS if pattern.search(name)), None)
         if part is not None:
             side.setdefault(part, {})[name] = tensor
@@ -87,6 +86,13 @@ def _normalise_names(tensors: dict[str, torch.Tensor], config: ModelConfig, side
     return out
 
 
+def _decoder_name(name: str) -> str:
+    """A checkpoint tensor's name as the decoder's parameters spell it."""
+    if name.startswith("model.language_model."):  # the text model of a multimodal checkpoint
+        return "model." + name[len("model.language_model."):]
+    return name
+
+
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -102,15 +108,21 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev, config)
     tensors, digest, files = open_checkpoint_weights(path)
-    if config.fp8 is not None:  # no FP8 GEMM here: the weights are served dequantized (engine/model/fp8.py)
-        tensors, dequantized = dequantize_all(tensors, config.fp8, torch_dtype)
-        log.info("%s: %d fp8 weights (blocks of %dx%d) dequantized at load to %s", path.name, dequantized,
-                 config.fp8.rows, config.fp8.cols, torch_dtype)
-    side: dict[str, dict[str, torch.Tensor]] = {}
-    tensors = _normalise_names(tensors, config, side)
-
     with torch.device("meta"):
         model = CausalLM(config)
+    kept: set[str] = set()  # fp8 weights and their scales, loaded in their own dtypes
+    if config.fp8 is not None:  # on CUDA the linears' weights stay fp8, elsewhere all are dequantized (fp8.py)
+        absent = fp8_gemm_absent(dev)
+        linears = set() if absent else fp8_linear_weights(model)
+        tensors, dequantized = dequantize_all(tensors, config.fp8, torch_dtype,
+                                              keep=lambda name: _decoder_name(name) in linears)
+    side: dict[str, dict[str, torch.Tensor]] = {}
+    tensors = _normalise_names(tensors, config, side)
+    if config.fp8 is not None:
+        kept = use_fp8_linears(model, tensors, config.fp8)
+        log.info("%s", load_note(path.name, config.fp8, len(kept) // 2, dequantized, torch_dtype, absent))
+        if kept:  # other weights (fp8 through the GEMM, not dequantized) make other state
+            digest = hashlib.sha256(digest + b"/fp8-linears=block-gemm").digest()
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     if "lm_head.weight" not in tensors and config.tie_word_embeddings and "model.embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
@@ -129,7 +141,7 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
             )
         key = id(tensor)
         if key not in converted:
-            converted[key] = tensor.to(device=dev, dtype=torch_dtype)
+            converted[key] = tensor.to(device=dev, dtype=None if name in kept else torch_dtype)
             bar.advance(tensor.numel() * tensor.element_size())
         state[name] = converted[key]
     bar.close()

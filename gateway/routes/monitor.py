@@ -95,8 +95,10 @@ async def ignis_state(request: Request) -> Response:
 
 
 async def ignis_state_stream(request: Request) -> Response:
-    """The state of every engine as one `data:` event per interval, until the client leaves."""
-    pool = state_of(request).pool
+    """The state of every engine as one `data:` event per interval, until the client leaves or the server
+    stops (its drain: an endless stream would hold the stop for its whole grace)."""
+    state = state_of(request)
+    pool = state.pool
     limit, interval = _limit(request), _interval(request)
     if "page_token" in request.query_params or "engine" in request.query_params:
         raise invalid("the stream shows every engine's first states: page with /v1/ignis/state",
@@ -107,7 +109,8 @@ async def ignis_state_stream(request: Request) -> Response:
         while True:
             started = loop.time()
             yield data_event(await _gather(pool.engines, limit, "", strict=False))
-            await asyncio.sleep(max(interval - (loop.time() - started), 0.0))  # pacing, not waiting on readiness
+            if await state.shutdown.sleep(max(interval - (loop.time() - started), 0.0)):  # pacing, not readiness
+                return
 
     return EventStream(events())
 

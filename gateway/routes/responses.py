@@ -39,6 +39,7 @@ from gateway.options import engine_options
 from gateway.response_output import OutputBuilder
 from gateway.routing import chat_head, route_key, route_keys
 from gateway.sampling import TokenLimit, sampling_params
+from gateway.shutdown import ShuttingDown
 from gateway.sse import EventStream, named_event
 from gateway.state import GatewayState, state_of
 from gateway.output_formats import ChoiceParser, output_formats
@@ -364,7 +365,16 @@ class _Reply:
                     if batch:
                         yield batch
                         batch = []
+            except ShuttingDown as err:
+                if not started:
+                    raise
+                yield [*batch, numbered({"type": "response.failed", "response": self._failed(builder, err)})]
             except OpenAIError as err:
                 if not started:
                     raise
                 yield [*batch, numbered({"type": "error", "code": err.code, "message": err.message, "param": err.param})]
+
+    def _failed(self, builder: OutputBuilder, err: OpenAIError) -> JSONObject:
+        """The response the server's stop ended: failed, with what it had output (not stored)."""
+        error: JSONObject = {"code": "server_error", "message": err.message}  # a code of OpenAI's ResponseError
+        return dict(self.base, status="failed", error=error, output=list(builder.items), usage=None)

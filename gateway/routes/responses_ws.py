@@ -17,7 +17,9 @@ connection, claims it.
 Errors are ``{"type": "error", "status", "error": {"type", "code", "message",
 "param"}}`` events (OpenAI's shape); a malformed event gets one and the socket
 stays open. The client closing mid-response cancels the engine call; a client's close, however it
-comes, is the normal end of a socket (one INFO line, no traceback).
+comes, is the normal end of a socket (one INFO line, no traceback). The server's stop (gateway/shutdown.py)
+lets the running turn finish within its grace (else it ends with ``response.failed``), drops the turns
+still queued, and closes the socket with 1001 (going away).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from gateway.state import GatewayState
 
 log = logging.getLogger("ignis.gateway")
 MAX_EVENT_BYTES = 16 << 20  # one client event (the gateway's HTTP body limit applies too)
+GOING_AWAY = 1001  # the close code of a server that stops (RFC 6455)
 
 
 def error_event(err: OpenAIError, stream_id: Any = None) -> JSONObject:
@@ -104,8 +107,14 @@ async def responses_socket(ws: WebSocket) -> None:
     """One connection: a reader queues the client's events, turns run one at a time in order;
     a disconnect cancels the running turn (and with it the engine call)."""
     state: GatewayState = ws.app.state.gateway
+    with state.shutdown.socket():  # the stop waits for our close (1001) before uvicorn closes what is left
+        await _serve(ws, state)
+
+
+async def _serve(ws: WebSocket, state: GatewayState) -> None:
     await ws.accept()
     sock = _Socket(ws, state)
+    draining = state.shutdown.draining
     inbox: asyncio.Queue[str | None] = asyncio.Queue()
     client_close: int | None = None  # the code of the client's close (1005/1006: it went without one)
 
@@ -126,8 +135,11 @@ async def responses_socket(ws: WebSocket) -> None:
             inbox.put_nowait(None)
 
     reader = asyncio.create_task(read(), name="responses-socket-reader")
+    # The stop wakes an idle socket; one in a turn sees it when the turn is over.
+    woken = asyncio.create_task(draining.wait(), name="responses-socket-drain")
+    woken.add_done_callback(lambda _: inbox.put_nowait(None))
     try:
-        while (text := await inbox.get()) is not None:
+        while (text := await inbox.get()) is not None and not draining.is_set():
             running = asyncio.create_task(sock.turn(text))
             # Wait for the turn, but end it the moment the reader sees the client go.
             while not running.done():
@@ -143,15 +155,19 @@ async def responses_socket(ws: WebSocket) -> None:
             if exc is not None:
                 raise exc
     finally:
+        woken.cancel()
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reader
-        await _close(ws)
+        if draining.is_set():
+            await _close(ws, GOING_AWAY, "the server is shutting down")
+        else:
+            await _close(ws)
         if client_close is not None:  # the normal end of a socket: one line, no traceback
             log.info("the client closed its WebSocket on /v1/responses (code %d)", client_close)
 
 
-async def _close(ws: WebSocket) -> None:
+async def _close(ws: WebSocket, code: int = 1000, reason: str | None = None) -> None:
     """Close our side unless the client already went: a client's close is the normal end, not an error.
 
     Starlette raises WebSocketDisconnect for a send after the client left (uvicorn's ClientDisconnected
@@ -160,4 +176,4 @@ async def _close(ws: WebSocket) -> None:
     if ws.client_state is not WebSocketState.CONNECTED or ws.application_state is not WebSocketState.CONNECTED:
         return
     with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
-        await ws.close()
+        await ws.close(code, reason)
