@@ -161,6 +161,10 @@ def main() -> int:
         print("\nall services stopped", flush=True)
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # Ctrl-C stops everything even when it was started from a background job or a script, which start
+    # their children with SIGINT ignored (and then Python installs no KeyboardInterrupt handler): in a
+    # full test run in the background, make run's SIGINT was ignored and the stack never stopped.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     tierstore = ""
     tcp: list[str] = []
     try:

@@ -70,6 +70,7 @@ def test_make_run_serves_then_ctrl_c_stops_all_three_and_removes_the_arena(tiny_
              *[f for name, port in ports.items() for f in (f"--{name}-port", str(port))],
              "--api-key", KEY, "--access-log"],  # the gateway's flags (issue 47 item 10)
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "IGNIS_LOG_LEVEL": "WARNING"})
+    services: list[int] = []
     try:
         deadline = time.monotonic() + 300
         while b"Ctrl-C stops everything." not in (output := (tmp_path / "run.log").read_bytes()):
@@ -94,7 +95,7 @@ def test_make_run_serves_then_ctrl_c_stops_all_three_and_removes_the_arena(tiny_
         assert first.status_code == 200, first.text
         for name in ("engine-metrics", "tierstore-metrics"):
             assert httpx.get(f"http://127.0.0.1:{ports[name]}/metrics").status_code == 200
-        services = children_of(proc.pid)
+        services.extend(children_of(proc.pid))
         assert len(services) == 3
         [tierstore] = [pid for pid in services if module_of(pid) == "tierstore"]
         assert len(arenas_of(tierstore)) == 1  # its shared-memory file, while it runs
@@ -115,6 +116,9 @@ def test_make_run_serves_then_ctrl_c_stops_all_three_and_removes_the_arena(tiny_
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        for pid in services:  # killed, run_all leaves them: they must not outlive a failed test
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
         foreign.unlink(missing_ok=True)
 
 
