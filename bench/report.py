@@ -39,6 +39,10 @@ SECTIONS: list[tuple[str, list[str], str]] = [
      "reuse tax of device-slot and staging-ring captures; decode ITL while a large state spills, on the step "
      "thread vs written ahead by the copy worker; KV pool room with retained states in host vs device slots. "
      "`python -m bench.residency`"),
+    ("Short requests beside a long prefill", ["long-prefill"],
+     "4-token probes streamed while a 24k-token prompt prefills, their TTFT against the same probes on an "
+     "idle engine, and what the long prompt pays: the step time target (engine.step_time_target_ms, auto) "
+     "against the token budget alone. `python -m bench.long_prefill`"),
     ("Decode attention on the CPU", ["decode-attention"],
      "The torch reference (gather + SDPA) against the C kernel reading K/V pages in place, in each "
      "engine.kv_dtype, and the model's decode forward before and after, at batch 1 and 8 with 2048-token "
