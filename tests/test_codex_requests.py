@@ -1,6 +1,7 @@
 """What Codex CLI sends /v1/responses by default, served: namespace, custom (freeform) and hosted
 tools, `include`, `prompt_cache_key`, `client_metadata`, compressed bodies; and the real CLI
-(`npm i @openai/codex`) finishing a turn, skipped where npm or its registry is not reachable.
+(`npm i @openai/codex`) finishing a turn over HTTP and over its WebSocket transport (claiming its
+prewarmed prompt there), skipped where npm or its registry is not reachable.
 
 Real processes on loopback: an engine on the random-weight ignis-tiny, a gateway in front."""
 
@@ -228,8 +229,8 @@ def _codex_cli(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ending_gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
-    """A gateway on an engine whose random model ends its answers: a third of the vocabulary is EOS
+def ending_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
+    """An engine whose random model ends its answers: a third of the vocabulary is EOS
     (generation_config.json), so a reply completes in a few tokens, as Codex needs to end its turn
     (an answer cut at max_output_tokens is an error to Codex)."""
     from engine.text.tiny_tokenizer import TINY_VOCAB_SIZE
@@ -237,12 +238,30 @@ def ending_gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     model = checkpoint(tiny_model_dir, tmp_path_factory.mktemp("ending-model"),
                        {"max_new_tokens": 64, "eos_token_id": list(range(256, TINY_VOCAB_SIZE - 64, 3))})
     engine = start_engine(tmp_path_factory.mktemp("ending-engine"), str(model), ["--served-model-name", MODEL])
-    try:
-        gateway = start_gateway(tmp_path_factory.mktemp("ending-gateway"), [engine.address])
-        yield gateway
-        assert gateway.stop() == 0, gateway.log()
-    finally:
-        assert engine.stop() == 0, engine.log()
+    yield engine
+    assert engine.stop() == 0, engine.log()
+
+
+@pytest.fixture(scope="module")
+def ending_gateway(ending_engine: RunningService, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
+    """A gateway on `ending_engine`, logging every request (uvicorn's access log)."""
+    gateway = start_gateway(tmp_path_factory.mktemp("ending-gateway"), [ending_engine.address], ["--access-log"])
+    yield gateway
+    assert gateway.stop() == 0, gateway.log()
+
+
+def _codex_exec(codex: Path, gateway: RunningService, tmp_path_factory: pytest.TempPathFactory,
+                provider_options: str = "") -> subprocess.CompletedProcess[str]:
+    """`codex exec "say hi"` with its default configuration, on a custom provider `ignis` (the
+    Responses wire) pointing at `gateway`, plus `provider_options` (`,key=value...`)."""
+    home, work = tmp_path_factory.mktemp("codex-home"), tmp_path_factory.mktemp("codex-work")
+    provider = (f'model_providers.ignis={{name="ignis",base_url="http://127.0.0.1:{gateway.port}/v1",'
+                f'wire_api="responses",env_key="IGNIS_TEST_KEY"{provider_options}}}')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "CODEX_"))}
+    env.update(CODEX_HOME=str(home), IGNIS_TEST_KEY="test", NO_COLOR="1")
+    return subprocess.run([str(codex), "exec", "--skip-git-repo-check", "-c", "model_provider=ignis", "-c", provider,
+                           "-m", MODEL, "say hi"],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=ROOM)
 
 
 def test_codex_exec_finishes_a_turn(ending_gateway: RunningService, tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -250,14 +269,53 @@ def test_codex_exec_finishes_a_turn(ending_gateway: RunningService, tmp_path_fac
     HTTP) against the gateway: the turn ends, no request is refused."""
     gateway = ending_gateway
     codex = _codex_cli(tmp_path_factory.mktemp("codex-cli"))
-    home, work = tmp_path_factory.mktemp("codex-home"), tmp_path_factory.mktemp("codex-work")
-    provider = (f'model_providers.ignis={{name="ignis",base_url="http://127.0.0.1:{gateway.port}/v1",'
-                f'wire_api="responses",env_key="IGNIS_TEST_KEY"}}')
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "CODEX_"))}
-    env.update(CODEX_HOME=str(home), IGNIS_TEST_KEY="test", NO_COLOR="1")
-    done = subprocess.run([str(codex), "exec", "--skip-git-repo-check", "-c", "model_provider=ignis", "-c", provider,
-                           "-m", MODEL, "say hi"],
-                          cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    done = _codex_exec(codex, gateway, tmp_path_factory)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert "ERROR" not in output and "invalid_request_error" not in output, output
+
+
+def _requests_done(log: str) -> list[dict[str, Any]]:
+    """The engine's `ignis.request.done` events in `log`, in order."""
+    events = (json.loads(line) for line in log.splitlines() if '"ignis.request.done"' in line)
+    return [e for e in events if e.get("event") == "ignis.request.done"]
+
+
+def test_codex_exec_over_the_websocket_claims_its_prewarm(ending_engine: RunningService,
+                                                          ending_gateway: RunningService,
+                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`codex exec` on the Responses WebSocket transport (the provider's `supports_websockets`): at
+    startup Codex opens the socket and prewarms the prompt (`response.create` with `generate: false`,
+    prefilled, no output), then sends the turn on the same socket with `previous_response_id` naming
+    the prewarm and only the new items; the engine serves the turn from the prewarm's retained state.
+
+    `websocket_connect_timeout_ms` is also how long Codex's first turn waits for the startup prewarm
+    (15 s by default in 0.171.0, codex-rs startup_prewarm.rs): past it Codex drops
+    the prewarm and sends the whole prompt on a new socket. Prefilling Codex's ~16k-token default
+    prompt on a loaded CPU takes longer than that, so the wait is widened to what a call may take."""
+    gateway, engine = ending_gateway, ending_engine
+    codex = _codex_cli(tmp_path_factory.mktemp("codex-cli"))
+    gateway_seen, engine_seen = len(gateway.log()), len(engine.log())
+    done = _codex_exec(codex, gateway, tmp_path_factory,
+                       f",supports_websockets=true,websocket_connect_timeout_ms={ROOM * 1000}")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "ERROR" not in output and "invalid_request_error" not in output, output
+
+    # Served over the WebSocket: one upgrade on /v1/responses carried the prewarm and the turn (a
+    # prewarm Codex gave up on would show as a second socket), and no HTTP request.
+    gateway_log = gateway.log()[gateway_seen:]
+    assert gateway_log.count('"WebSocket /v1/responses" [accepted]') == 1, gateway_log
+    assert '"POST /v1/responses' not in gateway_log, gateway_log
+    assert "Traceback" not in gateway_log, gateway_log
+
+    # The prewarm: the prompt prefilled, nothing generated; then the turn, which reused its state.
+    requests = _requests_done(engine.log()[engine_seen:])
+    assert len(requests) == 2, requests
+    prewarm, turn = requests
+    assert prewarm["tokens_out"] == 0 and prewarm["finish_reason"] == "length", prewarm
+    assert prewarm["prompt_tokens"] > 1000, prewarm  # Codex's instructions and tools
+    assert turn["finish_reason"] == "stop" and turn["tokens_out"] > 0, turn
+    assert turn["prompt_tokens"] > prewarm["prompt_tokens"], (prewarm, turn)
+    assert turn["cached_tokens"] == prewarm["prompt_tokens"], (prewarm, turn)
+    assert turn["kind"] != "none" and turn["tier"] != "none", turn
