@@ -8,6 +8,7 @@ request run without interruption, sampler state and stop-string buffer included.
 
 from __future__ import annotations
 
+import math
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,10 @@ class Driver:
                  **config: object) -> None:
         _, loaded, tokenizer = model
         page_bytes = loaded.config.state_shape().kv_bytes_per_page(P, loaded.model.dtype)
-        settings: dict[str, object] = {"max_num_seqs": 8, "spill_window_pages": 2, **config}
+        # The moves are placed at steps and chunk boundaries: a step time target would cut the prompts
+        # by this machine's speed (under load a chunk boundary moved), so the token budget alone.
+        settings: dict[str, object] = {"max_num_seqs": 8, "spill_window_pages": 2, "step_time_target_ms": math.inf,
+                                       **config}
         self.core = EngineCore(loaded, tokenizer, EngineConfig(
             page_size=P, kv_cache_bytes=pages * page_bytes, tierstore_address=tierstore, **settings))  # type: ignore[arg-type]
         self.updates: dict[str, list[RequestUpdate]] = {}
