@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import itertools
 import random
 import shlex
 import statistics
@@ -32,7 +32,9 @@ from typing import Any
 
 import httpx
 
+from bench.drive import random_prompt
 from bench.table import markdown, save
+from bench.workload import sse_chunks
 from common.launch import launch_engine, launch_gateway
 from engine.text.tiny_tokenizer import TINY_VOCAB_SIZE
 
@@ -60,10 +62,10 @@ class Prompts:
     """Distinct random token-id prompts (nothing one request computed is reusable by another)."""
 
     def __init__(self, seed: int) -> None:
-        self.rng = random.Random(seed)
+        self.seeds = itertools.count(seed)
 
     def make(self, n: int) -> list[int]:
-        return [self.rng.randrange(10, TINY_VOCAB_SIZE) for _ in range(n)]
+        return list(random_prompt(n, next(self.seeds), vocab=TINY_VOCAB_SIZE))
 
 
 async def completion(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> Timing:
@@ -73,19 +75,11 @@ async def completion(client: httpx.AsyncClient, model: str, prompt: list[int], m
     started = time.perf_counter()
     first: float | None = None
     tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as reply:
-        if reply.status_code != 200:
-            raise RuntimeError(f"HTTP {reply.status_code}: {(await reply.aread()).decode(errors='replace')}")
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
-            if "error" in event:
-                raise RuntimeError(f"stream failed: {event['error']}")
-            if any(c.get("text") for c in event.get("choices", ())):
-                tokens += 1
-                if first is None:
-                    first = time.perf_counter() - started
+    async for chunk in sse_chunks(client, "/v1/completions", body):
+        if any(c.get("text") for c in chunk.get("choices", ())):
+            tokens += 1
+            if first is None:
+                first = time.perf_counter() - started
     if first is None:
         raise RuntimeError("the stream ended without a token")
     return Timing(first, time.perf_counter() - started, tokens)

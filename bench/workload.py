@@ -227,7 +227,15 @@ def cached_from(usage: dict[str, Any], timings: dict[str, Any]) -> int:
 
 async def chat_chunks(http: httpx.AsyncClient, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     """The SSE chunks of one streamed chat completion (an agent's); RuntimeError on an HTTP or a stream error."""
-    async with http.stream("POST", "/chat/completions", json=body, headers={"X-Ignis-Class": "agent"}) as response:
+    async for chunk in sse_chunks(http, "/chat/completions", body, {"X-Ignis-Class": "agent"}):
+        yield chunk
+
+
+async def sse_chunks(http: httpx.AsyncClient, path: str, body: dict[str, Any],
+                     headers: dict[str, str] | None = None) -> AsyncIterator[dict[str, Any]]:
+    """The SSE chunks of one streamed POST to `path` (chat or completions); RuntimeError on an HTTP or a
+    stream error."""
+    async with http.stream("POST", path, json=body, headers=headers) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: "
                                f"{(await response.aread()).decode(errors='replace')[:200]}")

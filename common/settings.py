@@ -246,9 +246,9 @@ class EngineSettings(_Section):
     prefill_chunk_tokens: int = setting(2048, parse_int, minimum=1, doc="prefill token budget per step")
     step_time_target_ms: float = setting(0.0, parse_step_time_target,
                                          doc="a step that runs prompt tokens is sized to take about this long, "
-                                             "so requests that arrive meanwhile wait little: auto (3x the "
-                                             "engine's cheapest recent prefill step), off (the token budget "
-                                             "alone) or milliseconds")
+                                             "so requests that arrive meanwhile wait little: auto (2.5x the "
+                                             "engine's cheapest recent prefill step while others wait, 8x "
+                                             "alone), off (the token budget alone) or milliseconds")
     kv_cache_bytes: int = setting(512 * MiB, parse_size, minimum=1, doc="device KV page pool (bytes)")
     dtype: str = setting("auto", choice("auto", "float32", "bfloat16", "float16"), doc="compute dtype")
     kv_dtype: str = setting("auto", choice("auto", "float32", "bfloat16", "float16"),

@@ -70,8 +70,7 @@ class StepPacing:
         if busy != self.busy and self.target_ms == 0:
             # The target moves by AUTO_QUIET / AUTO_BUSY: so does the allowance, at once (following it
             # by measurement would leave the first steps that someone waits on long).
-            ratio = AUTO_BUSY / AUTO_QUIET if busy else AUTO_QUIET / AUTO_BUSY
-            self.allowance = max(MIN_CHUNK, min(self.max_tokens, _on_ladder(max(1, int(self.allowance * ratio)))))
+            self._set(self.allowance * (AUTO_BUSY / AUTO_QUIET if busy else AUTO_QUIET / AUTO_BUSY))
         self.busy = busy
         return self.allowance
 
@@ -87,18 +86,23 @@ class StepPacing:
         if not bounded or target is None:
             return
         self.bounded_steps += 1
-        wanted = _on_ladder(max(1, int(self.allowance * target / seconds)))
-        damped = _on_ladder(max(1, int(self.allowance * (target / seconds) ** _DAMPING)))
+        wanted = _on_ladder(self.allowance * target / seconds)
+        damped = _on_ladder(self.allowance * (target / seconds) ** _DAMPING)
         if damped == self.allowance != wanted:  # half the way stays on this rung: one rung toward it
-            damped = _on_ladder(int(self.allowance * (1.4 if wanted > self.allowance else 1 / 1.4)))
-        self.allowance = max(MIN_CHUNK, min(self.max_tokens, damped))
+            damped = _on_ladder(self.allowance * (1.4 if wanted > self.allowance else 1 / 1.4))
+        self._set(damped)
+
+    def _set(self, tokens: float) -> None:
+        """The allowance: `tokens` on the ladder, at least MIN_CHUNK, at most the step's token budget."""
+        self.allowance = min(self.max_tokens, max(MIN_CHUNK, _on_ladder(tokens)))
 
 
-def _on_ladder(tokens: int) -> int:
-    """`tokens` rounded to the nearest (by ratio) of 2^k and 1.5 * 2^k: a few chunk sizes, each seen again
-    and again, so a library that builds its kernels per input shape (oneDNN's linear layers: ~0.4 ms
-    each, the first time) builds a handful rather than one for every size a step was ever given.
+def _on_ladder(tokens: float) -> int:
+    """`tokens` (at least 1) rounded to the nearest (by ratio) of 2^k and 1.5 * 2^k: a few chunk sizes, each
+    seen again and again, so a library that builds its kernels per input shape (oneDNN's linear layers:
+    ~0.4 ms each, the first time) builds a handful rather than one for every size a step was ever given.
     Nearest, not down: rounded down, a damped correction never climbs back a rung."""
-    low = 1 << (tokens.bit_length() - 1)
+    tokens = max(1.0, tokens)
+    low = 1 << (int(tokens).bit_length() - 1)
     rungs = (low, low + low // 2, 2 * low)
     return min(rungs, key=lambda r: abs(math.log(tokens / r)))

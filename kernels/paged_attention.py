@@ -18,19 +18,21 @@ _workspace = threading.local()  # per step thread: its gather buffers, reused st
 def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, length: int, slot: int = 0) -> torch.Tensor:
     """cache: [num_pages, P, Hkv, D]; page_table: [n] page ids -> [length, Hkv, D].
 
-    Into this thread's buffer `slot` (K and V each have theirs), grown to the longest context gathered
-    and then reused: a fresh [context, Hkv, D] tensor every layer of every chunk was a large block that
-    the allocator mapped and unmapped each time, and its pages faulted in and zeroed again each step
-    (engine/model/host_memory.py). The result is valid until the next gather into the same slot."""
-    shape = (page_table.shape[0], *cache.shape[1:])
+    Into this thread's buffer `slot` (K and V each have theirs), grown (doubling, up to the pool's size)
+    to the longest context gathered and then reused: a fresh [context, Hkv, D] tensor every layer of
+    every chunk was a large block that malloc mapped and unmapped each time, its pages faulted in and
+    zeroed again each step (at 24k tokens most of a small chunk's step). The result is valid until the
+    next gather into the same slot."""
+    pages_wanted = page_table.shape[0]
     buffers: dict[tuple[int, torch.device, torch.dtype, torch.Size], torch.Tensor] = \
         _workspace.__dict__.setdefault("buffers", {})
     key = (slot, cache.device, cache.dtype, cache.shape[1:])
     buffer = buffers.get(key)
-    if buffer is None or buffer.shape[0] < shape[0]:
-        buffer = buffers[key] = torch.empty((max(shape[0], 2 * (0 if buffer is None else buffer.shape[0])),
-                                            *shape[1:]), dtype=cache.dtype, device=cache.device)
-    pages = torch.index_select(cache, 0, page_table, out=buffer[: shape[0]])  # [n, P, Hkv, D]
+    if buffer is None or buffer.shape[0] < pages_wanted:
+        held = 0 if buffer is None else buffer.shape[0]
+        size = max(pages_wanted, min(2 * held, cache.shape[0]))  # never more pages than the pool has
+        buffer = buffers[key] = torch.empty((size, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+    pages = torch.index_select(cache, 0, page_table, out=buffer[:pages_wanted])  # [n, P, Hkv, D]
     return pages.reshape(-1, *cache.shape[2:])[:length]
 
 

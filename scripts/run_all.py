@@ -50,7 +50,7 @@ class Child:
     name: str
     process: subprocess.Popen[bytes]
     ready_file: Path
-    stop_within: float = 30.0  # seconds from SIGTERM; then it is killed
+    stop_within: float  # seconds from SIGTERM; then it is killed
 
 
 def wait_ready(child: Child, timeout: float) -> None:

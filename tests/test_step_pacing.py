@@ -10,6 +10,7 @@ The time it saves is measured by bench/long_prefill.py, not asserted here.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ from engine.text.tokenizer import Tokenizer
 
 
 # --- the allowance ------------------------------------------------------------
-def settle(pacing: StepPacing, cost: "callable[[int], float]", steps: int = 60) -> list[int]:
+def settle(pacing: StepPacing, cost: Callable[[int], float], steps: int = 60) -> list[int]:
     """Steps whose prefill the allowance bounds, each taking cost(allowance) seconds: the allowances seen."""
     seen = []
     for _ in range(steps):
