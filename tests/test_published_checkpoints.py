@@ -21,6 +21,7 @@ from checkpoints import load_hf, make_checkpoint
 from engine.model.config import SUPPORTED_ARCHITECTURES
 from engine.model.errors import CheckpointError
 from engine.model.loader import load_model
+from engine.model.mtp import MtpPredictor
 from test_model import make_cache, make_prompt, run_chunks
 
 MiB = 1 << 20
@@ -66,24 +67,104 @@ def test_the_published_class_is_served_text_only_and_its_vision_tower_is_kept_an
     assert f"vision tower ({len(vision)} tensors" in line and "mtp" not in line
 
 
-def test_mtp_weights_are_kept_apart_and_change_nothing_else(published: Path, tmp_path: Path,
-                                                             caplog: pytest.LogCaptureFixture) -> None:
-    """Published Qwen3.5 checkpoints carry a multi-token-prediction layer (`mtp.*`): it is kept for
-    speculative decoding and named in the log; the decoder's logits are those without it."""
-    with_mtp = copy_checkpoint(published, tmp_path / "with_mtp")
-    g = torch.Generator().manual_seed(0)
-    mtp = {"mtp.fc.weight": torch.randn(64, 128, generator=g), "mtp.norm.weight": torch.randn(64, generator=g),
-           "mtp.layers.0.mlp.down_proj.weight": torch.randn(64, 128, generator=g)}
+def mtp_tensors(checkpoint: Path, seed: int) -> dict[str, torch.Tensor]:
+    """A random MTP layer as published checkpoints store it: `mtp.*`, routed experts one tensor per
+    expert and projection (the decoder's config decides its shapes)."""
+    config = load_model(checkpoint).config
+    torch.manual_seed(seed)
+    module = MtpPredictor(config, 1)
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in module.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):  # stacked [E, 2I, H] -> per expert, as shipped
+            prefix = name.removesuffix(".gate_up_proj")
+            for e, (gate, up) in enumerate(t.chunk(2, dim=0) for t in tensor):
+                out[f"mtp.{prefix}.{e}.gate_proj.weight"] = gate.clone()
+                out[f"mtp.{prefix}.{e}.up_proj.weight"] = up.clone()
+        elif name.endswith("experts.down_proj"):
+            prefix = name.removesuffix(".down_proj")
+            for e, down in enumerate(tensor):
+                out[f"mtp.{prefix}.{e}.down_proj.weight"] = down.clone()
+        else:
+            out[f"mtp.{name}"] = tensor.clone()
+    return out
+
+
+@pytest.mark.parametrize("arch", ["Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"])
+def test_the_mtp_layer_loads_into_its_own_module_and_changes_nothing_else(
+        arch: str, published: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Published Qwen3.5 checkpoints carry a multi-token-prediction layer (`mtp.*`): it loads into its own
+    module (every tensor where it belongs, MoE experts stacked), the log says so, and the decoder's
+    logits are those without it."""
+    base = published if arch == "Qwen3_5ForConditionalGeneration" else \
+        make_checkpoint(tmp_path / "moe", arch, seed=5)
+    with_mtp = copy_checkpoint(base, tmp_path / "with_mtp")
+    mtp = mtp_tensors(base, seed=0)
     add_shard(with_mtp, "model-mtp.safetensors", mtp)
     with caplog.at_level(logging.INFO, logger="ignis.engine"):
         loaded = load_model(with_mtp)
-    assert set(loaded.side_weights["mtp"]) == set(mtp)
-    assert all(torch.equal(loaded.side_weights["mtp"][k], v) for k, v in mtp.items())
-    assert any("mtp (3 tensors" in r.getMessage() for r in caplog.records)
+    assert load_model(base).mtp is None  # a checkpoint without it loads as before
+    assert loaded.mtp is not None and len(loaded.mtp.layers) == 1 and "mtp" not in loaded.side_weights
+    params = loaded.mtp.state_dict()
+    assert torch.equal(params["fc.weight"], mtp["mtp.fc.weight"])
+    assert torch.equal(params["norm.weight"], mtp["mtp.norm.weight"])
+    layer = loaded.mtp.layers[0]
+    assert layer.self_attn.layer == loaded.config.num_layers  # its attention gets a cache layer of its own
+    if arch == "Qwen3_5MoeForConditionalGeneration":
+        gate_up = params["layers.0.mlp.experts.gate_up_proj"]
+        assert torch.equal(gate_up[3], torch.cat([mtp["mtp.layers.0.mlp.experts.3.gate_proj.weight"],
+                                                   mtp["mtp.layers.0.mlp.experts.3.up_proj.weight"]]))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith(f"loaded {with_mtp.name}"))
+    assert "mtp: 1 layer(s) loaded into their module" in line
     ids = make_prompt(40, seed=3)
-    plain = load_model(published)
+    plain = load_model(base)
     want = run_chunks(plain, make_cache(plain), ids, [40], list(range(3)))
     assert torch.equal(run_chunks(loaded, make_cache(loaded), ids, [40], list(range(3))), want)
+
+
+def test_the_mtp_input_is_the_normed_embedding_and_hidden_state_projected(published: Path, tmp_path: Path) -> None:
+    """fuse(): fc(cat(pre_fc_norm_embedding(e), pre_fc_norm_hidden(h))), with the family's own norm (transformers'
+    Qwen3.5 RMSNorm, zero-centred) as the oracle."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    with_mtp = copy_checkpoint(published, tmp_path / "with_mtp")
+    mtp = mtp_tensors(published, seed=1)
+    add_shard(with_mtp, "model-mtp.safetensors", mtp)
+    loaded = load_model(with_mtp)
+    assert loaded.mtp is not None
+    hidden = loaded.config.hidden_size
+    norms = {}
+    for part in ("pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+        norms[part] = Qwen3_5RMSNorm(hidden, eps=loaded.config.rms_norm_eps)
+        norms[part].weight.data.copy_(mtp[f"mtp.{part}.weight"])
+    g = torch.Generator().manual_seed(2)
+    e, h = torch.randn(5, hidden, generator=g), torch.randn(5, hidden, generator=g)
+    want = torch.cat([norms["pre_fc_norm_embedding"](e), norms["pre_fc_norm_hidden"](h)], dim=-1) @ mtp["mtp.fc.weight"].T
+    torch.testing.assert_close(loaded.mtp.fuse(e, h), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_broken_mtp_layer_fails_at_load_naming_the_tensor(published: Path, tmp_path: Path) -> None:
+    mtp = mtp_tensors(published, seed=2)
+    missing = copy_checkpoint(published, tmp_path / "missing")
+    add_shard(missing, "model-mtp.safetensors", {k: v for k, v in mtp.items() if k != "mtp.layers.0.self_attn.k_proj.weight"})
+    with pytest.raises(CheckpointError, match=r"mtp\.layers\.0\.self_attn\.k_proj\.weight.*missing"):
+        load_model(missing)
+    wrong = copy_checkpoint(published, tmp_path / "wrong")
+    add_shard(wrong, "model-mtp.safetensors", {**mtp, "mtp.fc.weight": mtp["mtp.fc.weight"][:, :-1].contiguous()})
+    with pytest.raises(CheckpointError, match=r"mtp\.fc\.weight.*has shape"):
+        load_model(wrong)
+    extra = copy_checkpoint(published, tmp_path / "extra")
+    add_shard(extra, "model-mtp.safetensors", {**mtp, "mtp.layers.0.bogus.weight": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match=r"mtp\.layers\.0\.bogus\.weight"):
+        load_model(extra)
+    stated = copy_checkpoint(published, tmp_path / "stated")  # the config's count and the tensors disagree
+    add_shard(stated, "model-mtp.safetensors", mtp)
+    config = json.loads((stated / "config.json").read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 2
+    (stated / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="says 2 MTP layers but the checkpoint's mtp.* tensors hold 1"):
+        load_model(stated)
 
 
 def test_a_broken_download_fails_at_load_naming_the_tensor(published: Path, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,13 +22,14 @@ from engine.model.decoder import CausalLM
 from engine.model.errors import CheckpointError
 from engine.model.fp8 import dequantize_all, fp8_gemm_absent, fp8_linear_weights, load_note, use_fp8_linears
 from engine.model.layers import Rotary
+from engine.model.mtp import MtpPredictor, load_mtp
 from engine.model.safetensors_mmap import SafetensorsFile, open_checkpoint_weights
 
 log = logging.getLogger("ignis.engine")
 
 # The checkpoint's own parts a text decoder does not run: kept beside it, memory-mapped and not copied,
-# for what will serve them (the vision tower for images, the MTP layer for speculative decoding), and
-# named in the load log; never dropped silently.
+# for what will serve them (the vision tower for images), and named in the load log; never dropped
+# silently. The MTP layers (`mtp.*`) are split off the same way, then loaded into their own module.
 _SIDE_PARTS = (("vision tower", re.compile(r"^(model\.visual\.|visual\.)")), ("mtp", re.compile(r"^mtp\.")))
 _DERIVED = re.compile(r"rotary_emb\.inv_freq$")  # recomputed from the config
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -40,8 +42,9 @@ class LoadedModel:
     path: Path
     weights_digest: bytes  # identity of the weights, for the reuse namespace
     files: tuple[SafetensorsFile, ...]  # keeps the memory maps alive
-    # The checkpoint's parts text decoding does not run, by part ("vision tower", "mtp"): name -> tensor.
+    # The checkpoint's parts text decoding does not run, by part ("vision tower"): name -> tensor.
     side_weights: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    mtp: MtpPredictor | None = None  # the checkpoint's MTP layers (engine/model/mtp.py), for speculative decoding
 
 
 def resolve_dtype(name: str, device: torch.device, config: ModelConfig) -> torch.dtype:
@@ -61,14 +64,10 @@ def _normalise_names(tensors: dict[str, torch.Tensor], config: ModelConfig, side
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for name, tensor in tensors.items():
         name = _decoder_name(name)
-        part = next((part for part, pattern in _SIDE_PARTS if pattern.search(name)), None)
-        if part is not None:
-            side.setdefault(part, {})[name] = tensor
-            continue
-        if _DERIVED.search(name):
+        if _DERIVED.search(name) and not _side_part(name):
             continue
         match = _PER_EXPERT.match(name)
-        if match:  # per-expert layout on disk -> the stacked layout the model uses
+        if match:  # per-expert layout on disk -> the stacked layout the model uses (the MTP layer's too)
             experts.setdefault(match["prefix"], {}).setdefault(match["proj"], {})[int(match["e"])] = tensor
             continue
         out[name] = tensor
@@ -83,7 +82,15 @@ def _normalise_names(tensors: dict[str, torch.Tensor], config: ModelConfig, side
         up = torch.stack([projections["up_proj"][e] for e in range(n)])
         out[f"{prefix}.gate_up_proj"] = torch.cat([gate, up], dim=1)
         out[f"{prefix}.down_proj"] = torch.stack([projections["down_proj"][e] for e in range(n)])
+    for name in list(out):
+        part = _side_part(name)
+        if part is not None:
+            side.setdefault(part, {})[name] = out.pop(name)
     return out
+
+
+def _side_part(name: str) -> str | None:
+    return next((part for part, pattern in _SIDE_PARTS if pattern.search(name)), None)
 
 
 def _decoder_name(name: str) -> str:
@@ -152,7 +159,8 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
             f"({len(unexpected)} unexpected tensors)"
         )
     model.load_state_dict(state, assign=True, strict=True)
-    _log_parts(path, config, len(expected), side)
+    mtp = load_mtp(side.pop("mtp", {}), config, dev, torch_dtype)
+    _log_parts(path, config, len(expected), side, mtp)
     model.rotary = Rotary(config, dev)
     model.eval()
     packed = torch_dtype if weight_dtype == "auto" else WEIGHT_DTYPES.get(weight_dtype)
@@ -171,14 +179,20 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
         # copies the linear weights out of the mapped files (cpu_linear.py says why)
         use_onednn_linears(model, packed if packed != torch_dtype else torch.float32)
     return LoadedModel(model=model, config=config, path=path, weights_digest=digest, files=tuple(files),
-                       side_weights=side)
+                       side_weights=side, mtp=mtp)
 
 
-def _log_parts(path: Path, config: ModelConfig, decoder_tensors: int, side: dict[str, dict[str, torch.Tensor]]
-               ) -> None:
+def _log_parts(path: Path, config: ModelConfig, decoder_tensors: int, side: dict[str, dict[str, torch.Tensor]],
+               mtp: MtpPredictor | None) -> None:
     """One line: what was loaded for text decoding, and what the checkpoint carries that was not."""
-    kept = [f"{part} ({len(ts)} tensors, {sum(t.numel() * t.element_size() for t in ts.values()) / 2**20:.1f} MiB)"
-            for part, ts in sorted(side.items())]
+    kept = [f"{part} ({len(ts)} tensors, {_mib(ts.values()):.1f} MiB)" for part, ts in sorted(side.items())]
     text = f" (the text model of {config.architecture})" if config.text_architecture != config.architecture else ""
-    log.info("loaded %s: %s%s, %d tensors; %s", path.name, config.text_architecture or config.architecture, text,
-             decoder_tensors, "kept, not run by text decoding: " + ", ".join(kept) if kept else "nothing else in it")
+    drafter = "" if mtp is None else (f"; mtp: {len(mtp.layers)} layer(s) loaded into their module "
+                                      f"({_mib(mtp.state_dict().values()):.1f} MiB), for speculative decoding")
+    log.info("loaded %s: %s%s, %d tensors%s; %s", path.name, config.text_architecture or config.architecture, text,
+             decoder_tensors, drafter,
+             "kept, not run by text decoding: " + ", ".join(kept) if kept else "nothing else in it")
+
+
+def _mib(tensors: Iterable[torch.Tensor]) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**20
