@@ -5,8 +5,10 @@ CUDA runs the Triton kernels (kernels/triton_*.py); the CPU runs the torch refer
 attention (reading K/V pages in place), the GDN decode step (fused) and the GDN prefill conv,
 which are the C/OpenMP kernels of kernels/cpu/ (built by `make kernels`; without them, or with
 IGNIS_CPU_KERNELS=reference, the references run, logged once);
-other devices run the references. Triton is imported only when a CUDA device asks, so CPU serving
-never loads it; on CUDA without a working Triton the references run and a warning says so, once.
+other devices run the references. The MoE experts have a kernel on CUDA alone (kernels/triton_moe_gemm.py);
+elsewhere engine/model/layers.py's Experts runs its torch forms. Triton is imported only when a CUDA
+device asks, so CPU serving never loads it; on CUDA without a working Triton the references run and a
+warning says so, once.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class CopyRows(Protocol):
     def __call__(self, pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None: ...
 
 
+class MoeExperts(Protocol):
+    def __call__(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor: ...
+
+
 class Fp8BlockLinear(Protocol):
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                  bias: torch.Tensor | None = None) -> torch.Tensor: ...
@@ -93,6 +100,9 @@ class Kernels:
     # The same over raw logits as sampling processes them (NaN -> -inf, capped at a ceiling), for a
     # batch that nothing else changes: (x, ceiling) -> int64 [B], or None; None: the copy is processed.
     argmax_rows_capped: Callable[[torch.Tensor, float], torch.Tensor | None] | None = None
+    # The routed experts of an MoE layer as one grouped GEMM per projection (kernels/moe_gemm.py's
+    # signature and reference); None: engine/model/layers.py's Experts runs its torch forms.
+    moe_experts: MoeExperts | None = None
 
 
 def torch_kernels() -> Kernels:
@@ -124,12 +134,13 @@ def cpu_kernels() -> Kernels:
 
 def triton_kernels() -> Kernels:
     """The Triton kernels; raises ImportError without Triton."""
-    from kernels import (triton_causal_conv, triton_fp8_gemm, triton_gated_delta, triton_paged_attention,
-                         triton_state_copy)
+    from kernels import (triton_causal_conv, triton_fp8_gemm, triton_gated_delta, triton_moe_gemm,
+                         triton_paged_attention, triton_state_copy)
 
     return Kernels("triton", triton_paged_attention.paged_attention, triton_paged_attention.paged_decode_attention,
                    triton_gated_delta.chunk_gated_delta_rule, triton_gated_delta.gated_delta_decode_step_,
-                   triton_causal_conv.causal_conv1d, triton_state_copy.copy_rows_, triton_fp8_gemm.fp8_block_linear)
+                   triton_causal_conv.causal_conv1d, triton_state_copy.copy_rows_, triton_fp8_gemm.fp8_block_linear,
+                   moe_experts=triton_moe_gemm.moe_experts)
 
 
 @functools.cache
