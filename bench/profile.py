@@ -1,7 +1,7 @@
 """Where ignis' time goes on the slow side, against llama.cpp (issue 8): per-token rates of both servers
 on one checkpoint and thread count, and a torch.profiler breakdown of ignis' engine step.
 
-    python -m bench.profile [--kind dense,hybrid] [--hidden 1024 --layers 16] [--threads 2]
+    python -m bench.profile [--kind dense,hybrid,moe] [--hidden 1024 --layers 16] [--threads 2]
         [--prompt 2048] [--decode 32] [--batch 8] [--peer llama.cpp|none] [--kv-dtype auto|float32|bfloat16|float16]
         [--weight-dtype auto|bfloat16] [--out DIR]
 
@@ -10,6 +10,9 @@ profiler sees every op. Three measurements per server: (a) prefill of one prompt
 batch 1, (c) decode at batch B with every sequence decoding, each ROUNDS times with the two servers
 alternating (llama-server stays up throughout), the median round reported. (a) and (c) run once more
 under torch.profiler, with the model's parts wrapped in `ignis.*` scopes for the breakdown.
+
+Kinds (bench/geometry.py): dense is Qwen3, hybrid Qwen3.5 (Gated DeltaNet), moe Qwen3-MoE (issue 42:
+128 experts, top-8, every layer routed); --kind defaults to dense,hybrid.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -33,11 +37,12 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench import table
 from bench.drive import random_prompt
-from bench.geometry import ensure_geometry
+from bench.geometry import KINDS, ensure_geometry
 from bench.step_scopes import breakdown, scope_times, scopes, top_ops
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.kv.device_cache import resolve_kv_dtype
+from engine.model.config import load_config
 from engine.model.loader import load_model
 from engine.outputs import RequestUpdate
 from engine.request import EngineRequest
@@ -73,8 +78,15 @@ class Setup:
         return f"profile-{self.kind}{kv}{weights}"
 
     def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.prompt < 1 or self.decode < 2 or self.batch < 1 or self.threads < 1:
             raise ValueError(f"need prompt >= 1, decode >= 2, batch >= 1, threads >= 1: {self}")
+        if self.kind == "moe" and self.weight_dtype != "auto":
+            # engine.weight_dtype converts nn.Linear layers; the stacked experts, nearly all of the
+            # weights, stay fp32 while llama.cpp would get all of them in bf16: not the same model.
+            raise ValueError("--weight-dtype bfloat16 leaves ignis' MoE experts in fp32; "
+                             "profile the moe kind with --weight-dtype auto")
 
     @property
     def slack(self) -> int:
@@ -116,9 +128,11 @@ class Driver:
         if not page_bytes:
             raise ValueError("the model has no full-attention layer (a hybrid needs --layers >= 4)")
         pages = setup.batch * -(-(setup.prompt + setup.decode + setup.slack) // PAGE) + 4
+        # Pacing off (the token budget alone): (a) is the whole prompt in one step, and (c)'s slack
+        # assumes each step finishes about one prompt; paced chunks (engine/step_pacing.py) broke both.
         config = EngineConfig(page_size=PAGE, kv_dtype=setup.kv_dtype, kv_cache_bytes=pages * page_bytes,
-                              max_num_seqs=setup.batch,
-                              prefill_chunk_tokens=setup.prompt, reuse_prompt=False)
+                              max_num_seqs=setup.batch, prefill_chunk_tokens=setup.prompt, reuse_prompt=False,
+                              step_time_target_ms=math.inf)
         self.core = EngineCore(loaded, Tokenizer.from_dir(checkpoint), config)
         self.updates: dict[str, list[RequestUpdate]] = {}
         self._next = 0
@@ -351,7 +365,11 @@ class Peer:
         workdir = llama_cpp.BUILD / f"profile-{setup.kind}"  # its log, beside the build (git-ignored)
         self.server = llama_cpp.launch_llama_server(workdir, gguf, threads=setup.threads, parallel=setup.batch,
                                                     ctx_size=ctx_size, cache_ram_mib=0)
-        self.http = httpx.Client(base_url=f"http://{self.server.address}", timeout=3600)
+        # A connection per request: llama-server drops a connection after a streamed reply although its
+        # headers say keep-alive, and a request sent on it right after failed 13 times in 15 ("Server
+        # disconnected without sending a response": (a) of round 2 follows (c) of round 1 on this side).
+        self.http = httpx.Client(base_url=f"http://{self.server.address}", timeout=3600,
+                                 limits=httpx.Limits(max_keepalive_connections=0))
         self.about = {"gguf": str(gguf), "threads": setup.threads, "parallel": setup.batch, "ctx_size": ctx_size}
         _complete(self.http, random_prompt(32, 0), 4)  # warm-up
 
@@ -433,15 +451,24 @@ def render(setup: Setup, ignis: dict[str, Any], peer: dict[str, Any], loads: dic
                cells(f"decode ms/step, batch {b}", "decode_b", "ms_step")]), ""]
     bw = ignis.get("bandwidth")
     if bw is not None:
-        floor = bw["floor_ms"]
+        floors = [bw["floor_ms"], bw.get("floor_ms_b", bw["floor_ms"])]
         theirs = [p[k].get("ms_step") for k in ("decode_1", "decode_b")]
-        out += [f"Memory bandwidth: a streaming read of the weights' {bw['bytes'] / 2**20:.0f} MiB takes "
-                f"{floor:.1f} ms ({bw['gb_s']:.1f} GB/s, {setup.threads} threads), the least any decode step "
-                "can take. Each side's step against that floor (floor / ms per step):", "",
-                table.markdown(["", "ignis", PEER], [
-                    ["batch 1", _num(floor / ignis["decode_1"]["ms_step"]), _num(floor / theirs[0] if theirs[0] else None)],
-                    [f"batch {b}", _num(floor / ignis["decode_b"]["ms_step"]),
-                     _num(floor / theirs[1] if theirs[1] else None)]]), ""]
+        if setup.kind == "moe":
+            lead = (f"Memory bandwidth: a streaming read runs at {bw['gb_s']:.1f} GB/s ({setup.threads} threads). "
+                    f"An MoE decode step reads all weights but the experts, and of those only the ones its tokens "
+                    f"are routed to (uniform routing assumed): {bw['bytes'] / 2**20:.0f} MiB at batch 1, "
+                    f"{bw['bytes_b'] / 2**20:.0f} MiB at batch {b}, which take {floors[0]:.1f} and "
+                    f"{floors[1]:.1f} ms, the least those steps can take. Each side's step against its floor "
+                    "(floor / ms per step):")
+        else:
+            lead = (f"Memory bandwidth: a streaming read of the weights' {bw['bytes'] / 2**20:.0f} MiB takes "
+                    f"{floors[0]:.1f} ms ({bw['gb_s']:.1f} GB/s, {setup.threads} threads), the least any decode "
+                    "step can take. Each side's step against that floor (floor / ms per step):")
+        out += [lead, "", table.markdown(["", "ignis", PEER], [
+            ["batch 1", _num(floors[0] / ignis["decode_1"]["ms_step"]),
+             _num(floors[0] / theirs[0] if theirs[0] else None)],
+            [f"batch {b}", _num(floors[1] / ignis["decode_b"]["ms_step"]),
+             _num(floors[1] / theirs[1] if theirs[1] else None)]]), ""]
     if have_peer:
         d = peer["decode_b"]
         out.append(
@@ -474,8 +501,27 @@ def render(setup: Setup, ignis: dict[str, Any], peer: dict[str, Any], loads: dic
 
 
 def weight_bytes(checkpoint: Path) -> int:
-    """The checkpoint's weights as stored (fp32 here): the bytes a decode step streams."""
+    """The checkpoint's weights as stored (fp32 here)."""
     return sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+
+
+def step_bytes(checkpoint: Path, setup: Setup) -> tuple[int, int]:
+    """Bytes of weights a decode step at batch 1 and at batch B streams. A dense step reads every
+    weight (bf16 linears: about half the fp32 file, they are nearly all of it); an MoE step reads all
+    but the experts, and of those the ones its tokens are routed to: with top-k of E and uniform
+    routing, a share 1 - (1 - k/E)^n of them for n tokens."""
+    stored = weight_bytes(checkpoint)
+    if setup.kind != "moe":
+        whole = stored // 2 if setup.weight_dtype == "bfloat16" else stored
+        return whole, whole
+    config = load_config(checkpoint)
+    per_layer = 3 * config.num_experts * config.hidden_size * config.moe_intermediate_size * 4  # fp32
+    experts = per_layer * sum(config.is_moe_layer(i) for i in range(config.num_layers))
+
+    def reads(n: int) -> int:
+        return stored - experts + round(experts * (1 - (1 - config.num_experts_per_tok / config.num_experts) ** n))
+
+    return reads(1), reads(setup.batch)
 
 
 def profile_kind(setup: Setup, peer: str, out: Path, models: Path | None) -> Path:
@@ -488,8 +534,9 @@ def profile_kind(setup: Setup, peer: str, out: Path, models: Path | None) -> Pat
     finally:
         if isinstance(started, Peer):
             started.close()
-    stored = weight_bytes(checkpoint)  # fp32 on disk; bf16 linears stream about half (they are nearly all of it)
-    ignis["bandwidth"] = streaming_read(stored // 2 if setup.weight_dtype == "bfloat16" else stored, setup.threads)
+    one, many = step_bytes(checkpoint, setup)
+    bandwidth = streaming_read(one, setup.threads)
+    ignis["bandwidth"] = {**bandwidth, "bytes_b": float(many), "floor_ms_b": many / bandwidth["gb_s"] / 1e6}
     loads = {"both sides": [before, os.getloadavg()[0]]}
     peer_result = measured if measured is not None else {"unavailable": started}
     text = render(setup, ignis, peer_result, loads)
@@ -501,7 +548,7 @@ def profile_kind(setup: Setup, peer: str, out: Path, models: Path | None) -> Pat
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.splitlines()[0])
-    parser.add_argument("--kind", default="dense,hybrid", help="comma-separated: dense, hybrid")
+    parser.add_argument("--kind", default="dense,hybrid", help=f"comma-separated: {', '.join(KINDS)}")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)

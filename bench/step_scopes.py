@@ -24,7 +24,7 @@ from engine.model.attention import Attention
 from engine.model.batch import ForwardBatch
 from engine.model.decoder import CausalLM
 from engine.model.gated_deltanet import GatedDeltaNet
-from engine.model.layers import MLP, GatedRMSNorm, RMSNorm
+from engine.model.layers import MLP, Experts, GatedRMSNorm, RMSNorm, SparseMoE
 from engine.scheduler import Scheduler
 
 
@@ -64,6 +64,8 @@ CLASS_SCOPES: list[tuple[Any, str, str]] = [
     (GatedDeltaNet, "_decode", "ignis.gdn.state"),
     (GatedRMSNorm, "forward", "ignis.gdn.norm"),
     (MLP, "forward", "ignis.mlp"),
+    (SparseMoE, "forward", "ignis.moe"),
+    (Experts, "forward", "ignis.moe.experts"),
     (RMSNorm, "forward", "ignis.norm"),
 ]
 
@@ -146,7 +148,9 @@ FORWARD_PARTS = [
     ("GDN: gated RMSNorm", "ignis.gdn.norm"),
     ("GDN: output projection", "ignis.gdn.out_proj"),
     ("GDN: rest (gates, decay, buffers)", "ignis.gdn"),
-    ("MLP", "ignis.mlp"),
+    ("MLP", "ignis.mlp"),  # an MoE's shared expert too
+    ("MoE: routed experts (sort by expert, grouped GEMMs, scatter-add)", "ignis.moe.experts"),
+    ("MoE: router (gate, softmax, top-k), rest of the block", "ignis.moe"),
     ("RMSNorm (layers, final, q/k)", "ignis.norm"),
     ("LM head (logits)", "ignis.lm_head"),
     ("forward rest (embedding, rotary tables, residuals)", "ignis.forward"),

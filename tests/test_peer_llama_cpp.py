@@ -27,14 +27,19 @@ PROMPT = [(17 + 389 * i) % 4087 + 9 for i in range(40)]
 N_PREDICT = 16
 
 
-@pytest.fixture(scope="module")
-def dense() -> Path:
-    return ensure_geometry("dense", hidden=256, layers=4)
+# dense: Qwen3ForCausalLM; moe: Qwen3MoeForCausalLM with its experts stored per expert, as published
+# (the converter stacks them into ffn_{gate,up,down}_exps).
+GEOMETRIES = {"dense": 4, "moe": 2}
+
+
+@pytest.fixture(scope="module", params=sorted(GEOMETRIES))
+def checkpoint(request: pytest.FixtureRequest) -> Path:
+    return ensure_geometry(request.param, hidden=256, layers=GEOMETRIES[request.param])
 
 
 @pytest.fixture(scope="module")
-def server(dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    service = launch_llama_server(tmp_path_factory.mktemp("llama"), convert_to_gguf(dense), threads=2,
+def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    service = launch_llama_server(tmp_path_factory.mktemp("llama"), convert_to_gguf(checkpoint), threads=2,
                                   parallel=1, ctx_size=512, extra=["--no-warmup"])
     yield service
     service.stop()
@@ -48,8 +53,8 @@ def peer_greedy(service: Service, prompt: list[int]) -> list[int]:
     return [int(t) for t in reply.json()["tokens"]]
 
 
-def test_peer_greedy_continuation_matches_ignis(dense: Path, server: Service) -> None:
-    ours = greedy_generate(load_model(dense), PROMPT, N_PREDICT)
+def test_peer_greedy_continuation_matches_ignis(checkpoint: Path, server: Service) -> None:
+    ours = greedy_generate(load_model(checkpoint), PROMPT, N_PREDICT)
     theirs = peer_greedy(server, PROMPT)
     assert len(theirs) == N_PREDICT
     agree = next((i for i, (a, b) in enumerate(zip(ours.token_ids, theirs)) if a != b), N_PREDICT)
