@@ -5,10 +5,10 @@ CUDA runs the Triton kernels (kernels/triton_*.py); the CPU runs the torch refer
 attention (reading K/V pages in place), the GDN decode step (fused) and the GDN prefill conv,
 which are the C/OpenMP kernels of kernels/cpu/ (built by `make kernels`; without them, or with
 IGNIS_CPU_KERNELS=reference, the references run, logged once);
-other devices run the references. The MoE experts have a kernel on CUDA alone (kernels/triton_moe_gemm.py);
-elsewhere engine/model/layers.py's Experts runs its torch forms. Triton is imported only when a CUDA
-device asks, so CPU serving never loads it; on CUDA without a working Triton the references run and a
-warning says so, once.
+other devices run the references. The MoE experts have a kernel on CUDA (kernels/triton_moe_gemm.py) and,
+for decode-sized steps, on the CPU (kernels/cpu/moe_experts.py); elsewhere engine/model/layers.py's
+Experts runs its torch forms. Triton is imported only when a CUDA device asks, so CPU serving never
+loads it; on CUDA without a working Triton the references run and a warning says so, once.
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ class CopyRows(Protocol):
 
 
 class MoeExperts(Protocol):
+    # None: the kernel does not take these operands (the CPU's C kernel, on anything but fp32).
     def __call__(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
-                 weights: torch.Tensor) -> torch.Tensor: ...
+                 weights: torch.Tensor) -> torch.Tensor | None: ...
 
 
 class Fp8BlockLinear(Protocol):
@@ -100,8 +101,9 @@ class Kernels:
     # The same over raw logits as sampling processes them (NaN -> -inf, capped at a ceiling), for a
     # batch that nothing else changes: (x, ceiling) -> int64 [B], or None; None: the copy is processed.
     argmax_rows_capped: Callable[[torch.Tensor, float], torch.Tensor | None] | None = None
-    # The routed experts of an MoE layer as one grouped GEMM per projection (kernels/moe_gemm.py's
-    # signature and reference); None: engine/model/layers.py's Experts runs its torch forms.
+    # The routed experts of an MoE layer (kernels/moe_gemm.py's signature and reference): on CUDA one
+    # grouped GEMM per projection (Triton), on the CPU the C kernel reading only the experts hit, which
+    # Experts runs for decode-sized steps; None: engine/model/layers.py's Experts runs its torch forms.
     moe_experts: MoeExperts | None = None
 
 
@@ -119,7 +121,7 @@ def cpu_kernels() -> Kernels:
     if os.environ.get("IGNIS_CPU_KERNELS", "native") == "reference":
         log.info("IGNIS_CPU_KERNELS=reference: the CPU runs the torch reference kernels")
         return references
-    from kernels.cpu import argmax, causal_conv, gdn_decode, paged_decode, rms_norm, rope_cache
+    from kernels.cpu import argmax, causal_conv, gdn_decode, moe_experts, paged_decode, rms_norm, rope_cache
 
     decode = paged_decode.load()
     if decode is None:
@@ -128,7 +130,7 @@ def cpu_kernels() -> Kernels:
                                paged_decode_from_table=paged_decode.load_from_table(),
                                gdn_decode_fused=gdn_decode.load(), rms_norm=rms_norm.load(),
                                rope_and_cache=rope_cache.load(), argmax_rows=argmax.load(),
-                               argmax_rows_capped=argmax.load_capped(),
+                               argmax_rows_capped=argmax.load_capped(), moe_experts=moe_experts.load(),
                                causal_conv1d=causal_conv.load() or references.causal_conv1d)
 
 

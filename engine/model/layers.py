@@ -148,6 +148,13 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
 
 
+# The most (token, expert) pairs a CPU step sends to the C kernel (64 tokens at top-8). Measured
+# against grouped() at E=128, K=8 (kernels/cpu/moe_experts.py's table): the C kernel wins at every
+# step of up to 64 tokens at both expert sizes (~2x at decode), and grouped() wins at 512 tokens with
+# one thread (by ~17% at H=1024, I=128), where its GEMMs reuse each expert's weights over many tokens.
+CPU_KERNEL_MAX_PAIRS = 512
+
+
 class Experts(nn.Module):
     """Expert weights stacked as 3-D tensors (the transformers v5 layout)."""
 
@@ -158,13 +165,32 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; expert_ids, weights: [T, K]
-        if (x.device.type == "cpu" and x.shape[0]) or _cuda_grouped_mm(x, self.down_proj):
+        if x.device.type == "cpu":
+            return self.on_cpu(x, expert_ids, weights)
+        if _cuda_grouped_mm(x, self.down_proj):
             return self.grouped(x, expert_ids, weights)
         # Else on CUDA the grouped Triton GEMM (kernels/triton_moe_gemm.py). None where Triton is absent
         # (kernels/select.py then serves the torch references) and on other devices: the loop runs.
         grouped_gemm = kernels_for(x.device).moe_experts
         if grouped_gemm is not None:
-            return grouped_gemm(x, self.gate_up_proj, self.down_proj, expert_ids, weights)
+            y = grouped_gemm(x, self.gate_up_proj, self.down_proj, expert_ids, weights)
+            if y is not None:
+                return y
+        return self.per_expert(x, expert_ids, weights)
+
+    def on_cpu(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """A step of at most CPU_KERNEL_MAX_PAIRS (token, expert) pairs runs the C kernel, which reads
+        only the experts hit (kernels/cpu/moe_experts.py, where built and given fp32); a larger one
+        grouped(), whose GEMMs win once most experts are hit; a step of no tokens the loop (no GEMM)."""
+        native = kernels_for(x.device).moe_experts
+        # torch's CPU _grouped_mm refuses rows that are not 16-byte multiples: the C kernel takes those at any size
+        unaligned = any(n * x.element_size() % 16 for n in self.down_proj.shape[1:])
+        if native is not None and (expert_ids.numel() <= CPU_KERNEL_MAX_PAIRS or unaligned):
+            y = native(x, self.gate_up_proj, self.down_proj, expert_ids, weights)
+            if y is not None:
+                return y
+        if x.shape[0]:
+            return self.grouped(x, expert_ids, weights)
         return self.per_expert(x, expert_ids, weights)
 
     def grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -186,8 +212,9 @@ class Experts(nn.Module):
 
     def per_expert(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One loop turn per expert hit, with a host sync for the experts' list: only where no grouped
-        GEMM runs (CUDA without Triton, devices other than the CPU and CUDA, and a CPU step of no tokens).
-        The CPU and bf16 on Hopper run grouped(), other CUDA cases the Triton kernel (kernels/triton_moe_gemm.py)."""
+        GEMM runs (CUDA without Triton, devices other than the CPU and CUDA, and a CPU step of no tokens
+        the C kernel does not take). The CPU runs its C kernel or grouped() (on_cpu), bf16 on Hopper
+        grouped(), other CUDA cases the Triton kernel (kernels/triton_moe_gemm.py)."""
         out = torch.zeros_like(x)
         for expert in expert_ids.unique().tolist():
             token_idx, slot = torch.where(expert_ids == expert)
