@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -19,6 +18,8 @@ from kernels.cpu import moe_experts
 from kernels.moe_gemm import moe_experts_reference
 from kernels.select import MoeExperts, kernels_for
 from cpu_kernels import built_kernel
+from test_moe_gemm import Moe
+from test_moe_gemm import make_moe as make_any_moe
 
 # Both sides in fp32 with outputs ~1-3; only the summation order differs (seen: ~2e-6).
 TOLERANCE = 1e-5
@@ -29,24 +30,10 @@ def kernel() -> MoeExperts:
     return built_kernel(moe_experts.load)
 
 
-class Moe(NamedTuple):
-    x: torch.Tensor  # [T, H]
-    gate_up: torch.Tensor  # [E, 2I, H]
-    down: torch.Tensor  # [E, H, I]
-    expert_ids: torch.Tensor  # int64 [T, K]
-    weights: torch.Tensor  # [T, K]
-
-
 def make_moe(t: int, e: int, k: int, hidden: int, inter: int, seed: int,
              expert_ids: torch.Tensor | None = None) -> Moe:
-    """Random fp32 experts (outputs ~1-3) and a top-k routing: distinct experts per token unless given."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, hidden, generator=g)
-    gate_up = torch.randn(e, 2 * inter, hidden, generator=g) * hidden**-0.5
-    down = torch.randn(e, hidden, inter, generator=g) * inter**-0.5
-    top_w, top_ids = torch.rand(t, e, generator=g).softmax(-1).topk(k, dim=-1)
-    ids = top_ids if expert_ids is None else expert_ids
-    return Moe(x, gate_up, down, ids, top_w / top_w.sum(-1, keepdim=True))
+    """test_moe_gemm's random experts and top-k routing, in fp32 (what the C kernel takes)."""
+    return make_any_moe(t, e, k, hidden, inter, torch.float32, seed, expert_ids)
 
 
 def experts_of(moe: Moe) -> Experts:

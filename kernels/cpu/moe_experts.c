@@ -34,7 +34,8 @@
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
-/* Two weight rows a0, a1 against TILE rows b: 6 loads for 8 products. */
+/* Two weight rows a0, a1 (the gate and up rows, or two down rows) against TILE rows b in one pass:
+   6 loads for 8 products. */
 static inline void dot_tile2(const float *restrict a0, const float *restrict a1, const float *restrict const *b,
                              int64_t n, float *out0, float *out1) {
     const float *b0 = b[0], *b1 = b[1], *b2 = b[2], *b3 = b[3];
@@ -49,23 +50,6 @@ static inline void dot_tile2(const float *restrict a0, const float *restrict a1,
     }
     out0[0] = s0; out0[1] = s1; out0[2] = s2; out0[3] = s3;
     out1[0] = t0; out1[1] = t1; out1[2] = t2; out1[3] = t3;
-}
-
-/* The gate and up rows against TILE x rows in one pass: 6 loads for 8 products. */
-static inline void gate_up_tile(const float *restrict g, const float *restrict u, const float *restrict const *xs,
-                                int64_t n, float *g_out, float *u_out) {
-    const float *x0 = xs[0], *x1 = xs[1], *x2 = xs[2], *x3 = xs[3];
-    float g0 = 0.0f, g1 = 0.0f, g2 = 0.0f, g3 = 0.0f, u0 = 0.0f, u1 = 0.0f, u2 = 0.0f, u3 = 0.0f;
-    #pragma omp simd reduction(+ : g0, g1, g2, g3, u0, u1, u2, u3)
-    for (int64_t j = 0; j < n; j++) {
-        const float gv = g[j], uv = u[j];
-        g0 += gv * x0[j]; u0 += uv * x0[j];
-        g1 += gv * x1[j]; u1 += uv * x1[j];
-        g2 += gv * x2[j]; u2 += uv * x2[j];
-        g3 += gv * x3[j]; u3 += uv * x3[j];
-    }
-    g_out[0] = g0; g_out[1] = g1; g_out[2] = g2; g_out[3] = g3;
-    u_out[0] = u0; u_out[1] = u1; u_out[2] = u2; u_out[3] = u3;
 }
 
 /* silu(g . x) * (u . x) for one x row, both rows in one pass. */
@@ -136,7 +120,7 @@ int moe_experts_rows(const float *x, int64_t tokens, int64_t x_stride, int64_t h
                     const float *xs[TILE];
                     float g[TILE], u[TILE];
                     for (int q = 0; q < TILE; q++) xs[q] = x + (sorted[first + j + q] / top_k) * x_stride;
-                    gate_up_tile(g_row, u_row, xs, hidden, g, u);
+                    dot_tile2(g_row, u_row, xs, hidden, g, u);
                     for (int q = 0; q < TILE; q++) h[(first + j + q) * inter + i] = silu(g[q]) * u[q];
                 }
                 for (; j < count; j++) {
