@@ -69,17 +69,19 @@ class Prompts:
 
 
 async def completion(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> Timing:
-    """One streamed /v1/completions (greedy, no early end): seconds to its first token and to its end."""
+    """One streamed /v1/completions (greedy, no early end): seconds to its first chunk of output and to
+    its end, and its tokens as the usage counts them (a chunk's text can be empty, or hold several
+    tokens, where a token ends inside a character: counting chunks would miscount)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first: float | None = None
     tokens = 0
     async for chunk in sse_chunks(client, "/v1/completions", body):
-        if any(c.get("text") for c in chunk.get("choices", ())):
-            tokens += 1
-            if first is None:
-                first = time.perf_counter() - started
+        if first is None and chunk.get("choices"):
+            first = time.perf_counter() - started
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
     if first is None:
         raise RuntimeError("the stream ended without a token")
     return Timing(first, time.perf_counter() - started, tokens)

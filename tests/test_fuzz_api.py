@@ -35,6 +35,9 @@ from ignis.v1 import engine_pb2, engine_pb2_grpc
 from services import RunningService, start_gateway
 
 MODEL = "ignis-tiny"
+# A call's deadline: a 5000-token prompt beside the neighbour is ~2 s on a quiet 2-core machine but took over
+# 120 s at load 9 (two OpenMP threads oversubscribed), and a deadline is an answer the fuzz does not accept.
+CALL_ROOM_S = 600
 VOCAB = 4096  # ignis-tiny's vocabulary
 FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None, print_blob=False,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -53,7 +56,7 @@ def gateway(engine: RunningService, tmp_path_factory: pytest.TempPathFactory) ->
 
 @pytest.fixture(scope="module")
 def http(gateway: RunningService) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=f"http://{gateway.address}", timeout=120) as client:
+    with httpx.Client(base_url=f"http://{gateway.address}", timeout=CALL_ROOM_S) as client:
         yield client
 
 
@@ -84,7 +87,7 @@ def neighbour(engine: RunningService) -> Iterator[None]:
             generate = engine_pb2_grpc.EngineStub(channel).Generate
             while True:  # at least once, however soon the block ends
                 try:
-                    last = list(generate(request, timeout=120))[-1]
+                    last = list(generate(request, timeout=CALL_ROOM_S))[-1]
                     if last.usage.completion_tokens != NEIGHBOUR_TOKENS:
                         failures.append(f"ended after {last.usage.completion_tokens} tokens")
                 except grpc.RpcError as exc:
@@ -98,7 +101,7 @@ def neighbour(engine: RunningService) -> Iterator[None]:
         yield
     finally:
         stop.set()
-        thread.join(timeout=120)
+        thread.join(timeout=CALL_ROOM_S)
     assert not thread.is_alive()
     assert failures == []
 
@@ -549,7 +552,7 @@ ACCEPTED = (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT)
 def generate_status(stub: engine_pb2_grpc.EngineStub, request: engine_pb2.GenerateRequest
                     ) -> tuple[grpc.StatusCode, str]:
     try:
-        for _ in stub.Generate(request, timeout=120):
+        for _ in stub.Generate(request, timeout=CALL_ROOM_S):
             pass
     except grpc.RpcError as exc:
         return exc.code(), exc.details() or ""
@@ -561,6 +564,7 @@ def normal_request() -> engine_pb2.GenerateRequest:
         temperature=0, max_tokens=2))
 
 
+@pytest.mark.timeout(1800)  # 200 calls with room each (CALL_ROOM_S); the default 600 s is a hang guard
 def test_fuzz_engine_generate(stub: engine_pb2_grpc.EngineStub, engine: RunningService) -> None:
     @settings(FUZZ, max_examples=200)  # a call is cheap here: more of them
     @given(generate_requests())
