@@ -26,7 +26,7 @@ SECTIONS: list[tuple[str, list[str], str]] = [
      "does a repeated prompt cost a copy instead of a prefill? `python -m bench.swarm`"),
     ("Per-token rates vs llama.cpp, and where ignis' step time goes",
      ["profile-dense", "profile-hybrid", "profile-dense-kv-float16", "profile-hybrid-kv-float16",
-      "profile-dense-kv-float16-w-bfloat16", "profile-hybrid-kv-float16-w-bfloat16"],
+      "profile-dense-kv-float16-w-bfloat16", "profile-hybrid-kv-float16-w-bfloat16", "profile-moe"],
      "Prefill and decode rates of both servers on the swarm's checkpoint and threads, and a torch.profiler "
      "breakdown of ignis' engine step (the slow side of the swarm). `python -m bench.profile`"),
     ("Reuse vs cold", ["reuse"],
