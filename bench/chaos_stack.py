@@ -106,7 +106,8 @@ def references(scratch: Path, seed: int) -> list[Prompt]:
         return out
 
     async def everything(base_url: str) -> list[Prompt]:
-        async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+        # Room for a loaded machine: all conversations at once, each reply a reference (no deadline is measured here).
+        async with httpx.AsyncClient(base_url=base_url, timeout=600) as http:
             done = await asyncio.gather(*(conversation(http, c, users) for c, users in enumerate(convs)))
         return [p for conv in done for p in conv]
 

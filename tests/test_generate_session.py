@@ -37,7 +37,8 @@ class Session:
 
     def __init__(self, stub: engine_pb2_grpc.EngineStub) -> None:
         self._outbox: queue.Queue[engine_pb2.SessionRequest | None] = queue.Queue()
-        self.responses = stub.GenerateSession(self._requests(), timeout=120)
+        # the stream's deadline: a test's calls take seconds quiet, and over 120 s were seen at load 9
+        self.responses = stub.GenerateSession(self._requests(), timeout=600)
 
     def _requests(self) -> Iterator[engine_pb2.SessionRequest]:
         while (request := self._outbox.get()) is not _CLOSE:
