@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from bench.geometry import per_expert
 from checkpoints import load_hf, make_checkpoint
 from engine.model.config import SUPPORTED_ARCHITECTURES
 from engine.model.errors import CheckpointError
@@ -75,20 +76,7 @@ def mtp_tensors(checkpoint: Path, seed: int) -> dict[str, torch.Tensor]:
     module = MtpPredictor(config, 1)
     for p in module.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in module.state_dict().items():
-        if name.endswith("experts.gate_up_proj"):  # stacked [E, 2I, H] -> per expert, as shipped
-            prefix = name.removesuffix(".gate_up_proj")
-            for e, (gate, up) in enumerate(t.chunk(2, dim=0) for t in tensor):
-                out[f"mtp.{prefix}.{e}.gate_proj.weight"] = gate.clone()
-                out[f"mtp.{prefix}.{e}.up_proj.weight"] = up.clone()
-        elif name.endswith("experts.down_proj"):
-            prefix = name.removesuffix(".down_proj")
-            for e, down in enumerate(tensor):
-                out[f"mtp.{prefix}.{e}.down_proj.weight"] = down.clone()
-        else:
-            out[f"mtp.{name}"] = tensor.clone()
-    return out
+    return per_expert({f"mtp.{name}": tensor.clone() for name, tensor in module.state_dict().items()})
 
 
 @pytest.mark.parametrize("arch", ["Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Callable
 
@@ -233,7 +235,13 @@ def _cuda_grouped_mm(x: torch.Tensor, down: torch.Tensor) -> bool:
     if x.device.type != "cuda" or x.dtype != torch.bfloat16 or x.shape[0] == 0:
         return False
     hidden, inter = down.shape[1], down.shape[2]
-    return hidden % 8 == 0 and inter % 8 == 0 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return hidden % 8 == 0 and inter % 8 == 0 and _hopper_or_later(x.device)
+
+
+@functools.cache
+def _hopper_or_later(device: torch.device) -> bool:
+    """Asked once per device, not in every MoE layer of every step."""
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 class SparseMoE(nn.Module):

@@ -19,7 +19,7 @@ from common.progress import Progress
 from engine.model.config import ModelConfig, load_config
 from engine.model.cpu_linear import onednn_bf16_available, use_onednn_linears
 from engine.model.decoder import CausalLM
-from engine.model.errors import CheckpointError
+from engine.model.errors import CheckpointError, check_tensors
 from engine.model.fp8 import dequantize_all, fp8_gemm_absent, fp8_linear_weights, load_note, use_fp8_linears
 from engine.model.layers import Rotary
 from engine.model.mtp import MtpPredictor, load_mtp
@@ -138,28 +138,17 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
     converted: dict[int, torch.Tensor] = {}  # tied tensors stay one tensor after conversion
     total = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors.values()}.values())
     bar = Progress(f"loading {path.name}", total, "B")
-    for name, shape in expected.items():
-        if name not in tensors:
-            raise CheckpointError(f"{path}: tensor {name!r} is missing from the safetensors weights")
+    check_tensors(expected, tensors, str(path), config.architecture)
+    for name in expected:
         tensor = tensors[name]
-        if tuple(tensor.shape) != shape:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} has shape {list(tensor.shape)} but config.json implies {list(shape)}"
-            )
         key = id(tensor)
         if key not in converted:
             converted[key] = tensor.to(device=dev, dtype=None if name in kept else torch_dtype)
             bar.advance(tensor.numel() * tensor.element_size())
         state[name] = converted[key]
     bar.close()
-    unexpected = sorted(set(tensors) - set(expected))
-    if unexpected:
-        raise CheckpointError(
-            f"{path}: tensor {unexpected[0]!r} is not used by {config.architecture} "
-            f"({len(unexpected)} unexpected tensors)"
-        )
     model.load_state_dict(state, assign=True, strict=True)
-    mtp = load_mtp(side.pop("mtp", {}), config, dev, torch_dtype)
+    mtp = load_mtp(side.pop("mtp", {}), config, dev, torch_dtype, str(path))
     _log_parts(path, config, len(expected), side, mtp)
     model.rotary = Rotary(config, dev)
     model.eval()

@@ -26,7 +26,7 @@ from torch import nn
 
 from engine.model.config import FULL_ATTENTION, ModelConfig
 from engine.model.decoder import DecoderLayer
-from engine.model.errors import CheckpointError
+from engine.model.errors import CheckpointError, check_tensors
 from engine.model.layers import RMSNorm
 
 PREFIX = "mtp."
@@ -72,7 +72,7 @@ class MtpPredictor(nn.Module):
 
 
 def load_mtp(tensors: dict[str, torch.Tensor], config: ModelConfig, device: torch.device,
-             dtype: torch.dtype) -> MtpPredictor | None:
+             dtype: torch.dtype, where: str) -> MtpPredictor | None:
     """The MTP module from the checkpoint's `mtp.*` tensors (per-expert MoE tensors already stacked by
     the loader's name normalisation), or None when there are none. Strict: every parameter present
     with its shape, no tensor left over."""
@@ -80,17 +80,8 @@ def load_mtp(tensors: dict[str, torch.Tensor], config: ModelConfig, device: torc
         return None
     with torch.device("meta"):
         module = MtpPredictor(config, mtp_layer_count(list(tensors), config))
-    state: dict[str, torch.Tensor] = {}
-    for name, param in module.state_dict().items():
-        tensor = tensors.get(PREFIX + name)
-        if tensor is None:
-            raise CheckpointError(f"tensor {PREFIX + name!r} of the MTP layer is missing")
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise CheckpointError(f"tensor {PREFIX + name!r} has shape {list(tensor.shape)} but config.json "
-                                  f"implies {list(param.shape)}")
-        state[name] = tensor.to(device=device, dtype=dtype)
-    extra = sorted(set(tensors) - {PREFIX + n for n in state})
-    if extra:
-        raise CheckpointError(f"tensor {extra[0]!r} is not part of the MTP layer ({len(extra)} unexpected tensors)")
+    expected = {PREFIX + name: tuple(p.shape) for name, p in module.state_dict().items()}
+    check_tensors(expected, tensors, where, "the MTP layer")
+    state = {name.removeprefix(PREFIX): tensors[name].to(device=device, dtype=dtype) for name in expected}
     module.load_state_dict(state, assign=True, strict=True)
     return module.eval()
