@@ -447,9 +447,10 @@ def _spill_itl(model: Model, store: Service, z: Sizes, ahead: int) -> dict[str, 
     if final <= first:
         raise ValueError("the decoders must outgrow their first pages inside the window")
     blank = z.decoders * first + z.decoders // 2  # runs out mid-window: the next page is one of the chain's
+    # No kept prompt ends: the big prompt's pages must be a finished chain on the free list (what spills).
     s = Stepper(model, kv_cache_bytes=(big_pages + blank) * page_bytes(model), max_num_seqs=z.decoders,
                 prefill_chunk_tokens=2048, tierstore_address=store.address, tier_timeout=60.0,
-                spill_ahead_pages=ahead)
+                spill_ahead_pages=ahead, retained_device=0)
     runs: dict[str, dict[str, Any]] = {}
     try:
         s.warm_up()

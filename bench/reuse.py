@@ -1,5 +1,6 @@
-"""Reuse vs cold: TTFT of a repeated or extended prompt against its cold prefill, the cost of
-the state clone against a raw copy of the same bytes, the hash chain's cost, and the reuse tax.
+"""Reuse vs cold: TTFT of a repeated prompt (a greedy retry, a seeded regenerate, an n=4 request)
+or an extended one against its cold prefill, the cost of the state clone against a raw copy of the
+same bytes, the hash chain's cost, and the reuse tax.
 
     python -m bench.reuse [--sizes 1024,4096,16384] [--hidden 1024 --layers 16] [--kinds dense,hybrid]
 """
@@ -26,9 +27,11 @@ from engine.sampling.params import SamplingParams
 P = 16
 
 
-def request(rid: str, prompt: tuple[int, ...], publish: int = 0) -> EngineRequest:
-    return EngineRequest(rid, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
-                         head_tokens=publish)
+def request(rid: str, prompt: tuple[int, ...], publish: int = 0, n: int = 1, seed: int | None = None
+            ) -> EngineRequest:
+    """One token of `prompt`: greedy, or sampled with `seed` (a regenerate); `n` choices."""
+    params = SamplingParams(temperature=0 if seed is None else 0.8, seed=seed, n=n, max_tokens=1, ignore_eos=True)
+    return EngineRequest(rid, prompt, params, head_tokens=publish)
 
 
 def ttft(core: Any, req: EngineRequest) -> tuple[float, int]:
@@ -69,9 +72,12 @@ def bench_kind(kind: str, sizes: list[int], hidden: int, layers: int) -> dict[st
             publish = (n // 2) // P * P  # a chat-shaped prompt: half of it is the shared head
             cold, _ = ttft(on, request(f"cold{n}", prompt, publish))
             retry, retry_cached = ttft(on, request(f"retry{n}", prompt, publish))
+            regenerate, _ = ttft(on, request(f"regenerate{n}", prompt, publish, seed=7))
+            fork, fork_cached = ttft(on, request(f"n4-{n}", prompt, publish, n=4, seed=7))
             turn2 = prompt + random_prompt(64, 200 + i)
             extend, extend_cached = ttft(on, request(f"turn2-{n}", turn2, publish))
             rows.append({"tokens": n, "cold_ms": cold, "retry_ms": retry, "retry_cached": retry_cached,
+                         "regenerate_ms": regenerate, "n4_ms": fork, "n4_cached": fork_cached,
                          "turn2_ms": extend, "turn2_cached": extend_cached,
                          "speedup_retry": cold / max(retry, 1e-6), "speedup_turn2": cold / max(extend, 1e-6)})
         # The reuse tax at 1k tokens: cold TTFT with reuse on (cut at the publish point, capture) vs off.
@@ -214,11 +220,12 @@ def main() -> None:
     results = [bench_kind(k, sizes, args.hidden, args.layers) for k in args.kinds.split(",")]
     hashing = hash_cost()
     ttft_rows = [[r["kind"], row["tokens"], row["cold_ms"], row["retry_ms"], row["retry_cached"], row["speedup_retry"],
+                  row["regenerate_ms"], row["n4_ms"], row["n4_cached"],
                   row["turn2_ms"], row["turn2_cached"], row["speedup_turn2"]] for r in results for row in r["rows"]]
     parts = [
         f"### Reuse vs cold TTFT (hidden {args.hidden}, {args.layers} layers, CPU fp32, page {P})",
         markdown(["model", "prompt tokens", "cold TTFT ms", "retry TTFT ms", "retry cached", "cold/retry",
-                  "turn-2 (+64) TTFT ms", "turn-2 cached", "cold/turn-2"], ttft_rows),
+                  "regenerate (seeded) TTFT ms", "n=4 TTFT ms", "n=4 cached", "turn-2 (+64) TTFT ms", "turn-2 cached", "cold/turn-2"], ttft_rows),
         "### State clone vs raw copy of the same bytes",
         markdown(["model", "case", "bytes copied", "clone ms", "raw memcpy, same bytes ms", "clone speed / memcpy",
                   "torch copy, fresh buffers ms", "clone speed / fresh copy"],

@@ -70,26 +70,25 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         reuse = NoReuse()
         residency = Residency(moves, tiers=tiers)
     elif recurrent:
-        codec = StateCodec(cache, model_cfg.vocab_size)
-        host = _host_slots(config, codec, min(model_cfg.max_position_embeddings, num_pages * config.page_size),
-                           pin=cache.kv.device.type == "cuda")
-        staged = config.staging_ring and (host is not None or tiers is not None)
-        # One worker thread copies off the step: staged captures and states written ahead.
-        worker = CopyWorker() if staged or ahead_pages else None
-        # The ring stages the slot and one page; the worker copies the rest into the host slot or the arena.
-        ring = StagingRing(codec.sections(config.page_size).logits, pin=cache.kv.device.type == "cuda",
-                           worker=worker) if staged else None
-        states = RetainedStates(cache, pages, live_slots, retained_slots, config.retained_interactive_ttl, counters,
-                                tiers=tiers, host=host, codec=codec, ring=ring, worker=worker, ahead_pages=ahead_pages)
+        states, worker = _retained_states(loaded, config, cache, pages, live_slots, retained_slots, tiers, counters,
+                                          ahead_pages)
         residency = Residency(moves, worker, states=states, tiers=tiers)
         reuse = RetainedStateReuse(states, tiers=tiers, restore_floor=config.restore_floor)
     else:
-        worker = CopyWorker() if ahead_pages else None  # writes finished chains ahead of need
+        # Kept prompt ends (retained states of kind `pages`): `reuse.retained_device` of them on the device.
+        kept = None
+        worker = None
+        if config.retained_device > 0 or config.retained_host > 0:
+            kept, worker = _retained_states(loaded, config, cache, pages, 0, max(0, config.retained_device), tiers,
+                                            counters, ahead_pages)
+        worker = worker or (CopyWorker() if ahead_pages else None)  # also writes finished chains ahead of need
         chains = PageChains(pages, tiers, config.page_size, worker=worker, ahead_pages=ahead_pages,
                             counters=counters) if tiers is not None else None
-        residency = Residency(moves, worker, chains=chains, tiers=tiers)
+        if kept is not None and chains is not None:
+            kept.on_written_below = lambda state: chains.covered(state.page_hashes)
+        residency = Residency(moves, worker, states=kept, chains=chains, tiers=tiers)
         reuse = PageReuse(pages, config.page_size, tiers=tiers, restore_floor=config.restore_floor, chains=chains,
-                          counters=counters)
+                          counters=counters, states=kept)
     capacity = num_pages * config.page_size
     limit = config.max_model_len or model_cfg.max_position_embeddings
     max_model_len = min(limit, model_cfg.max_position_embeddings, capacity)
@@ -99,6 +98,25 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         num_slots, num_slots * shape.state_bytes_per_slot(dtype) / 2**20, max_model_len,
     )
     return EngineParts(cache, pages, SlotPool(live_slots) if recurrent else None, reuse, residency, max_model_len)
+
+
+def _retained_states(loaded: LoadedModel, config: EngineConfig, cache: DeviceCache, pages: PagePool,
+                     first_slot: int, num_slots: int, tiers: TierLink | None, counters: ReuseCounters,
+                     ahead_pages: int) -> tuple[RetainedStates, CopyWorker | None]:
+    """Retained states in `num_slots` device slots from `first_slot` (an attention-only model's slots
+    are only a count), the host block and the staging ring as configured, and the copy worker."""
+    codec = StateCodec(cache, loaded.config.vocab_size)
+    host = _host_slots(config, codec, min(loaded.config.max_position_embeddings, pages.num_pages * config.page_size),
+                       pin=cache.kv.device.type == "cuda")
+    staged = config.staging_ring and (host is not None or tiers is not None)
+    # One worker thread copies off the step: staged captures and states written ahead.
+    worker = CopyWorker() if staged or ahead_pages else None
+    # The ring stages the slot and one page; the worker copies the rest into the host slot or the arena.
+    ring = StagingRing(codec.sections(config.page_size).logits, pin=cache.kv.device.type == "cuda",
+                       worker=worker) if staged else None
+    states = RetainedStates(cache, pages, first_slot, num_slots, config.retained_interactive_ttl, counters,
+                            tiers=tiers, host=host, codec=codec, ring=ring, worker=worker, ahead_pages=ahead_pages)
+    return states, worker
 
 
 def _ahead_pages(config: EngineConfig, num_pages: int) -> int:

@@ -52,11 +52,14 @@ class Engine:
     """An EngineCore driven from the test thread."""
 
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, *, reuse: bool = True, tierstore: str = "",
-                 kv_cache_bytes: int = 16 * MiB, interactive_ttl: float = 0.0, spill_ahead_pages: int = 0) -> None:
+                 kv_cache_bytes: int = 16 * MiB, interactive_ttl: float = 0.0, spill_ahead_pages: int = 0,
+                 retained_device: int = 2) -> None:
         # interactive_ttl=0: these tests move state by recency; protection has tests of its own.
+        # retained_device=0 on the dense model: its page chains alone (kept ends: test_dense_kept_ends.py).
         self.tokenizer = tokenizer
         self.core = EngineCore(loaded, tokenizer, EngineConfig(
-            page_size=P, kv_cache_bytes=kv_cache_bytes, max_num_seqs=4, reuse_prompt=reuse, retained_device=2,
+            page_size=P, kv_cache_bytes=kv_cache_bytes, max_num_seqs=4, reuse_prompt=reuse,
+            retained_device=retained_device,
             retained_interactive_ttl=interactive_ttl, tierstore_address=tierstore, tier_timeout=2.0,
             tier_retry_seconds=0.3, spill_ahead_pages=spill_ahead_pages))
         self.core.start()
@@ -417,7 +420,7 @@ def test_dense_pages_spill_when_the_pool_reuses_them_and_hit_from_ram(tmp_path: 
     """
     page_bytes = P * 4 * 2 * 2 * 16 * 4  # page x layers x (k, v) x kv heads x head dim x fp32
     store = tierstore(tmp_path, arena=4 * MiB, disk=0)
-    engine = Engine(*dense_model, tierstore=store.address, kv_cache_bytes=16 * page_bytes)
+    engine = Engine(*dense_model, tierstore=store.address, kv_cache_bytes=16 * page_bytes, retained_device=0)
     try:
         assert engine.core.pages.num_pages == 16
         for topic in TOPICS:  # ~5 pages each: the later ones reuse the first ones' pages
@@ -446,7 +449,8 @@ def test_a_dense_chain_is_written_ahead_off_the_step_and_hits_from_ram(tmp_path:
     without a copy on the step, and the next turn restores it from RAM, equal to cold."""
     page_bytes = P * 4 * 2 * 2 * 16 * 4
     store = tierstore(tmp_path, arena=4 * MiB, disk=0)
-    engine = Engine(*dense_model, tierstore=store.address, kv_cache_bytes=16 * page_bytes, spill_ahead_pages=16)
+    engine = Engine(*dense_model, tierstore=store.address, kv_cache_bytes=16 * page_bytes, spill_ahead_pages=16,
+                    retained_device=0)
     try:
         worker = engine.core.residency.worker
         same(engine.run(TOPICS[0]), dense_oracle(TOPICS[0]))
@@ -481,7 +485,8 @@ def test_a_write_ahead_the_store_dies_under_loses_nothing_live(tmp_path: Path, d
     the engine serves on with device-only reuse; every answer still equals cold."""
     page_bytes = P * 4 * 2 * 2 * 16 * 4
     store = tierstore(tmp_path, arena=4 * MiB, disk=0)
-    engine = Engine(*dense_model, tierstore=store.address, kv_cache_bytes=16 * page_bytes, spill_ahead_pages=16)
+    engine = Engine(*dense_model, tierstore=store.address, kv_cache_bytes=16 * page_bytes, spill_ahead_pages=16,
+                    retained_device=0)
     try:
         worker = engine.core.residency.worker
         same(engine.run(TOPICS[0]), dense_oracle(TOPICS[0]))

@@ -322,8 +322,9 @@ def test_tierstore_lists_only_the_namespaces_named(stack: Stack) -> None:
 
 def test_a_dense_model_lists_page_chains_and_a_dead_engine_has_its_own_section(
         tmp_path: Path, dense_chat_model_dir: Path) -> None:
-    """Dense pages are listed one row per finished chain (never per page), not ranked by the order;
-    a second engine that does not answer is a section with an error, the first one still shows."""
+    """Dense pages are listed one row per finished chain (never per page), not ranked by the order, after
+    the kept prompt end (ranked like any retained state); a second engine that does not answer is a
+    section with an error, the first one still shows."""
     dead = f"127.0.0.1:{free_port()}"
     stack = start_stack(tmp_path, model=str(dense_chat_model_dir), more_engines=(dead,))
     try:
@@ -332,12 +333,15 @@ def test_a_dense_model_lists_page_chains_and_a_dead_engine_has_its_own_section(
         assert [e["address"] for e in body["engines"]] == [stack.engine.address, dead]
         live, gone = body["engines"]
         assert "error" in gone and "UNAVAILABLE" in gone["error"] and not gone["healthy"]
-        chains = live["states"]
-        assert len(chains) == 1 and live["states_total"] == 1
-        chain = chains[0]
+        rows = live["states"]
+        assert len(rows) == 2 and live["states_total"] == 2
+        end, chain = rows
+        assert (end["kind"], end["tier"], end["rank"]) == ("pages", "device", 0)
+        assert end["tokens"] == live["recent"][0]["prompt_tokens"]  # the prompt's end, kept with its logits
+        assert live["slots"]["retained_device"]["used"] == 1  # one of reuse.retained_device
         assert (chain["kind"], chain["tier"], chain["rank"]) == ("pages", "device", None)
         assert chain["pages"] == chain["tokens"] // live["pool"]["page_size"] >= 2
-        assert live["pool"]["registered"] >= chain["pages"] and live["slots"]["retained_device"]["total"] == 0
+        assert live["pool"]["registered"] >= chain["pages"]
         assert live["recent"][0]["prompt_tokens"] > chain["tokens"]
     finally:
         stop_stack(stack)

@@ -103,7 +103,11 @@ def test_two_engines_two_sections_and_a_dense_model_shows_page_chains(tmp_path: 
             assert sections == [[stack.engine.address, True, "serving"], [dead, False, "unavailable"]]
             assert "UNAVAILABLE" in page.evaluate("document.querySelectorAll('.engine .error')[1].textContent")
             rows = state_rows(page)
-            assert [(r["kind"], r["tier"], r["rank"]) for r in rows] == [("pages", "device", "")]
-            assert page.evaluate("document.querySelector('.engine .state span').textContent") == "–"  # no rank
+            # The kept prompt end (ranked), then the page chain (not ranked: it leaves with its pages).
+            assert [(r["kind"], r["tier"], r["rank"]) for r in rows] == [("pages", "device", "0"),
+                                                                         ("pages", "device", "")]
+            ranks = page.evaluate("[...document.querySelectorAll('.engine .state')].map(r => "
+                                  "r.querySelector('span').textContent)")
+            assert ranks[:2] == ["0", "–"]  # no rank for the chain
     finally:
         stop_stack(stack)

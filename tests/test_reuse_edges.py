@@ -71,9 +71,9 @@ class Model:
 class Engine:
     """One started EngineCore, driven synchronously from the test thread."""
 
-    def __init__(self, model: Model, reuse: bool) -> None:
+    def __init__(self, model: Model, reuse: bool, retained_device: int = 8) -> None:
         config = EngineConfig(page_size=P, kv_cache_bytes=8 << 20, max_num_seqs=4, reuse_prompt=reuse,
-                              retained_device=8)
+                              retained_device=retained_device)
         self.core = EngineCore(model.loaded, model.tokenizer, config)
         self.core.start()
         self.n = 0
@@ -144,18 +144,24 @@ def make_prompt(n: int, seed: int) -> tuple[int, ...]:
 
 
 @pytest.mark.parametrize("pages", [1, 3])
+@pytest.mark.parametrize("kept_ends", [8, 0])
 def test_page_aligned_dense_prompt_claims_all_but_its_last_page(dense: Model, engines: list[Engine],
-                                                                pages: int) -> None:
-    """A prompt of exactly k full pages, sent twice: the second claims k-1 pages (n - P tokens),
-    never all k, because at least one prompt token is always computed."""
-    engine = warm(dense, engines)
+                                                                pages: int, kept_ends: int) -> None:
+    """A prompt of exactly k full pages, sent twice. With its end kept (its next-token logits), the
+    second claims all k pages and computes nothing; without, it claims k-1 pages (n - P tokens), never
+    all k, because the logits after the last token come from computing it."""
+    engine = Engine(dense, reuse=True, retained_device=kept_ends)
+    engines.append(engine)
     prompt = make_prompt(pages * P, seed=pages)
     n = len(prompt)
     first = engine.run(prompt, 4)
     second = engine.run(prompt, 4)
     assert first.cached == 0
-    assert second.cached == n - P
-    assert second.kind == ("pages" if n - P else "none")
+    if kept_ends:
+        assert (second.cached, second.kind) == (n, "pages")
+    else:
+        assert second.cached == n - P
+        assert second.kind == ("pages" if n - P else "none")
     assert first.tokens == second.tokens == dense.cold(prompt, 4)
 
 

@@ -22,7 +22,7 @@ import torch
 
 from engine.cache.reuse import Claim, HeldState
 from engine.cache.tier_claims import LowerTierClaims, TieredReuse
-from engine.facts import ReuseKind, ReuseTier
+from engine.facts import ReuseKind
 from engine.kv.chain_hash import extend_page_hashes, state_matches, state_name
 from engine.request import CommitPolicy, EngineSequence
 from engine.residency.retained_state import RetainedState
@@ -146,11 +146,8 @@ class RetainedStateReuse(TieredReuse):
     def _capture(self, seq: EngineSequence, m: int, kind: ReuseKind, logits: torch.Tensor | None) -> None:
         extend_page_hashes(seq.namespace, seq.page_hashes, seq.token_ids, m, self.page_size)
         name = state_name(seq.namespace, seq.page_hashes, seq.token_ids, m, self.page_size)
-        if not self.states.touch(name, logits):  # held already: a retry or a burst mate
-            self.states.capture(seq, name, m, kind, logits, self._lineage_for(seq, kind))
-            held = self.states.index.get(name)
-            if held is not None and m == seq.num_cached and seq.reuse.tier in (ReuseTier.RAM, ReuseTier.DISK):
-                held.hits += 1  # claimed from a tier below and held again: it keeps the protection it earned
+        lineage = self._lineage_for(seq, kind) if self.states.index.get(name) is None else None
+        self.states.keep(seq, name, m, kind, logits, lineage)
 
     def _lineage_for(self, seq: EngineSequence, kind: ReuseKind) -> int | None:
         if kind is not ReuseKind.CHECKPOINT:

@@ -39,8 +39,8 @@ class CapturesBelow:
 
     def capture(self, seq: EngineSequence, name: StateHash, m: int, kind: ReuseKind,
                 logits: torch.Tensor | None) -> None:
-        """Write `seq`'s state at `m` to the tier below under `name` (staged when a buffer is free)."""
-        assert seq.slot is not None
+        """Write `seq`'s state at `m` to the tier below under `name` (staged when a buffer is free).
+        The codec refuses a missing slot where the model has recurrent state."""
         if self.tiers is not None and self.ring is not None and self.tiers.client.available:
             buffer = self.ring.acquire()
             if buffer is not None:
@@ -59,7 +59,7 @@ class CapturesBelow:
                logits: torch.Tensor | None, buffer: int) -> None:
         """On the step the slot and the partial page into the buffer and a reference to the full
         pages; the worker reserves, writes them in the arena's layout and commits."""
-        assert self.ring is not None and self.tiers is not None and self.codec is not None and seq.slot is not None
+        assert self.ring is not None and self.tiers is not None and self.codec is not None
         codec, tiers = self.codec, self.tiers
         pages, partial = stage_changing_part(codec, self.ring.buffers[buffer], seq.slot, seq.page_table, m)
         self.pages.share(pages)  # immutable full pages, kept alive until the write is done

@@ -1,8 +1,9 @@
 """The residency layer: the one object the step loop calls about moving state.
 
 It holds the copy worker that copies off the step, what lives in a place of its own
-(retained states in device and host slots for models with recurrent layers, or the
-finished page chains of an attention-only model, tracked for the tierstore), the
+(retained states in device and host slots: a recurrent model's checkpoints and prefixes,
+an attention-only model's kept prompt ends; and the finished page chains of an
+attention-only model, tracked for the tierstore), the
 link to the tierstore below, and the live sequences being moved down. The step
 loop polls it at the start of each step and when a copy off the step wakes it; the
 scheduler hands it the sequences it displaces; the Monitor reads what it holds.
@@ -25,7 +26,7 @@ class Residency:
                  chains: PageChains | None = None, tiers: TierLink | None = None) -> None:
         self.moves = moves
         self.worker = worker
-        self.states = states  # retained states (models with recurrent layers)
+        self.states = states  # retained states (models with recurrent layers; an attention-only model's kept ends)
         self.chains = chains  # finished page chains (attention-only models with a tierstore)
         self.tiers = tiers
 
@@ -71,9 +72,8 @@ class Residency:
 
     def describe(self) -> list[StateView]:
         """A copy of what it holds, one row per state or page chain (engine thread; the Monitor)."""
-        if self.states is not None:
-            return self.states.describe()
-        return self.chains.views() if self.chains is not None else []
+        held = self.states.describe() if self.states is not None else []
+        return held + (self.chains.views() if self.chains is not None else [])
 
     def close(self) -> None:
         """The engine stops: finish the copies in flight, then let go of the tierstore."""

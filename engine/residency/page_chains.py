@@ -68,6 +68,13 @@ class PageChains:
         while len(self._chains) > self.max_chains:
             self._forget(next(iter(self._chains)))  # untracked chains just are not spilled
 
+    def covered(self, page_hashes: tuple[StateHash, ...]) -> None:
+        """A state holding these pages (every hash indexed) was written below: the tracked chains
+        that end in one of them need no write of their own (a chain's last hash names its tokens)."""
+        for h in page_hashes:
+            if h in self._chains:
+                self._forget(h)
+
     def _evicting(self, page: int, page_hash: StateHash) -> None:
         """PagePool hook: `page` (content intact) is about to be handed out fresh."""
         writing = self._writing.get(page_hash)

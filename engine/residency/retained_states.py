@@ -62,6 +62,9 @@ class RetainedStates:
         self._ahead: RetainedState | None = None  # the state being written ahead now (one at a time)
         self._releasing: list[RetainedState] = []  # dropped while a copy still reads them: freed once it is done
         self.cache = cache
+        # An attention-only model's states (kept prompt ends) have no recurrent state: their "slots" are
+        # only a count that bounds how many are held, and nothing is copied for them.
+        self.slotted = cache.shape.has_recurrent_state
         self.pages = pages
         self.page_size = cache.page_size
         self.order = EvictionOrder(interactive_ttl)
@@ -70,6 +73,9 @@ class RetainedStates:
         self.index = StateIndex(max_per_lineage)
         self.pending: list[RetainedState] = []  # captures whose staged copy is not done: claimable soon
         self.below = CapturesBelow(tiers, pages, self.page_size, counters, self.pending, codec, ring)
+        # Called with a state once a copy of it is committed in KV-RAM (an attention-only model's page
+        # chains stop tracking what a kept end written below covers: its pages are indexed there).
+        self.on_written_below: Callable[[RetainedState], None] = lambda state: None
 
     # --- what is held --------------------------------------------------------------
     def __bool__(self) -> bool:
@@ -106,7 +112,7 @@ class RetainedStates:
 
     def _claim_from_host(self, seq: EngineSequence, state: RetainedState) -> None:
         """One host-to-device copy: the slot, then fresh pages."""
-        assert self.host is not None and self.codec is not None and seq.slot is not None
+        assert self.host is not None and self.codec is not None and self._has_slot(seq)
         got = self.pages.allocate(-(-state.num_tokens // self.page_size))
         if got is None:
             raise RuntimeError("host claim admitted without its pages: this is a bug")
@@ -133,7 +139,7 @@ class RetainedStates:
     def _hold_on_device(self, seq: EngineSequence, m: int) -> tuple[int, list[int]] | None:
         """`seq`'s state at `m` kept in a free retained slot: (slot, pages), its full pages shared, its
         partial last page and slot copied; None (nothing taken) when no page is free for the copy."""
-        assert seq.slot is not None
+        assert self._has_slot(seq)
         full = m // self.page_size
         private: list[int] = []
         if m % self.page_size:
@@ -145,11 +151,19 @@ class RetainedStates:
         shared = seq.page_table[:full]
         self.pages.share(shared)
         slot = self._free_slots.popleft()
-        self.cache.copy_slot(seq.slot, slot)
+        self._copy_slot(seq.slot, slot)
         return slot, shared + private
 
+    def _has_slot(self, seq: EngineSequence) -> bool:
+        return seq.slot is not None or not self.slotted
+
+    def _copy_slot(self, src: int | None, dst: int | None) -> None:
+        if self.slotted:
+            assert src is not None and dst is not None
+            self.cache.copy_slot(src, dst)
+
     def _claim_from_device(self, seq: EngineSequence, state: RetainedState) -> None:
-        assert seq.slot is not None
+        assert self._has_slot(seq)
         full = state.num_tokens // self.page_size
         shared = state.pages[:full]
         self.pages.share(shared)
@@ -160,15 +174,27 @@ class RetainedStates:
                 raise RuntimeError("claim admitted without its private page: this is a bug")
             self.cache.copy_page(state.pages[full], got[0])
             table.append(got[0])
-        self.cache.copy_slot(state.slot, seq.slot)
+        self._copy_slot(state.slot, seq.slot)
         seq.adopt(table, state.num_tokens, state.logits)
 
     # --- captures: where a new state goes ---------------------------------------------
+    def keep(self, seq: EngineSequence, name: StateHash, m: int, kind: ReuseKind, logits: torch.Tensor | None,
+             lineage: int | None) -> None:
+        """Retain `seq`'s state at `m` unless one is held under `name` already (a retry, a burst mate:
+        it is used now). A state claimed whole from a tier below and held here again keeps the
+        protection its claim earned."""
+        if self.touch(name, logits):
+            return
+        self.capture(seq, name, m, kind, logits, lineage)
+        held = self.index.get(name)
+        if held is not None and m == seq.num_cached and seq.reuse.tier in (ReuseTier.RAM, ReuseTier.DISK):
+            held.hits += 1
+
     def capture(self, seq: EngineSequence, name: StateHash, m: int, kind: ReuseKind, logits: torch.Tensor | None,
                 lineage: int | None) -> None:
         """Retain `seq`'s state at `m` under `name`: in a host slot, a device slot, or the tier below, as
         the free slots and the eviction order allow; skipped and counted when none can take it."""
-        if seq.slot is None:
+        if not self._has_slot(seq):
             return
         now = time.monotonic()
         if self.host is not None and m <= self.host_capacity_tokens and \
@@ -203,7 +229,7 @@ class RetainedStates:
                          logits: torch.Tensor | None, lineage: int | None) -> None:
         """The whole state (slot, pages, logits) into one host slot: no device page or slot kept.
         With the staging ring only the slot and the partial last page are copied on the step."""
-        assert self.host is not None and self.codec is not None and seq.slot is not None
+        assert self.host is not None and self.codec is not None and self._has_slot(seq)
         buffer = self.ring.acquire() if self.ring is not None else None
         if self.ring is not None and buffer is None:
             self.counters.staging_skips += 1  # both buffers busy: skipped, never torn
@@ -227,7 +253,7 @@ class RetainedStates:
     def _stage(self, seq: EngineSequence, state: RetainedState, buffer: int) -> None:
         """On the step: the slot and the partial last page into the ring buffer, a reference to
         the full pages. Off the step (worker): all of it into the host slot."""
-        assert self.ring is not None and self.host is not None and self.codec is not None and seq.slot is not None
+        assert self.ring is not None and self.host is not None and self.codec is not None and self._has_slot(seq)
         codec, host, m = self.codec, self.host, state.num_tokens
         state.pages, partial = stage_changing_part(codec, self.ring.buffers[buffer], seq.slot, seq.page_table, m)
         self.pages.share(state.pages)  # immutable full pages, kept alive until the copy is done
@@ -284,6 +310,7 @@ class RetainedStates:
             if written:
                 state.below = True
                 self.counters.spills_ahead += 1
+                self.on_written_below(state)
             if state in self._releasing:  # dropped while it was being written
                 self._releasing.remove(state)
                 self._release_memory(state)
@@ -334,6 +361,8 @@ class RetainedStates:
         if not spilled and self.tiers is not None:
             self.counters.spills_on_step += 1
             spilled = self._writer(state)()
+            if spilled:
+                self.on_written_below(state)
         if not spilled:
             log_event(log, "ignis.request.evicted", hash=state.name.hex(), tokens=state.num_tokens,
                       kind=state.kind.value, tier="device")
@@ -351,7 +380,8 @@ class RetainedStates:
             return lambda: tiers.spill_bytes(state.name, state.namespace, state.num_tokens, state.kind,
                                              state.request_class, state.page_hashes, data)
         spillable = Spillable(state.name, state.namespace, state.num_tokens, state.kind, state.request_class,
-                              state.page_hashes, state.slot, list(state.pages), state.logits)
+                              state.page_hashes, state.slot if self.slotted else None, list(state.pages),
+                              state.logits)
         return lambda: tiers.spill(spillable)
 
     def _drop(self, state: RetainedState) -> None:
@@ -383,8 +413,8 @@ class RetainedStates:
         for s in self.index:
             if s.tier is ReuseTier.HOST and self.codec is not None:
                 nbytes = self.codec.nbytes(s.num_tokens, s.logits is not None)
-            else:
-                nbytes = len(s.pages) * page_bytes + slot_bytes
+            else:  # the pages it keeps alive, its slot, its logits
+                nbytes = len(s.pages) * page_bytes + slot_bytes + (s.logits.nbytes if s.logits is not None else 0)
             views.append(s.view(nbytes))
         return views
 

@@ -104,7 +104,7 @@ def staged_write(codec: StateCodec, m: int, full_pages: list[int], partial: bool
     return write
 
 
-def stage_changing_part(codec: StateCodec, buffer: torch.Tensor, slot: int, page_table: list[int], m: int
+def stage_changing_part(codec: StateCodec, buffer: torch.Tensor, slot: int | None, page_table: list[int], m: int
                         ) -> tuple[list[int], bool]:
     """On the step: the state at `m`'s slot and partial last page into `buffer` ([slot | one page]);
     returns its full pages (immutable: the capture references them) and whether it has a partial one."""
