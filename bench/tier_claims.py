@@ -223,7 +223,8 @@ def rows(res: dict[str, Any]) -> list[list[Any]]:
     out = [["re-prefill", f"cold prefill of the same {res['tokens']} tokens", round(cold, 1), "-", "-",
             "-", "-", "-"]]
     for key, what in (("claim_device", "device: pages shared by reference"),
-                      ("claim_ram", "KV-RAM: Match (leases it) + copy into pages"),
+                      ("claim_ram", "KV-RAM: found in the store's published table (no Match, no lease) + copy "
+                                    "into pages"),
                       ("claim_disk", "KV-disk: Match + AcquireStream(restore, cold), copied as it lands; the "
                                      "resident state it displaces already has its disk copy (kv_disk.copy_ahead)"),
                       ("claim_disk_no_copy_ahead", "KV-disk, copies ahead of need off: the restore first writes "

@@ -1,6 +1,7 @@
 """The paths a state takes through a real tierstore, each one timed into `Samples` (part of
-`python -m bench.tiers`): a write into KV-RAM, claims from KV-RAM the engine's way (Match on the Match
-socket, with and without its integrity check), over gRPC, the engine's way before the leasing Match and
+`python -m bench.tiers`): a write into KV-RAM, claims from KV-RAM the engine's way (found in the store's
+published table without a Match, and before it with a Match on the Match socket, each with and without
+its integrity check), over gRPC, the engine's way before the leasing Match and
 the example client's way; claims from KV-disk (AcquireStream, with the check fed as each copy lands or
 after the whole copy, and Acquire before AcquireStream); and Put / Get streams over loopback gRPC."""
 
@@ -70,6 +71,7 @@ def register(store_client: TierStoreClient, engine: TierClient, engine_grpc: Tie
     store_client.register(NS, model=MODEL, page_size=PAGE, layout=LAYOUT)
     assert engine.ensure(NS) and engine_grpc.ensure(NS), "the engine's client could not map the arena"
     assert engine.local is not None and engine_grpc.local is None, "the store serves no Match socket"
+    assert engine.table is not None, "the store publishes no table"
 
 
 @dataclass
@@ -152,6 +154,30 @@ class TierPaths:
             self.samples.add(**{f"{key}_tag": timed(lambda: self.tag_of(out))})
             self.samples.add(blake3_of_copy=timed(lambda: blake3.blake3(out, key=b"k" * 32,
                                                                         max_threads=blake3.blake3.AUTO).digest()))
+
+    def ram_claim_table(self, checked: bool = False) -> None:
+        """The engine's claim from RAM through the store's published table (engine/tiers/link.py): the state
+        found in the mapped table (no Match, no lease), the copy, its slot checked unchanged after it, the use
+        reported to the store in the background. `checked`: the integrity check too, as `ram_claim`."""
+        client, n, held, key = self.engine, self.n, self.held, "ram_claim_table" + ("_checked" if checked else "")
+        table = client.table
+        assert table is not None and client.local is not None
+        matches = client.local.calls
+        t0 = time.perf_counter()
+        entry = table.state(held) if table.current() else None
+        assert entry is not None, "the state is not in the published table"
+        tf = time.perf_counter()
+        if checked:
+            self.checked_copy(client.arena_bytes(entry.offset, n), self.integrity.hasher(held, NS, n // PAGE, n))
+        else:
+            np.copyto(self.raw.dst, np.frombuffer(client.arena_bytes(entry.offset, n), dtype=np.uint8))
+        tc = time.perf_counter()
+        assert table.unchanged(entry), "the state left KV-RAM during the copy"
+        client.report_used(held, client.instance_id)
+        t1 = time.perf_counter()
+        self.drain()
+        assert client.local.calls == matches, "a claim through the table sent a Match"
+        self.samples.add(**{key: t1 - t0, f"{key}_find": tf - t0, f"{key}_copy": tc - tf})
 
     def ram_claim_acquire(self) -> None:
         """The engine's way before the Match could lease: Match, then Acquire, copy, Release behind

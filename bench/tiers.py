@@ -4,8 +4,11 @@ One ~150 MiB state, side by side in one run, through a real tierstore process:
 
 - KV-RAM: the engine's copy into / out of the shared-memory arena by offset
   (and the whole Reserve+copy+Commit) vs a raw numpy memcpy of the same bytes;
-  a claim the way the engine makes it (engine/tiers/client.py: one Match on the
-  store's Match socket that leases the hit, the copy, Release in the background),
+  a claim the way the engine makes it (engine/tiers/link.py: the state found in the
+  store's published table, no Match and no lease, the copy, its slot checked after it,
+  the use reported in the background; with and without the integrity check), and the
+  way it did before the table (one Match on the store's Match socket that leases the hit,
+  the copy, Release in the background),
   the same with the integrity check a CPU engine makes on what it copied (an
   AES-GMAC in segments, copied and checked on two threads: engine/tiers/checked_copy.py;
   beside it a memcpy on two threads, and the keyed BLAKE3 the GMAC replaced),
@@ -70,6 +73,10 @@ def ram_rounds(paths: TierPaths, repeats: int) -> None:
         paths.ram_write()
         c.store(paths.held, raw.src_bytes, meta(raw.n))
         samples.add(raw_memcpy=raw.memcpy())
+        paths.ram_claim_table()
+        samples.add(raw_memcpy=raw.memcpy())
+        paths.ram_claim_table(checked=True)
+        samples.add(raw_memcpy=raw.memcpy())
         paths.ram_claim(paths.engine, "ram_claim_engine")
         samples.add(raw_memcpy=raw.memcpy(), raw_memcpy_threads=raw.memcpy_threads())
         paths.ram_claim(paths.engine, "ram_claim_checked", checked=True)
@@ -98,16 +105,17 @@ def disk_rounds(paths: TierPaths, repeats: int) -> None:
     assert np.array_equal(raw.dst, raw.src)
 
 
-def measure(paths: TierPaths, repeats: int) -> dict[str, Any]:
+def measure(paths: TierPaths, repeats: int, ram_only: bool = False) -> dict[str, Any]:
     """Every round, after an uncounted write that faults the arena mapping in; the medians, every sample,
-    the 1-minute load average before and after, and the store's own counts."""
+    the 1-minute load average before and after, and the store's own counts. `ram_only`: the KV-RAM rounds."""
     paths.ram_write()
     paths.samples.runs.clear()
     load_before = os.getloadavg()[0]
     ram_rounds(paths, repeats)
-    disk_rounds(paths, repeats)
-    for _ in range(max(1, repeats // 2)):
-        paths.stream()
+    if not ram_only:
+        disk_rounds(paths, repeats)
+        for _ in range(max(1, repeats // 2)):
+            paths.stream()
     load_after = os.getloadavg()[0]
     stats = paths.store_client.stats()
     return {"bytes": paths.raw.n, "repeats": repeats, "seconds": paths.samples.medians(),
@@ -115,7 +123,7 @@ def measure(paths: TierPaths, repeats: int) -> dict[str, Any]:
             "stats": {"spills": stats.spills, "restores": stats.restores, "checksum_failures": stats.checksum_failures}}
 
 
-def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
+def run(n: int, repeats: int, folder: Path, ram_only: bool = False) -> dict[str, Any]:
     """One state of `n` bytes through a tierstore in `folder`, each path beside its raw baseline."""
     threads = max(1, torch.get_num_threads())  # as the engine: its CPU threads (engine/tiers/link.py)
     helpers = ThreadPoolExecutor(max(1, threads - 1))
@@ -126,7 +134,7 @@ def run(n: int, repeats: int, folder: Path) -> dict[str, Any]:
         with TierStoreClient(store.address, timeout=120) as c:
             register(c, engine, engine_grpc)
             return measure(TierPaths(raw, c, engine, engine_grpc, folder / "kv-disk" / "blobs", helpers, threads),
-                           repeats)
+                           repeats, ram_only)
     finally:
         engine.close()
         engine_grpc.close()
@@ -141,9 +149,17 @@ TABLE_ROWS: list[tuple[str, str, str, str | None]] = [
     ("KV-RAM write", "copy into the arena by offset", "ram_write_copy", "raw_memcpy"),
     ("KV-RAM write", "Reserve + copy + Commit (checksum)", "ram_write_e2e", "raw_memcpy"),
     ("KV-RAM read", "copy out of the arena", "ram_read_copy", "raw_memcpy"),
-    ("KV-RAM claim", "engine: Match on the Match socket (leases the hit) + copy, Release in the background",
-     "ram_claim_engine", "raw_memcpy"),
-    ("KV-RAM claim", "engine, its integrity check too: Match on the Match socket + copy and AES-GMAC in 4 MiB "
+    ("KV-RAM claim", "engine: found in the published table (no Match, no lease) + copy, the slot checked "
+     "unchanged after it, the use reported in the background", "ram_claim_table", "raw_memcpy"),
+    ("KV-RAM claim", "engine, its integrity check too: found in the published table + copy and AES-GMAC in "
+     "4 MiB segments on two threads, the slot checked after it, the use reported in the background",
+     "ram_claim_table_checked", "raw_memcpy"),
+    ("Match", "a claim's lookup in the published table instead (no Match), right after a copy",
+     "ram_claim_table_find", "ram_claim_engine_match"),
+    ("KV-RAM claim", "engine before the published table: Match on the Match socket (leases the hit) + copy, "
+     "Release in the background", "ram_claim_engine", "raw_memcpy"),
+    ("KV-RAM claim", "engine before the table, its integrity check too: Match on the Match socket + copy and "
+     "AES-GMAC in 4 MiB "
      "segments on two threads (each 256 KiB hashed once copied), Release in the background", "ram_claim_checked",
      "raw_memcpy"),
     ("integrity", "the AES-GMAC of the copy alone (one core)", "ram_claim_checked_tag", "raw_memcpy"),
@@ -196,7 +212,8 @@ def table(res: dict[str, Any]) -> tuple[str, list[list[Any]]]:
         rows.append([path, what, ms, rate, base or "-", vs])
 
     for entry in TABLE_ROWS:
-        row(*entry)
+        if entry[2] in s:  # a --ram-only run measures the KV-RAM rows alone
+            row(*entry)
     headers = ["path", "what", "ms", "GiB/s", "baseline", "vs baseline"]
     return markdown(headers, rows), rows
 
@@ -210,13 +227,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="also claim a state of that size through the engine vs re-prefilling it (default on)")
     parser.add_argument("--hidden", type=int, default=1024, help="dense checkpoint of the engine claims")
     parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--ram-only", action="store_true",
+                        help="only the KV-RAM rounds (the claims from RAM against memcpy), no claims through the "
+                             "engine; printed, not saved (bench/results/tiers.md is a whole run's)")
     args = parser.parse_args(argv)
     folder = Path(tempfile.mkdtemp(prefix="ignis-bench-tiers-", dir=args.dir))
     try:
-        res = run(args.mib * MiB, args.repeats, folder)
+        res = run(args.mib * MiB, args.repeats, folder, args.ram_only)
         res["scratch"] = str(folder)
         text, rows = table(res)
-        if args.claims:
+        if args.claims and not args.ram_only:
             claims = tier_claims.measure(args.mib, folder, args.hidden, args.layers)
             res["engine_claims"] = claims
             claim_rows = tier_claims.rows(claims)
@@ -229,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"### Tiers: one {args.mib} MiB state (medians of {args.repeats}, interleaved; "
              f"load {load[0]:.2f} -> {load[1]:.2f})")
     print(title + "\n\n" + text)
+    if args.ram_only:
+        return 0
     path = save("tiers", {**res, "rows": rows}, title + "\n\n" + text)
     print(f"\nwrote {path}")
     return 0

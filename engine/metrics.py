@@ -247,6 +247,10 @@ def _tier_metrics(link: TierLink) -> Iterator[Metric]:
          link.restore_failures),
         ("ignis_tier_restores_rejected", "Restores refused because the bytes or metadata are not what this engine "
          "wrote (its integrity tag did not verify): served cold", link.rejected),
+        ("ignis_tier_table_claims", "Restores from KV-RAM found in the tierstore's published table: no Match, "
+         "no lease", link.table_claims),
+        ("ignis_tier_table_races", "Such restores whose state left KV-RAM during the copy (its table slot "
+         "changed): served cold, never the bytes copied", link.table_races),
         ("ignis_tierstore_outages", "Times the tierstore went from usable to unavailable",
          link.client.unavailable_events),
         ("ignis_tierstore_errors", "Tierstore calls answered with nothing (down, slow, refused)",

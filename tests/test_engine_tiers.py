@@ -170,6 +170,15 @@ def long_leases(monkeypatch: pytest.MonkeyPatch) -> None:
                         acquire_stream(self, hash, lease_seconds))
 
 
+@pytest.fixture
+def match_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's client maps no published table, so every lookup asks Match and leases what it names
+    (the paths these tests are about; the table's own: test_published_table.py)."""
+    from engine.tiers.client import TierClient
+
+    monkeypatch.setattr(TierClient, "_map_table", lambda self, reply: None)
+
+
 def leases_settle(link, want: int) -> None:  # type: ignore[no-untyped-def]
     """Wait until the store holds `want` leases (Release runs in the background). Use with `long_leases`:
     with the engine's own lease times (a Match's lasts 3 s) a lease never released would expire within
@@ -241,13 +250,16 @@ def test_without_a_ttl_newcomers_displace_the_least_recent_state(tmp_path: Path,
         assert counters.evictions == 2 * (len(TOPICS) - 1)
         got = engine.run(TOPICS[0])
         assert (got.tier, got.cached) == ("ram", len(engine.request(TOPICS[0]).prompt_ids))
+        link = engine.core.tiers
+        assert link is not None and (link.table_claims, link.match_leases_used) == (1, 0)  # no Match: the table
         engine.check()
     finally:
         engine.close()
         store.stop()
 
 
-def test_evicted_states_spill_to_ram_and_hit_from_ram(tmp_path: Path, model, oracle, long_leases) -> None:
+def test_evicted_states_spill_to_ram_and_hit_from_ram(tmp_path: Path, model, oracle, long_leases,
+                                                      match_only) -> None:
     store = tierstore(tmp_path, arena=16 * MiB, disk=0)
     engine = Engine(*model, tierstore=store.address)
     try:
@@ -297,7 +309,7 @@ class _ShiftedTime:
 
 
 def test_a_match_lease_too_old_to_copy_under_goes_back_and_the_restore_acquires(
-        tmp_path: Path, model, oracle, long_leases, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, model, oracle, long_leases, match_only, monkeypatch: pytest.MonkeyPatch) -> None:
     """A restore copies under its lookup's lease only within LEASE_USE_SECONDS of the Match (the rest of the
     lease is for the copy itself): a restore that comes later lets that lease go and Acquires its own."""
     store = tierstore(tmp_path, arena=16 * MiB, disk=0)
@@ -329,7 +341,7 @@ def test_a_match_lease_too_old_to_copy_under_goes_back_and_the_restore_acquires(
 
 
 def test_a_lease_of_a_store_instance_no_longer_mapped_is_never_copied_under(
-        tmp_path: Path, model, oracle, long_leases) -> None:
+        tmp_path: Path, model, oracle, long_leases, match_only) -> None:
     """Between a lookup and its restore the store restarts, and the engine maps the new instance's arena (a
     spill on the copy worker reserved there meanwhile). The lookup's lease is the old instance's: its extent
     means nothing in the new arena (there the state lies elsewhere), so the restore Acquires it from the new

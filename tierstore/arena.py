@@ -199,7 +199,8 @@ class Arena:
 
 
 def reap_stale_arenas(directory: Path = SHM_DIR, min_age: float = 10.0) -> list[Path]:
-    """Removes arena files of tierstores that died without cleaning up (kill -9).
+    """Removes arena files of tierstores that died without cleaning up (kill -9), and the published
+    tables beside them (``<arena>.table``, tierstore/published_table.py: held by an flock the same way).
 
     A live tierstore holds an flock on its file. A file nobody holds is stale once its
     owner's pid is gone, or once it is `min_age` seconds old (in a container a restarted

@@ -114,7 +114,9 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
         arena = await self._call(context, self.store.register, reg)
         log.info("registered namespace=%s model=%r page_size=%d", short(reg.namespace), reg.model, reg.page_size)
         return tierstore_pb2.RegisterResponse(arena_path=arena.path, arena_bytes=arena.nbytes,
-                                              instance_id=arena.instance_id, match_socket=self.match_socket)
+                                              instance_id=arena.instance_id, match_socket=self.match_socket,
+                                              published_table=arena.table_path,
+                                              published_table_bytes=arena.table_bytes)
 
     async def Match(self, request: tierstore_pb2.MatchRequest, context: grpc.aio.ServicerContext
                     ) -> tierstore_pb2.MatchResponse:
@@ -196,7 +198,8 @@ class TierStoreService(tierstore_pb2_grpc.TierStoreServicer):
     async def Release(self, request: tierstore_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
                       ) -> tierstore_pb2.ReleaseResponse:
         if not request.instance_id or request.instance_id == self.store.instance_id:
-            await self._call(context, self.store.release, request.lease_id, list(request.unused_lease_ids))
+            await self._call(context, self.store.release, request.lease_id, list(request.unused_lease_ids),
+                             [bytes(h) for h in request.used_hashes])
         return tierstore_pb2.ReleaseResponse()
 
     async def Drop(self, request: tierstore_pb2.DropRequest, context: grpc.aio.ServicerContext

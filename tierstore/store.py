@@ -21,6 +21,8 @@
   restore or a Reserve under pressure frees a copied state's extent without a
   write. When the disk needs room, such redundant copies go first: copies only ever
   take room that was free.
+- What KV-RAM holds is published in a table beside the arena (published_table.py) that engines
+  read without a Match: written under the lock wherever a state enters or leaves RAM (`_publish`).
 - Faults degrade, never take the store down: a failing disk (read-only, full,
   I/O errors; disk.py counts and logs them) is skipped by spills while RAM keeps
   serving; an arena file found truncated, deleted or replaced (checked every
@@ -56,6 +58,7 @@ from tierstore.arena import SHM_DIR, Arena, Extent, align_up
 from tierstore.disk import DiskFault, DiskIO, DiskRecord, DiskTier, FileRange, SourceShrank, StagedBlob
 from tierstore.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from tierstore.policy import last_tier_room, resident
+from tierstore.published_table import PageRecord, PublishedTable, StateRecord
 from tierstore.registry import NamespaceRegistry, Registration
 from tierstore.state import StateInfo, check_hash, checksum, normal_class, short
 
@@ -95,6 +98,8 @@ class ArenaInfo:
     path: str
     nbytes: int
     instance_id: str
+    table_path: str = ""  # the published table beside it ("": none)
+    table_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +249,7 @@ class TierStore:
         self.arena = Arena(config.arena_bytes, instance_id=self.instance_id, directory=arena_dir)
         self._arena_fault: str | None = None  # the arena is broken and could not be recreated yet
         self._arena_generation = 0  # a Get that began in an earlier arena ends without touching this one
+        self._table = self._new_table()  # what KV-RAM holds, for engines to read (published_table.py)
         known: dict[bytes, Registration] = {}
         if self._disk is not None:
             known = {ns: Registration.decode(raw) for ns, raw in self._disk.load_namespaces().items()}
@@ -252,6 +258,7 @@ class TierStore:
                                            else lambda r: disk.save_namespace(r.namespace, r.encode()))
         self._states: dict[bytes, _State] = {}
         self._ram_pages: dict[bytes, set[bytes]] = {}  # page hash -> sliceable RAM states holding it
+        self._holders: dict[bytes, set[bytes]] = {}  # page hash -> sliceable states holding it, in any tier
         self._anchored: dict[bytes, set[bytes]] = {}  # last full page hash -> states ending mid-page after it
         self._reservations: dict[bytes, _Reservation] = {}
         self._leases: dict[int, _LeaseEntry] = {}
@@ -266,6 +273,7 @@ class TierStore:
         if self._disk is not None:  # what survived a restart is served again
             for rec in self._disk.records():
                 self._add(_State(rec.info, rec.last_used, rec.protect_until))
+        self._publish_all()
 
     # ------------------------------------------------------------ control plane
 
@@ -281,7 +289,9 @@ class TierStore:
                 log.warning("namespace=%s registered again with another layout (model %r, was %r): "
                             "%d states in RAM under the old one dropped", short(reg.namespace), reg.model,
                             replaced.model, len(gone))
-            return ArenaInfo(str(self.arena.path), self.arena.size, self.instance_id)
+            table = self._table
+            return ArenaInfo(str(self.arena.path), self.arena.size, self.instance_id,
+                             str(table.path) if table is not None else "", table.nbytes if table is not None else 0)
 
     def _on_disk(self, namespace: bytes) -> bool:
         """Whether a state of `namespace` lives on disk only (a RAM state's disk copy goes with it when
@@ -370,6 +380,9 @@ class TierStore:
         anchor = _anchor(state.info)
         if anchor is not None:
             self._anchored.setdefault(anchor, set()).add(state.info.hash)
+        if state.info.sliceable:
+            for p in state.info.page_hashes:
+                self._holders.setdefault(p, set()).add(state.info.hash)
 
     def reserve(self, hash: bytes, nbytes: int, request_class: int = common_pb2.REQUEST_CLASS_INTERACTIVE,
                 protect_seconds: float = 0.0) -> Extent | None:
@@ -427,6 +440,7 @@ class TierStore:
                            now + res.protect_seconds if res.protect_seconds > 0 else 0.0, res.extent)
             self._add(state)
             self._index_ram(state)
+            self._publish(state)
             self.copy_wanted.set()
             return state.info
 
@@ -462,12 +476,19 @@ class TierStore:
             assert state.extent is not None
             return Lease(lease_id, Extent(state.extent.offset, state.info.nbytes), state.info, from_tier)
 
-    def release(self, lease_id: int, unused: Iterable[int] = ()) -> None:
+    def release(self, lease_id: int, unused: Iterable[int] = (), used_hashes: Iterable[bytes] = ()) -> None:
         """Ends `lease_id` (0: none) and the `unused` leases of a Match; a Match lease released as
         `lease_id` was used, and counts the hit Acquire would have. NotFound if any was unknown
-        (the others are released all the same)."""
+        (the others are released all the same). `used_hashes`: states claimed without a lease, through
+        the published table: each counts its hit and its use as an Acquire would (names gone are skipped)."""
+        claimed = [check_hash(h, "used_hashes[]") for h in used_hashes]
         with self._lock:
             now = self._clock()
+            for h in claimed:
+                state = self._states.get(h)
+                if state is not None:
+                    state.hits += 1
+                    state.last_used = now
             missing = []
             for lid, used in ([(lease_id, True)] if lease_id else []) + [(u, False) for u in unused]:
                 entry = self._leases.pop(lid, None)
@@ -488,6 +509,7 @@ class TierStore:
         """Removes a state from every tier, or abandons a reservation; False if neither existed."""
         check_hash(hash)
         with self._lock:
+            self._check_arena()  # a broken table is not written to (its recreation forgets what it must)
             res = self._reservations.pop(hash, None)
             if res is not None:
                 self.arena.free(res.extent)
@@ -647,13 +669,43 @@ class TierStore:
                 if (anchor := _anchor(s.info)) is not None:
                     anchored.setdefault(anchor, set()).add(s.info.hash)
             assert anchored == self._anchored, "anchor index is stale"
+            holders: dict[bytes, set[bytes]] = {}
+            for s in self._states.values():
+                if s.info.sliceable:
+                    for p in s.info.page_hashes:
+                        holders.setdefault(p, set()).add(s.info.hash)
+            assert holders == self._holders, "page holder index is stale"
+            self._check_table()
             if self._disk is not None:
                 self._disk.check_integrity()
                 assert all(r.info.hash in self._states for r in self._disk.records()), "disk state not indexed"
 
+    def _check_table(self) -> None:
+        """The published table says what the indexes say (lock held)."""
+        table = self._table
+        if table is None:
+            return
+        table.check_integrity()
+        in_ram = {h for h, s in self._states.items() if s.extent is not None}
+        assert set(table.states.bodies) == in_ram, "published states != RAM states"
+        for h in in_ram:
+            record = self._state_record(self._states[h])
+            assert record is not None and table.shows_state(h, record), f"stale published state {short(h)}"
+        pages = {p for p, holders in self._ram_pages.items() if holders}
+        assert set(table.pages.bodies) == pages, "published pages != RAM pages"
+        for p in pages:
+            index = self._states[next(iter(self._ram_pages[p]))].info.page_hashes.index(p)
+            page = self._page_record(p, index)
+            assert page is not None and table.shows_page(p, page), f"stale published page {short(p)}"
+        assert table.in_ram.present == in_ram | pages, "the filter's RAM keys are stale"
+        keys = set(self._states) | set(self._holders)
+        assert table.elsewhere.present == {k for k in keys if self._answered_elsewhere(k)}, "stale 'elsewhere'"
+        assert table.anchors.present == set(self._anchored), "stale anchors"
+
     def close(self) -> None:
         with self._lock:
             self._cancel_copy()
+            self._close_table()
             self.arena.close()
             if self._disk is not None:
                 self._disk.close()
@@ -789,6 +841,7 @@ class TierStore:
         self._unindex_ram(state)
         self.arena.free(state.extent)
         state.extent = None
+        self._publish(state)
         self._counters.spills += 1
         log.info("spilled state=%s bytes=%d", short(state.info.hash), state.info.nbytes)
         return True
@@ -975,6 +1028,7 @@ class TierStore:
             raise DataLoss(f"the blob of {short(h)} was missing or failed its checksum; it was dropped")
         state.extent = extent
         self._index_ram(state)
+        self._publish(state)
         self._counters.restores += 1
         log.info("restored state=%s bytes=%d", short(h), state.info.nbytes)
         return True
@@ -990,6 +1044,9 @@ class TierStore:
                 self._anchored[anchor].discard(h)
                 if not self._anchored[anchor]:
                     del self._anchored[anchor]
+            if state.info.sliceable:
+                for p in state.info.page_hashes:
+                    _discard(self._holders, p, h)
         if self._disk is not None:
             self._disk.remove(h)
         if state.extent is not None:
@@ -998,6 +1055,7 @@ class TierStore:
         if state.extent is not None and state.pinned:
             self._zombies[id(state)] = state
         self._unpinned(state)
+        self._publish(state)
 
     def _unpinned(self, state: _State) -> None:
         if state.dropped and not state.pinned and state.extent is not None:
@@ -1011,6 +1069,69 @@ class TierStore:
                 return  # its arena was recreated: the pin went with it
             state.reads -= 1
             self._unpinned(state)
+
+    # The published table (published_table.py): written wherever a state enters or leaves KV-RAM (after
+    # _index_ram / _unindex_ram and the extent change: commit, _restore, _move_down, _forget), and
+    # whole for each new arena; each write recomputes the keys of that state from the indexes.
+
+    def _new_table(self) -> PublishedTable | None:
+        try:
+            return PublishedTable.beside(self.arena.path, self.config.arena_bytes, self.config.disk_bytes,
+                                         self.instance_id)
+        except OSError as exc:  # /dev/shm full: engines ask Match for every claim
+            log.warning("no published table beside %s (%s): engines ask Match for every claim", self.arena.path.name,
+                        exc)
+            return None
+
+    def _close_table(self) -> None:
+        table, self._table = self._table, None
+        if table is not None:
+            table.close()
+
+    def _publish_all(self) -> None:
+        for state in list(self._states.values()):
+            self._publish(state)
+
+    def _publish(self, state: _State) -> None:
+        """The table's records of every key `state` answers, as the indexes stand now (lock held): its
+        name, the pages of a sliceable state, the page it is anchored after."""
+        table = self._table
+        if table is None:
+            return
+        info = state.info
+        table.put_state(info.hash, self._state_record(state) if self._states.get(info.hash) is state else None)
+        table.set_elsewhere(info.hash, self._answered_elsewhere(info.hash))
+        if info.sliceable:
+            for i, page in enumerate(info.page_hashes):
+                table.put_page(page, self._page_record(page, i))
+                table.set_elsewhere(page, self._answered_elsewhere(page))
+        anchor = _anchor(info)
+        if anchor is not None:
+            table.set_anchored(anchor, anchor in self._anchored)
+
+    @staticmethod
+    def _state_record(state: _State) -> StateRecord | None:
+        """What the table says of a state in KV-RAM (None: it is not)."""
+        info, extent = state.info, state.extent
+        if extent is None:
+            return None
+        return StateRecord(extent.offset, info.nbytes, info.tokens, info.kind, info.namespace, info.engine_tag)
+
+    def _page_record(self, page: bytes, index: int) -> PageRecord | None:
+        """The RAM state a Match would take for `page` as its `index`-th page: the smallest holder."""
+        holders = [s for h in self._ram_pages.get(page, ()) if (s := self._states.get(h)) is not None
+                   and s.extent is not None and s.info.page_hashes[index:index + 1] == (page,)]
+        if not holders:
+            return None
+        best = min(holders, key=lambda s: (s.info.nbytes, s.info.hash))
+        return PageRecord(best.info.hash, best.info.prefix_tokens(index), best.info.nbytes)
+
+    def _answered_elsewhere(self, key: bytes) -> bool:
+        """Whether a state not in KV-RAM answers `key`: named so, or holding it as a page (any namespace)."""
+        exact = self._states.get(key)
+        if exact is not None and exact.extent is None:
+            return True
+        return any((s := self._states.get(h)) is not None and s.extent is None for h in self._holders.get(key, ()))
 
     def _index_ram(self, state: _State) -> None:
         if state.info.sliceable:
@@ -1031,8 +1152,14 @@ class TierStore:
         has failed, only the once-a-second sweep (`expire`) tries again, not every call."""
         if self._arena_fault is not None and not sweep:
             return False
-        reason = self._arena_fault or self.arena.fault()
+        reason = self._arena_fault or self.arena.fault() or self._table_fault()
         return reason is None or self._recreate_arena(reason)
+
+    def _table_fault(self) -> str | None:
+        """A published table broken behind our back breaks the arena with it: both are made again, under a
+        new instance (a write into a truncated table is SIGBUS; a new instance makes engines map the new one)."""
+        broken = self._table.fault() if self._table is not None else None
+        return None if broken is None else f"left with its published table {broken}"
 
     def _need_arena(self) -> None:
         if not self._check_arena():
@@ -1042,6 +1169,7 @@ class TierStore:
         """A new arena file under a new instance id; what lived only in the old one is lost."""
         first = self._arena_fault is None
         if first:  # noticed now: nothing may touch the old mapping again
+            self._close_table()  # engines stop claiming from it at their next look
             lost, kept = self._abandon_arena()
             self._arena_fault = f"arena {self.arena.path.name} was {reason}"
             what = f"{lost} states only in RAM lost, {kept} kept on disk"
@@ -1057,6 +1185,9 @@ class TierStore:
         old, self.arena = self.arena, arena
         self.instance_id = instance_id
         old.close()
+        self._close_table()
+        self._table = self._new_table()
+        self._publish_all()  # the states kept on disk: their names and pages answer elsewhere
         if first:
             log.warning("KV-RAM %s (%s): recreated as %s, instance %s; engines re-register and map it",
                         self._arena_fault, what, arena.path.name, instance_id[:8])
@@ -1097,6 +1228,14 @@ class TierStore:
         for h in [h for h, r in self._reservations.items() if r.expires_at <= now]:
             self.arena.free(self._reservations.pop(h).extent)
             log.info("reservation of %s expired uncommitted", short(h))
+
+
+def _discard(index: dict[bytes, set[bytes]], key: bytes, value: bytes) -> None:
+    holders = index.get(key)
+    if holders is not None:
+        holders.discard(value)
+        if not holders:
+            del index[key]
 
 
 def _anchor(info: StateInfo) -> bytes | None:

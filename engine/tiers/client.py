@@ -13,6 +13,13 @@ mapped by the instance a reply names, never trusted by path: a mapping whose fil
 was truncated or deleted is dropped before any copy, and the next Register maps
 the arena of the instance that recreated it. ``usable`` says whether all of that
 holds now.
+
+Beside the arena the client maps the store's published table (engine/tiers/published_table.py),
+read-only, when the store has one beside the arena: the link finds states there without a
+Match. A state claimed that way held no lease, so nothing tells the store it was used; the
+client tells it in a background Release (``report_used``), all the names claimed since the last
+one in one call, so the store's eviction order (by last use) and its hit counts stay right
+without a round trip on the claim's path.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import logging
 import mmap
 import os
 import stat
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +45,7 @@ from common.prefault import Prefault
 from common.status_codes import code_of
 from common.tracing import ClientTracingInterceptor, client_span, exporting, grpc_metadata, set_rpc_status
 from engine.tiers.local_match import LocalMatch
+from engine.tiers.published_table import PublishedTable
 from ignis.v1 import tierstore_pb2, tierstore_pb2_grpc
 
 log = logging.getLogger("ignis.engine.tiers")
@@ -50,10 +59,11 @@ class TierClient:
     def __init__(self, address: str, *, model: str, page_size: int, layout: str, kv_bytes_per_token: int,
                  fixed_state_bytes: int, timeout: float = 2.0, retry_seconds: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, pin: bool = False, secret_file: str = "",
-                 local_match: bool = True) -> None:
+                 local_match: bool = True, published_table: bool = True) -> None:
         """``secret_file``: the shared secret of a TCP ``address`` (tierstore.secret_file); read now, so a
         missing or short one fails the start (OSError, ValueError), and again with each fresh channel.
-        ``local_match``: ask Match on the store's Match socket when it has one (False: always gRPC)."""
+        ``local_match``: ask Match on the store's Match socket when it has one (False: always gRPC).
+        ``published_table``: map the store's published table when it has one (False: never)."""
         self.address = address
         self.secret_file = secret_file
         self._tcp = not address.startswith(("unix:", "unix-abstract:"))
@@ -92,6 +102,11 @@ class TierClient:
         self._local_match = local_match
         self.local: LocalMatch | None = None  # the Match socket of the instance mapped now (local_match.py)
         self._local_retry_at = 0.0  # after a fault of that socket, Match goes over gRPC until then
+        self._use_table = published_table
+        self.table: PublishedTable | None = None  # the published table of the instance mapped now
+        self._used: dict[str, list[bytes]] = {}  # instance -> states claimed through its table, not yet reported
+        self._used_queued = False  # a report of them is queued on the releaser
+        self._used_lock = threading.Lock()
         # The Monitor's read-only calls, on a channel of their own (side_stats, side_list).
         self._side_channel: grpc.Channel | None = None
         self._side_stub: tierstore_pb2_grpc.TierStoreStub | None = None
@@ -246,6 +261,7 @@ class TierClient:
             self._drop_local()
             if self._local_match and _beside(reply.match_socket, self.address):
                 self.local, self._local_retry_at = LocalMatch(reply.match_socket, self.timeout), 0.0
+            self._map_table(reply)
         self._registered.add(namespace)
         return True
 
@@ -307,7 +323,21 @@ class TierClient:
             else:  # copies still work, through a staging buffer
                 log.warning("cudaHostRegister of the arena failed (%s): unpinned copies", code)
 
+    def _map_table(self, reply: tierstore_pb2.RegisterResponse) -> None:
+        """The published table of the instance just mapped, if it has one beside its arena (a reply never
+        makes us map a file elsewhere); without it every lookup asks Match."""
+        path = reply.published_table
+        if not self._use_table or not path or os.path.dirname(path) != os.path.dirname(reply.arena_path):
+            return
+        try:
+            self.table = PublishedTable(path, reply.published_table_bytes, reply.instance_id)
+        except OSError as exc:
+            log.warning("not using the tierstore's published table %s (%s): every claim asks Match", path, exc)
+
     def _unmap(self) -> None:
+        if self.table is not None:
+            self.table.close()
+            self.table = None
         if self._pinned_ptr is not None:
             torch.cuda.cudart().cudaHostUnregister(self._pinned_ptr)
             self._pinned_ptr = None
@@ -459,6 +489,29 @@ class TierClient:
                 otel_context.detach(token)
 
         self._releaser.submit(send)
+
+    def report_used(self, name: bytes, instance_id: str) -> None:
+        """Tell the store (`instance_id`) that a state found in its published table was claimed: a Release
+        naming it in `used_hashes`, in the background. Names reported while one is queued go with it."""
+        with self._used_lock:
+            self._used.setdefault(instance_id, []).append(name)
+            if self._used_queued:
+                return
+            self._used_queued = True
+        self._releaser.submit(self._send_used)
+
+    def _send_used(self) -> None:
+        with self._used_lock:
+            used, self._used, self._used_queued = self._used, {}, False
+        stub = self._stub
+        for instance, names in used.items():
+            if stub is None:
+                return  # the store is down: those uses are lost, as an unreleased lease's hit would be
+            try:
+                stub.Release(tierstore_pb2.ReleaseRequest(used_hashes=names, instance_id=instance),
+                             timeout=self.timeout)
+            except grpc.RpcError:
+                pass
 
     # --- read-only side calls (the Monitor, off the engine thread) ------------------------
     def side_stats(self) -> tierstore_pb2.StatsResponse | None:

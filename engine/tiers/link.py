@@ -12,6 +12,16 @@ back in one background Release. Only the last lookup's lease is kept (the schedu
 right after the lookup, or within the second its answer is remembered); one whose restore
 never comes goes back at the next lookup, or expires in the store (MATCH_LEASE_SECONDS).
 
+A claim from KV-RAM needs no Match at all when the store's published table proves the answer
+(engine/tiers/published_table.py; `_from_table` has the rules): the whole prompt's state with its
+logits, or a page-aligned prefix with nothing longer anywhere (no disk state, no anchored
+candidate), or nothing at all. The restore then copies from the table's entry without a lease,
+checks the integrity tag as always, and after the copy checks that the entry's slot is
+unchanged: a state evicted meanwhile (its extent maybe another state's now) runs cold, counted
+in `table_races`, never served. The store learns of the use in a background Release
+(TierClient.report_used). Everything else (disk, anchored candidates, a table incomplete or
+not current) asks Match as before.
+
 Two threads share the link, so its calls to the store and its use of the arena mapping
 are serialised by one lock; the bulk of a spill (the copy into its reservation, the
 checksum and the integrity tag) runs outside it, on the arena tensor the reservation was
@@ -29,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 import xxhash
 from opentelemetry import trace
@@ -41,6 +52,7 @@ from engine.tiers.client import TierClient
 from engine.tiers.checked_copy import copy_and_check
 from engine.tiers.codec import UNPACK_STEP_BYTES, StateCodec
 from engine.tiers.integrity import IntegrityKey
+from engine.tiers.published_table import PublishedTable, TableEntry
 from ignis.v1 import tierstore_pb2
 
 log = logging.getLogger("ignis.request")
@@ -108,7 +120,11 @@ class TierLink:
         self.rejected = 0  # restores refused: the bytes or metadata are not what this engine wrote
         self.match_leases_used = 0  # restores that copied under a Match's lease (no Acquire round trip)
         self.restores_streamed = 0  # restores from disk copied while the store read them (AcquireStream)
+        self.table_answers = 0  # lookups the published table answered (a hit, or nothing anywhere): no Match
+        self.table_claims = 0  # restores copied from a published entry: no Match, no lease
+        self.table_races = 0  # such restores whose entry changed during the copy (the state left KV-RAM): cold
         self._held: tuple[bytes, _Held] | None = None  # the last lookup's lease: (state hash, lease)
+        self._published: tuple[PublishedTable, TableEntry] | None = None  # the last lookup's entry, from the table
         self._lock = threading.RLock()  # the store calls and the mapping: the engine thread and the copy worker
         # A claim from KV-RAM copies and checks on this many threads, the engine thread one of them: the
         # engine's CPU threads (torch's), which wait on the claim anyway.
@@ -240,6 +256,17 @@ class TierLink:
         tail = None
         if n % self.page_size and len(page_hashes) >= n // self.page_size:
             tail = state_name(namespace, page_hashes, tokens, n, self.page_size)
+        self._published = None
+        table = self.client.table
+        answer = self._from_table(table, namespace, pages, tail, n) if table is not None else None
+        if table is not None and answer is not None:
+            self._keep_lease(None, [], 0.0)  # a lease held from an earlier lookup goes back
+            self.table_answers += 1
+            entry, covered = answer
+            if entry is None:
+                return None
+            self._published = (table, entry)
+            return TierHit(entry.name, covered, reuse_kind(entry.kind, ReuseKind.CHECKPOINT), ReuseTier.RAM)
         sent = time.monotonic()
         hits, candidates = self.client.match(namespace, pages, tail, MATCH_LEASE_SECONDS)
         leased = [(self.client.match_instance, h) for h in (*hits, *candidates) if h.lease_id]
@@ -265,6 +292,55 @@ class TierLink:
             return None
         return TierHit(bytes(best.state_hash or best.hash), best.tokens,
                        reuse_kind(best.kind, ReuseKind.CHECKPOINT), reuse_tier(best.tier, ReuseTier.RAM))
+
+    def _from_table(self, table: PublishedTable, namespace: StateHash, pages: list[StateHash], tail: bytes | None,
+                    n: int) -> tuple[TableEntry | None, int] | None:
+        """What `_find` would answer, from the published table alone: (the state to claim and the tokens
+        it covers, or None when nothing anywhere is usable), or None when only a Match can tell.
+
+        The whole prompt's state with its logits is the best answer there is. Anything shorter is the
+        best only if the table is complete and nothing longer answers: no RAM state usable at a longer
+        page (those are in the table), no state elsewhere at the tail or a longer page (the disk hit a
+        Match would list: the filter's ELSEWHERE column), no state ending mid-page after the hit's page
+        or a later one (the anchored candidates: its ANCHORED column). Walking the pages longest first
+        as `_find`'s Matches do, a state named by the page before any holder of it, an unusable one
+        passed over. A "maybe" the table cannot settle, an entry of another namespace: ask Match."""
+        if not table.current():
+            return None
+        whole = tail if tail is not None else (pages[-1] if pages and len(pages) * self.page_size == n else None)
+        if whole is not None:
+            entry = table.state(whole)
+            if entry is not None and entry.namespace == namespace and entry.tokens == n \
+                    and self.codec.has_logits(n, entry.nbytes):
+                return entry, n
+        if not table.complete:
+            return None
+        keys = np.frombuffer(b"".join(pages) + (tail or b""), dtype=np.uint8).reshape(-1, 16)
+        maybe = table.maybe(keys)  # [key, (in RAM, elsewhere, anchored after)]
+        if tail is not None:
+            in_ram, elsewhere, _ = maybe[-1]
+            entry = table.state(tail) if in_ram else None
+            if elsewhere or (entry is not None and entry.namespace != namespace):
+                return None  # a disk hit for the whole prompt, or a state not ours: Match knows
+        for j in np.flatnonzero(maybe[:len(pages)].any(axis=1))[::-1].tolist():  # longest first
+            in_ram, elsewhere, anchored = maybe[j]
+            if anchored:
+                return None  # a state may end mid-page after page j: longer than any hit up to it
+            entry = table.state(pages[j]) if in_ram else None
+            if entry is not None:  # a state named by this page (Match takes it before any holder)
+                if entry.namespace != namespace:
+                    return None
+                if self._usable_at(entry.tokens, entry.nbytes, n):
+                    return entry, entry.tokens
+            elif in_ram and (page := table.page(pages[j])) is not None \
+                    and self._usable_at(page.tokens, page.nbytes, n):  # a longer state holds it as a prefix
+                entry = table.state(page.holder)
+                if entry is None or entry.namespace != namespace:
+                    return None
+                return entry, page.tokens
+            if elsewhere:
+                return None  # a state not in RAM answers page j: a Match would list that disk hit
+        return None, 0
 
     # --- a Match's leases -------------------------------------------------------------------
     def _keep_lease(self, best: tierstore_pb2.MatchHit | None, leased: list[tuple[str, tierstore_pb2.MatchHit]],
@@ -313,7 +389,27 @@ class TierLink:
 
     def _usable(self, hit: tierstore_pb2.MatchHit, n: int) -> bool:
         """A state ending before the prompt's end, or at it with its next-token logits stored."""
-        return hit.tokens < n or (hit.tokens == n and self.codec.has_logits(hit.tokens, hit.nbytes))
+        return self._usable_at(hit.tokens, hit.nbytes, n)
+
+    def _usable_at(self, tokens: int, nbytes: int, n: int) -> bool:
+        return tokens < n or (tokens == n and self.codec.has_logits(tokens, nbytes))
+
+    def _take_published(self, name: bytes) -> tuple[PublishedTable, TableEntry] | None:
+        """The last lookup's entry from the published table if it is on `name` and of the table mapped now."""
+        kept, self._published = self._published, None
+        if kept is None or kept[1].name != name or kept[0] is not self.client.table \
+                or kept[0].instance_id != self.client.instance_id:
+            return None
+        return kept
+
+    def _as_lease(self, entry: TableEntry) -> tierstore_pb2.AcquireResponse:
+        """A published entry as Acquire would have answered, without a lease (lease_id 0: nothing to release)."""
+        return tierstore_pb2.AcquireResponse(
+            extent=tierstore_pb2.Extent(offset=entry.offset, length=entry.nbytes),
+            metadata=tierstore_pb2.StateMetadata(namespace=entry.namespace, tokens=entry.tokens,
+                                                 kind=entry.kind,  # type: ignore[arg-type]
+                                                 nbytes=entry.nbytes, engine_tag=entry.engine_tag),
+            from_tier=reuse_tier_pb(ReuseTier.RAM), instance_id=self.client.instance_id)
 
     # --- up ------------------------------------------------------------------------------
     def connect(self, namespace: StateHash) -> bool:
@@ -355,7 +451,8 @@ class TierLink:
         # checked on what was copied anyway. A device cache checks the arena bytes before its copy.
         stream: Iterator[tierstore_pb2.AcquireProgress] | None = None
         ready = 0
-        lease = self._take_held(hit.state_hash)
+        published = self._take_published(hit.state_hash)
+        lease = self._take_held(hit.state_hash) if published is None else self._as_lease(published[1])
         if lease is None and on_host and hit.tier is ReuseTier.DISK:
             stream = self.client.acquire_stream(hit.state_hash)
             first = next(stream, None)
@@ -378,7 +475,8 @@ class TierLink:
             arena = self.client.arena
             sliced = hit.kind is ReuseKind.PAGES and hit.tokens <= meta.tokens and hit.tokens % self.page_size == 0
             tag = bytes(meta.engine_tag)
-            ok = (meta.tokens == hit.tokens or sliced) and ext.length >= meta.nbytes and arena is not None
+            ok = (meta.tokens == hit.tokens or sliced) and ext.length >= meta.nbytes and arena is not None \
+                and ext.offset + meta.nbytes <= arena.numel() and self.codec.nbytes(meta.tokens, False) <= meta.nbytes
             mac = self.key.hasher(hit.state_hash, namespace, meta.tokens, meta.nbytes, tag)  # the tag's nonce
             if ok and not on_host:  # device copies: the tag is checked on the arena bytes first
                 mac.update(self.client.arena_bytes(ext.offset, meta.nbytes))
@@ -406,6 +504,13 @@ class TierLink:
                 if feed is not None:
                     feed.finish(logits)
                     ok = self.key.matches(tag, mac)
+            if published is not None and not published[0].unchanged(published[1]):
+                # The state left KV-RAM while it was copied: what was copied may be another state's.
+                self.restore_failures += 1
+                self.table_races += 1
+                log_event(log, "ignis.request.restore_raced", hash=hit.state_hash.hex()[:16], tokens=hit.tokens,
+                          kind=hit.kind.value, reason="the state left KV-RAM during the copy")
+                return None
             if not ok:
                 self.restore_failures += 1
                 self.rejected += 1
@@ -419,6 +524,9 @@ class TierLink:
                 self.client.release(lease.lease_id, (), lease.instance_id)
         tier = reuse_tier(lease.from_tier, ReuseTier.RAM)
         self.restores += 1
+        if published is not None:
+            self.table_claims += 1
+            self.client.report_used(hit.state_hash, lease.instance_id)
         ids = {"request_id": request_id} if request_id else {}
         log_event(log, "ignis.request.restored", **ids, hash=hit.state_hash.hex(), tokens=hit.tokens,
                   kind=hit.kind.value, tier=tier.value, bytes=meta.nbytes, ms=round((time.perf_counter() - started) * 1000, 3))
