@@ -30,7 +30,8 @@ SECTIONS: list[tuple[str, list[str], str]] = [
      "Prefill and decode rates of both servers on the swarm's checkpoint and threads, and a torch.profiler "
      "breakdown of ignis' engine step (the slow side of the swarm). `python -m bench.profile`"),
     ("Reuse vs cold", ["reuse"],
-     "TTFT of a retried or extended prompt against its cold prefill, state clone vs raw copy, "
+     "TTFT of a repeated prompt (a greedy retry, a seeded regenerate, n=4) or an extended one against its cold "
+     "prefill (a dense retry computes nothing since its kept end), state clone vs raw copy, "
      "the reuse tax, the hash chain. `python -m bench.reuse`"),
     ("Throughput vs transformers", ["throughput-dense", "throughput-hybrid"],
      "Prefill and decode tokens/s at batch 1, 8, 32 against `transformers.generate`. `python -m bench.throughput`"),

@@ -16,7 +16,7 @@ import torch
 
 from engine.kv.device_cache import DeviceCache
 from engine.tiers.checked_copy import Piece
-from engine.tiers.unpacked_tag import UnpackedTag, bytes_of, nbytes_of
+from engine.tiers.unpacked_tag import UnpackedTag, nbytes_of
 
 _ALIGN = 64
 UNPACK_STEP_BYTES = 4 << 20  # the KV pages a restore copies per step, about: each runs once its bytes land
