@@ -77,6 +77,27 @@ def _pow2(n: int, low: int, high: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class StateRecord:
+    """A state in KV-RAM as a restore needs it (what Acquire would answer): a states slot's body."""
+
+    offset: int
+    nbytes: int
+    tokens: int
+    kind: int
+    namespace: bytes
+    engine_tag: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PageRecord:
+    """A page hash of a sliceable state in KV-RAM: that state (`holder`) holds it as the prefix of `tokens`."""
+
+    holder: bytes
+    tokens: int
+    nbytes: int  # the holder's
+
+
+@dataclass(frozen=True, slots=True)
 class Geometry:
     """The table's sizes (powers of two) and where each region starts."""
 

@@ -21,7 +21,7 @@ from common.eviction import EvictionOrder
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.model.loader import LoadedModel, load_model
-from engine.outputs import RequestUpdate
+from engine.offline import run_to_completion
 from engine.prompt import render_chat
 from engine.request import EngineRequest
 from engine.sampling.params import SamplingParams
@@ -84,17 +84,8 @@ class Engine:
         self.n += 1
         params = SamplingParams(temperature=0.0 if seed is None else 0.9, seed=seed, n=n, max_tokens=max_tokens,
                                 ignore_eos=True, logprobs=True)
-        done = threading.Event()
-        updates: list[RequestUpdate] = []
-
-        def sink(u: RequestUpdate) -> None:
-            updates.append(u)
-            if u.done:
-                done.set()
-
         before = self.model.calls
-        self.core.submit(EngineRequest(f"r{self.n}", tuple(prompt), params), sink)
-        assert done.wait(300)
+        updates = run_to_completion(self.core, EngineRequest(f"r{self.n}", tuple(prompt), params), timeout=300)[0]
         assert updates[-1].error is None
         choices: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]

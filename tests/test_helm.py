@@ -11,6 +11,7 @@ import argparse
 import base64
 import importlib
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -38,6 +39,11 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 KUBE_VERSION = "1.31.0"
 RELEASE, NAMESPACE = "prod", "llm"
 BASE = {"apiKey": {"value": "a-key"}}
+
+
+def quantity(q: str) -> int:
+    """Bytes of a Kubernetes quantity with a binary suffix ("2100Mi", "4Gi")."""
+    return parse_size(re.sub(r"([KMGT])i$", r"\1iB", q))
 
 
 def render(values: dict[str, Any] | None = None) -> dict[tuple[str, str], dict[str, Any]]:
@@ -175,7 +181,7 @@ def test_engine_and_tierstore_share_the_arena_and_the_socket(objects: dict[tuple
     shm, _ = store_mounts["/dev/shm"]
     assert engine_mounts["/dev/shm"] == (shm, False)  # one memory-backed folder: the arena file the engine maps
     assert shm["emptyDir"]["medium"] == "Memory"
-    assert parse_size(shm["emptyDir"]["sizeLimit"].replace("Gi", "GiB")) > store_settings.reuse.kv_host_pool_bytes
+    assert quantity(shm["emptyDir"]["sizeLimit"]) > store_settings.reuse.kv_host_pool_bytes
     assert store_args.port is None  # no TCP: the private Unix socket only (no secret needed)
     socket = Path(store_settings.tierstore.socket)
     assert engine_settings.tierstore.address == f"unix:{socket}"
@@ -189,7 +195,7 @@ def test_engine_and_tierstore_share_the_arena_and_the_socket(objects: dict[tuple
     claim = objects[("StatefulSet", f"{RELEASE}-ignis-engine")]["spec"]["volumeClaimTemplates"][0]
     assert store_mounts[disk] == ({"claimTemplate": claim["metadata"]["name"]}, False)
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
-    assert parse_size(claim["spec"]["resources"]["requests"]["storage"].replace("Gi", "GiB")) > \
+    assert quantity(claim["spec"]["resources"]["requests"]["storage"]) > \
         store_settings.kv_disk.bytes
     assert "kv-disk" not in {v["name"] for v in pod["spec"]["volumes"]}  # per pod, from the claim template
     assert pod["spec"]["securityContext"]["runAsUser"] == 10001  # one user: its 0600 arena opens in the engine

@@ -28,7 +28,7 @@ import torch
 
 import engine.tiers.checked_copy as checked_copy
 from common.published_layout import (EPOCH_OFFSET, PROBE, STATE_SLOT_BYTES, UNPUBLISHED_OFFSET, Geometry,
-                                     key_words)
+                                     PageRecord, StateRecord, key_words)
 from engine.facts import RequestClass, ReuseKind, ReuseTier
 from engine.kv.chain_hash import StateHash, page_hashes, state_name
 from engine.kv.device_cache import CacheGeometry, DeviceCache, StateShape
@@ -40,7 +40,7 @@ from engine.tiers.published_table import PublishedTable as EngineTable
 from ignis.v1 import common_pb2, tierstore_pb2
 from services import RunningService, start_tierstore
 from tierstore.client import TierStoreClient
-from tierstore.published_table import PageRecord, PublishedTable, StateRecord
+from tierstore.published_table import PublishedTable
 
 P = 16
 MiB = 1 << 20

@@ -98,7 +98,8 @@ def test_make_run_serves_then_ctrl_c_stops_all_three_and_removes_the_arena(tiny_
         services.extend(children_of(proc.pid))
         assert len(services) == 3
         [tierstore] = [pid for pid in services if module_of(pid) == "tierstore"]
-        assert len(arenas_of(tierstore)) == 1  # its shared-memory file, while it runs
+        files = arenas_of(tierstore)  # its shared-memory file and the table published beside it, while it runs
+        assert len(files) == 2 and len([f for f in files if f.name.endswith(".table")]) == 1
         engine_args = Path(f"/proc/{[p for p in services if module_of(p) == 'engine'][0]}/cmdline").read_bytes()
         assert f"unix:{socket}".encode() in engine_args
         gateway_args = Path(f"/proc/{[p for p in services if module_of(p) == 'gateway'][0]}/cmdline").read_bytes()

@@ -28,38 +28,16 @@ import fcntl
 import mmap
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 from common.mapped_file import file_fault
 from common.published_layout import (ANCHORED, ELSEWHERE, EPOCH_OFFSET, FILTER_COLUMNS, HEADER, MAGIC, MAX_TAG,
                                      PAGE_BODY, PAGE_SLOT_BYTES, PROBE, RAM, SATURATED, STATE_BODY, STATE_SLOT_BYTES,
-                                     UNPUBLISHED_OFFSET, VERSION, Geometry, epoch_of, filter_indices, header_bytes,
-                                     home, key_words)
+                                     UNPUBLISHED_OFFSET, VERSION, Geometry, PageRecord, StateRecord, epoch_of,
+                                     filter_indices, header_bytes, home, key_words)
 
 TABLE_SUFFIX = ".table"
 _SEQ = struct.Struct("<Q")
-
-
-@dataclass(frozen=True, slots=True)
-class StateRecord:
-    """A state in KV-RAM as a restore needs it (what Acquire would answer)."""
-
-    offset: int
-    nbytes: int
-    tokens: int
-    kind: int
-    namespace: bytes
-    engine_tag: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class PageRecord:
-    """A page hash of a sliceable state in KV-RAM: that state (`holder`) holds it as the prefix of `tokens`."""
-
-    holder: bytes
-    tokens: int
-    nbytes: int  # the holder's
 
 
 class _Slots:

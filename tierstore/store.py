@@ -52,13 +52,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.eviction import EvictionOrder, Resident
+from common.published_layout import PageRecord, StateRecord
 from common.request_class import RequestClass, from_pb
 from ignis.v1 import common_pb2, tierstore_pb2
 from tierstore.arena import SHM_DIR, Arena, Extent, align_up
 from tierstore.disk import DiskFault, DiskIO, DiskRecord, DiskTier, FileRange, SourceShrank, StagedBlob
 from tierstore.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from tierstore.policy import last_tier_room, resident
-from tierstore.published_table import PageRecord, PublishedTable, StateRecord
+from tierstore.published_table import PublishedTable
 from tierstore.registry import NamespaceRegistry, Registration
 from tierstore.state import StateInfo, check_hash, checksum, normal_class, short
 

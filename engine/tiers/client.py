@@ -106,6 +106,7 @@ class TierClient:
         self.table: PublishedTable | None = None  # the published table of the instance mapped now
         self._used: dict[str, list[bytes]] = {}  # instance -> states claimed through its table, not yet reported
         self._used_queued = False  # a report of them is queued on the releaser
+        self._used_context: otel_context.Context | None = None  # the trace of the first claim in the queued report
         self._used_lock = threading.Lock()
         # The Monitor's read-only calls, on a channel of their own (side_stats, side_list).
         self._side_channel: grpc.Channel | None = None
@@ -492,26 +493,34 @@ class TierClient:
 
     def report_used(self, name: bytes, instance_id: str) -> None:
         """Tell the store (`instance_id`) that a state found in its published table was claimed: a Release
-        naming it in `used_hashes`, in the background. Names reported while one is queued go with it."""
+        naming it in `used_hashes`, in the background, in the claiming request's trace (as a lease's
+        Release is). Names reported while one is queued go with it, in the first one's trace."""
         with self._used_lock:
             self._used.setdefault(instance_id, []).append(name)
             if self._used_queued:
                 return
             self._used_queued = True
+            self._used_context = otel_context.get_current()
         self._releaser.submit(self._send_used)
 
     def _send_used(self) -> None:
         with self._used_lock:
             used, self._used, self._used_queued = self._used, {}, False
+            parent, self._used_context = self._used_context, None
         stub = self._stub
-        for instance, names in used.items():
-            if stub is None:
-                return  # the store is down: those uses are lost, as an unreleased lease's hit would be
-            try:
-                stub.Release(tierstore_pb2.ReleaseRequest(used_hashes=names, instance_id=instance),
-                             timeout=self.timeout)
-            except grpc.RpcError:
-                pass
+        token = otel_context.attach(parent) if parent is not None else None
+        try:
+            for instance, names in used.items():
+                if stub is None:
+                    return  # the store is down: those uses are lost, as an unreleased lease's hit would be
+                try:
+                    stub.Release(tierstore_pb2.ReleaseRequest(used_hashes=names, instance_id=instance),
+                                 timeout=self.timeout)
+                except grpc.RpcError:
+                    pass
+        finally:
+            if token is not None:
+                otel_context.detach(token)
 
     # --- read-only side calls (the Monitor, off the engine thread) ------------------------
     def side_stats(self) -> tierstore_pb2.StatsResponse | None:

@@ -40,35 +40,20 @@ import numpy as np
 from common.mapped_file import file_fault
 from common.published_layout import (EPOCH_OFFSET, FILTER_COLUMNS, HEADER, HEADER_BYTES, MAGIC, PAGE_BODY,
                                      PAGE_SLOT_BYTES, PROBE, STATE_BODY, STATE_SLOT_BYTES, UNPUBLISHED_OFFSET, VERSION,
-                                     Geometry, epoch_of, filter_indices_many, home, key_words)
+                                     Geometry, PageRecord, StateRecord, epoch_of, filter_indices_many, home, key_words)
 
 _U64 = struct.Struct("<Q")
 SPINS = 1000  # reads of a slot the store is writing before giving up on it (then: ask Match)
 
 
 @dataclass(frozen=True, slots=True)
-class TableEntry:
+class TableEntry(StateRecord):
     """A state in KV-RAM as the table published it: what Acquire would have answered, and the slot
     and sequence number that say whether it still is (`PublishedTable.unchanged`)."""
 
     name: bytes
     slot_at: int  # byte offset of its slot in the file
     seq: int
-    offset: int
-    nbytes: int
-    tokens: int
-    kind: int
-    namespace: bytes
-    engine_tag: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class PageEntry:
-    """A page hash some state in KV-RAM holds: `holder` covers `tokens` tokens through it."""
-
-    holder: bytes
-    tokens: int
-    nbytes: int  # the holder's
 
 
 class PublishedTable:
@@ -139,9 +124,9 @@ class PublishedTable:
         lo, hi, used, kind, offset, nbytes, tokens, tag_len, namespace, tag = STATE_BODY.unpack(read[1])
         if not used or (lo, hi) != key_words(name):
             return None
-        return TableEntry(name, at, read[0], offset, nbytes, tokens, kind, namespace, tag[:tag_len])
+        return TableEntry(offset, nbytes, tokens, kind, namespace, tag[:tag_len], name=name, slot_at=at, seq=read[0])
 
-    def page(self, page: bytes) -> PageEntry | None:
+    def page(self, page: bytes) -> PageRecord | None:
         """Which state in KV-RAM holds `page` as a page-aligned prefix (None: none, or being written)."""
         at = self._find(page, self.geometry.pages_at, self.geometry.pages, PAGE_SLOT_BYTES)
         read = self._read(at, PAGE_SLOT_BYTES) if at is not None else None
@@ -150,7 +135,7 @@ class PublishedTable:
         lo, hi, used, tokens, holder, nbytes = PAGE_BODY.unpack(read[1])
         if not used or (lo, hi) != key_words(page):
             return None
-        return PageEntry(holder, tokens, nbytes)
+        return PageRecord(holder, tokens, nbytes)
 
     def maybe(self, keys: np.ndarray) -> np.ndarray:
         """For each key (uint8 [n, 16]), what the filter allows (bool [n, FILTER_COLUMNS]): in RAM (a slot in
