@@ -113,16 +113,14 @@ class PageReuse(TieredReuse):
         same prompt has not computed its last token yet, or its capture is still being copied."""
         n = len(seq.token_ids)
         assert self.states is not None
-        if self.states.pending:
-            name = self._end_name(seq)
-            if any(s.num_tokens == n and s.name == name for s in self.states.pending):
-                return True
-        for other in running:
-            if other.request.publishes and other.num_prompt == n and other.num_output == 0 \
-                    and other.num_computed < n and other.namespace == seq.namespace \
-                    and other.token_ids[:n] == seq.token_ids:
-                return True
-        return False
+        name = self._end_name(seq)
+        if any(s.num_tokens == n and s.name == name for s in self.states.pending):
+            return True
+        # Same prompt: the same whole-prompt name (its full pages' hashes are made at arrival; only the
+        # tail under a page is hashed here), not a compare of every token each step.
+        return any(other.request.publishes and other.num_prompt == n and other.num_output == 0
+                   and other.num_computed < n and other.namespace == seq.namespace and self._end_name(other) == name
+                   for other in running)
 
     def apply_device(self, seq: EngineSequence, claim: Claim) -> None:
         if isinstance(claim.source, HeldState):
