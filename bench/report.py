@@ -52,6 +52,9 @@ SECTIONS: list[tuple[str, list[str], str]] = [
      "A step at 64 and 256 sequences on a tiny model, cut into the scheduler's plan, the batch build, "
      "the forward pass, sampling and the rest: the same sequences decoding, and under churn (requests "
      "ending and replaced). `python -m bench.overhead`"),
+    ("Speculative decoding", ["speculative"],
+     "Decode tokens/s with drafts verified in one forward vs plain decoding, by acceptance. "
+     "`python -m bench.speculative`"),
     ("Structured outputs", ["structured"],
      "Decode tokens/s with a json_schema grammar vs the same requests unconstrained. `python -m bench.structured`"),
     ("Routing across engines", ["scale"],

@@ -293,6 +293,18 @@ class TierstoreSettings(_Section):
 
 
 @dataclass(slots=True)
+class SpeculativeSettings(_Section):
+    """[speculative]: drafted tokens verified in one forward of the model (speculative decoding)."""
+
+    NAME: ClassVar[str] = "speculative"
+    method: str = setting("none", choice("none", "ngram", "mtp"),
+                          doc="none, ngram (prompt lookup: the continuation of the latest earlier occurrence of the "
+                              "last tokens; every model) or mtp (the checkpoint's multi-token-prediction layer)")
+    num_tokens: int = setting(4, parse_int, minimum=1, doc="tokens drafted per step (k); each step verifies them "
+                                                          "in one forward and keeps between 1 and k+1 tokens")
+
+
+@dataclass(slots=True)
 class ResponsesSettings(_Section):
     """[responses]: the engine's store of Responses API records (`store`, `previous_response_id`)."""
 
@@ -305,7 +317,8 @@ class ResponsesSettings(_Section):
 
 
 _SECTIONS: dict[str, type[_Section]] = {
-    cls.NAME: cls for cls in (ReuseSettings, KvDiskSettings, EngineSettings, TierstoreSettings, ResponsesSettings)
+    cls.NAME: cls for cls in (ReuseSettings, KvDiskSettings, EngineSettings, TierstoreSettings, ResponsesSettings,
+                              SpeculativeSettings)
 }
 
 
@@ -318,6 +331,7 @@ class Settings:
     engine: EngineSettings = field(default_factory=EngineSettings)
     tierstore: TierstoreSettings = field(default_factory=TierstoreSettings)
     responses: ResponsesSettings = field(default_factory=ResponsesSettings)
+    speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
 
     def __post_init__(self) -> None:
         for f in fields(self):

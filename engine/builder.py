@@ -48,7 +48,9 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype)  # pages hold K/V in it; a page's bytes follow it
     page_bytes = shape.kv_bytes_per_page(config.page_size, kv_dtype)
     recurrent = shape.has_recurrent_state
-    live_slots = config.max_num_seqs + 1 if recurrent else 0
+    # A drafting sequence copies its state to a spare slot for the step (engine/verify_step.py).
+    spare_slots = config.max_num_seqs if config.speculative_method != "none" else 0
+    live_slots = config.max_num_seqs + 1 + spare_slots if recurrent else 0
     retained_slots = config.retained_device if recurrent and config.reuse_prompt else 0
     num_slots = live_slots + retained_slots
     if page_bytes:

@@ -33,6 +33,8 @@ class EngineConfig:
     retained_host: int = from_setting("reuse.retained_host")  # retained-state slots in one host block (hybrid)
     retained_host_tokens: int = from_setting("reuse.retained_host_tokens")  # the longest a host slot holds; 0: context
     retained_interactive_ttl: float = from_setting("reuse.retained_interactive_ttl")
+    speculative_method: str = from_setting("speculative.method")  # none | ngram | mtp (engine/speculative/)
+    speculative_num_tokens: int = from_setting("speculative.num_tokens")  # k: drafted tokens per step
     tierstore_address: str = from_setting("tierstore.address")  # unix:/path or host:port; empty: device-only reuse
     tierstore_secret_file: str = from_setting("tierstore.secret_file")  # the shared secret of a TCP tierstore
     spill_window_pages: int = from_setting("engine.spill_window_pages")  # a live sequence's pages moved per step

@@ -35,6 +35,8 @@ from engine.runner import ModelRunner
 from engine.sampling.defaults import SamplingDefaults
 from engine.sampling.sampler import RequestSampler
 from engine.scheduler import Scheduler, SchedulerLimits, StepPlan
+from engine.speculative.speculator import Speculator
+from engine.verify_step import VerifyStep
 from engine.state_listing import EngineSnapshot, take_snapshot
 from engine.step_pacing import StepPacing
 from engine.step_sampling import StepSampling
@@ -68,10 +70,11 @@ class EngineCore:
         self.sampling_defaults = SamplingDefaults.from_checkpoint(loaded.path)  # generation_config.json
         self.moves = self.residency.moves
         self.pacing = StepPacing(config.step_time_target_ms, config.prefill_chunk_tokens)
+        self.speculator = Speculator(config.speculative_method, config.speculative_num_tokens, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerLimits(config.page_size, config.max_num_seqs, config.prefill_chunk_tokens),
             self.pages, self.slots, reuse=self.reuse, fork_copy=self.runner.fork_state,
-            residency=self.residency, pacing=self.pacing,
+            residency=self.residency, pacing=self.pacing, speculator=self.speculator,
         )
         self._fingerprint = model_fingerprint(loaded.config.fingerprint_fields(), loaded.weights_digest)
         self._namespaces: dict[bytes, StateHash] = {}
@@ -90,6 +93,7 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self._next_seq = 0
         self.sampling = StepSampling(self.eos_ids, self.outputs.append_sampled)
+        self.verify = VerifyStep(self.speculator, self.scheduler, self.reuse, self.outputs, self.metrics, self.eos_ids)
 
     # --- public, any thread -------------------------------------------------------
     def start(self) -> None:
@@ -288,6 +292,9 @@ class EngineCore:
             self.pacing.observe(time.perf_counter() - started, plan.paced)
 
     def _run_chunks(self, plan: StepPlan) -> None:
+        for chunk in plan.chunks:
+            if chunk.spare_slot is not None and chunk.seq.slot is not None:  # a drafting hybrid's rollback copy
+                self.cache.copy_slot(chunk.seq.slot, chunk.spare_slot)
         step = self.runner.run(plan.chunks)
         to_sample: list[tuple[EngineSequence, torch.Tensor]] = []
         deltas: Deltas = {}
@@ -296,6 +303,9 @@ class EngineCore:
             self._decode_road(step.decodes, step.decode_logits, deltas, failed)
         for res in step.chunks:
             seq = res.seq
+            if res.draft:
+                self.verify.settle(res, deltas, failed)
+                continue
             if res.prompt_logits is not None:
                 live = self._live.get(seq.request.request_id)
                 if live is not None:

@@ -88,9 +88,22 @@ class EngineMetrics:
         self._ttft = {c: ttft.labels(c.label) for c in RequestClass}
         self._itl = {c: itl.labels(c.label) for c in RequestClass}
         self._duration = {c: duration.labels(c.label) for c in RequestClass}
+        self._drafted = Counter("ignis_spec_draft_tokens", "Drafted tokens verified (speculative decoding)",
+                                ["method"], registry=r)
+        self._accepted = Counter("ignis_spec_accepted_tokens", "Drafted tokens the target kept", ["method"],
+                                 registry=r)
+        self._accept_length = Histogram("ignis_spec_acceptance_length", "Tokens one verify step yields (the "
+                                        "drafts kept, plus the target's own)", ["method"],
+                                        buckets=tuple(range(1, 17)), registry=r)
         r.register(EngineCollector(stats, tiers))
         self._round: _Round | None = None  # engine thread only
         self._finished: dict[tuple[RequestClass, FinishReason], Any] = {}  # ignis_requests children by (class, reason)
+
+    def on_verified(self, method: str, drafted: int, accepted: int) -> None:
+        """A verify of `drafted` tokens kept `accepted` of them (engine thread)."""
+        self._drafted.labels(method).inc(drafted)
+        self._accepted.labels(method).inc(accepted)
+        self._accept_length.labels(method).observe(accepted + 1)
 
     def on_tokens(self, seqs: Sequence[EngineSequence]) -> None:
         """After a sampling round (engine thread): each sequence got one token just now."""

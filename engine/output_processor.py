@@ -25,6 +25,7 @@ from engine.request import EngineRequest, EngineSequence, FinishReason, SeqStatu
 from engine.runner import ChunkLogits
 from engine.sampling.sampler import SampleOutput
 from engine.scheduler import Scheduler
+from engine.speculative.speculator import drafted_counts
 from engine.tracing import emit_request_spans
 
 log = logging.getLogger("ignis.engine")
@@ -227,12 +228,15 @@ class OutputProcessor:
         first = min((s.first_token_time for s in live.seqs if s.first_token_time), default=None)
         ttft = (first - live.request.arrival) * 1000 if first else 0.0
         head = live.seqs[0] if live.seqs else None
+        drafted = [drafted_counts(s) for s in live.seqs]
         return Usage(
             prompt_tokens=len(live.request.prompt_ids),
             completion_tokens=sum(s.num_output for s in live.seqs),
             cached_tokens=head.num_cached if head else 0,
             time_to_first_token_ms=ttft,
             reuse=head.reuse if head else ReuseReport(),
+            draft_tokens=sum(d for d, _ in drafted),
+            accepted_tokens=sum(a for _, a in drafted),
         )
 
     def request_done(self, live: LiveRequest, usage: Usage, finish_reason: FinishReason) -> None:

@@ -32,6 +32,8 @@ class Usage:
     cached_tokens: int
     time_to_first_token_ms: float
     reuse: ReuseReport = ReuseReport()
+    draft_tokens: int = 0  # speculative decoding: drafted and verified, all choices
+    accepted_tokens: int = 0  # of those, kept
 
 
 @dataclass(slots=True)  # not frozen: made per request every step, and a frozen init costs 4x; never changed

@@ -58,6 +58,7 @@ class EngineRequest:
     echo: bool = False
     lookup: bool = True  # False: bypass reuse entirely (no lookup, nothing published)
     commit: CommitPolicy = CommitPolicy.INCLUDING_GENERATED_TOKENS
+    speculative: bool = True  # False: never drafted for (`ignis.speculative`), whatever the engine's method
     head_tokens: int = 0  # length of the stable head (system + tools) when it prefixes the prompt; 0: none
     arrival: float = field(default_factory=time.monotonic)
     # The trace of the RPC that submitted it (None: not traced); its engine spans are children of it.
@@ -148,6 +149,7 @@ class EngineSequence:
         # computed tokens then (moved again with no more computed is a thrash: engine/scheduler.py).
         self.hold_until_step = 0
         self.computed_at_resume: int | None = None
+        self.speculation: Any = None  # its drafting state (engine/speculative/speculator.py), made when first drafted
         self.prefill_yields = 0  # steps in a row its prefill waited for shorter prompts' last chunks (scheduler)
         # Sort key: higher sorts later = lower rank = preempted first (kept: the scheduler sorts every step).
         self.rank_key: tuple[int, float] = (int(request.request_class), request.arrival)
@@ -214,6 +216,11 @@ class EngineSequence:
 
     def grow(self, pages: list[int]) -> None:
         self.page_table.extend(pages)
+
+    def drop_pages(self, keep: int) -> list[int]:
+        """Hand back the pages after the first `keep` (the caller frees them)."""
+        dropped, self.page_table = self.page_table[keep:], self.page_table[:keep]
+        return dropped
 
     def release_memory(self) -> tuple[list[int], int | None]:
         """Hand back the pages and slot it holds (the caller frees them)."""

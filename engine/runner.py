@@ -22,6 +22,9 @@ class ChunkLogits:
     num_tokens: int
     next_token_logits: torch.Tensor | None  # [V] when the chunk completes the pending tokens
     prompt_logits: torch.Tensor | None  # [n, V] for echo with logprobs: logits at each chunk position
+    draft: tuple[int, ...] = ()  # the drafted tokens this chunk verified (engine/speculative/)
+    draft_logits: torch.Tensor | None = None  # [len(draft) + 1, V]: at the last pending token and each draft
+    spare_slot: int | None = None  # a hybrid's state from before the step (ScheduledChunk.spare_slot)
 
 
 @dataclass(slots=True)
@@ -77,6 +80,9 @@ class ModelRunner:
         for item, spec, count in zip(chunks[lead:], specs, batch.logits_counts[lead:]):
             rows = logits[row : row + count]
             row += count
+            if item.draft:
+                out.append(ChunkLogits(item.seq, item.num_tokens, None, None, item.draft, rows, item.spare_slot))
+                continue
             completes = item.seq.num_computed + item.num_tokens == len(item.seq.token_ids)
             out.append(
                 ChunkLogits(
@@ -92,6 +98,9 @@ class ModelRunner:
     def _spec(item: ScheduledChunk) -> SequenceChunk:
         """A scheduled chunk as the forward batch takes it."""
         seq, n = item.seq, item.num_tokens
+        if item.draft:  # the pending tokens, then the draft; logits at the last pending one and each draft
+            return SequenceChunk([*seq.token_ids[seq.num_computed:], *item.draft], seq.num_computed, seq.page_table,
+                                 seq.slot, LogitsWanted.TAIL, len(item.draft) + 1)
         completes = seq.num_computed + n == len(seq.token_ids)
         wants_prompt = seq.request.echo and seq.request.params.logprobs and seq.num_computed < seq.num_prompt
         return SequenceChunk(

@@ -21,6 +21,7 @@ from engine.facts import RequestClass
 from engine.kv.page_pool import PagePool, SlotPool
 from engine.residency.layer import Residency
 from engine.residency.live_moves import LiveMoves
+from engine.speculative.speculator import Speculator
 from engine.request import EngineSequence, MovedState, SeqStatus
 from engine.steady_decodes import SteadyDecodes
 from engine.step_pacing import StepPacing
@@ -35,7 +36,9 @@ ForkCopy = Callable[[EngineSequence, EngineSequence, int | None], None]
 @dataclass(slots=True)  # not frozen: made per sequence every step, and a frozen init costs 4x
 class ScheduledChunk:
     seq: EngineSequence
-    num_tokens: int  # tokens of seq.token_ids[seq.num_computed:] that run this step
+    num_tokens: int  # tokens that run this step: seq.token_ids[seq.num_computed:] ones, then the draft's
+    draft: tuple[int, ...] = ()  # drafted tokens verified after the pending ones (engine/speculative/)
+    spare_slot: int | None = None  # a drafting hybrid's copy of its state before the step (its rollback)
 
 
 class DecodeChunks(abc.Sequence[ScheduledChunk]):
@@ -94,8 +97,10 @@ class SchedulerLimits:
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, pages: PagePool, slots: SlotPool | None,
                  reuse: PromptReuse | None = None, fork_copy: ForkCopy | None = None,
-                 residency: Residency | None = None, pacing: StepPacing | None = None) -> None:
+                 residency: Residency | None = None, pacing: StepPacing | None = None,
+                 speculator: Speculator | None = None) -> None:
         self.limits = limits
+        self.speculator = speculator if speculator is not None and speculator.on else None
         self.pacing = pacing  # None: a step's prefill is bounded by the token budget alone
         self.pages = pages
         self.slots = slots
@@ -237,7 +242,8 @@ class Scheduler:
         budget = self.limits.step_token_budget
         page_size = self.limits.page_size
         steady, self._steady = self._steady, None
-        if steady is not None and not plan.preempted and not plan.moving and steady.holds(self.running) \
+        drafts = self._drafts() if self.speculator is not None else None
+        if steady is not None and not drafts and not plan.preempted and not plan.moving and steady.holds(self.running) \
                 and len(steady.seqs) <= budget and self._grow_each(steady.next_step()):
             plan.chunks, plan.decode_seqs = DecodeChunks(steady.seqs), steady.seqs
             plan.decodes_only = plan.steady = True
@@ -248,9 +254,11 @@ class Scheduler:
         decoding: list[EngineSequence] = []
         prefilling: list[EngineSequence] = []
         first_tokens = False  # a decode of its first token: forks, prompt logprobs or max_tokens=0 may follow
+        verifying: list[ScheduledChunk] = []  # chunks of more than one token past the prompt (drafts, catch-ups)
         for s in self.running:  # inline, not a property: this runs for every sequence of every step
             length = len(s.token_ids)
-            if length - s.num_computed > 1 or s.num_computed == 0:
+            # More than one token pending past the prompt: a drafting hybrid catching up (engine/speculative/).
+            if s.num_computed == 0 or (length - s.num_computed > 1 and s.num_computed < s.num_prompt):
                 prefilling.append(s)
             else:
                 decoding.append(s)
@@ -265,9 +273,10 @@ class Scheduler:
                 plan.decodes_only = False
                 continue
             waits = False
-            if seq.num_computed >= len(seq.page_table) * page_size:  # the new position needs a page
-                while not self._grow(seq, seq.num_computed + 1):
-                    if self._incoming()[0] >= seq.pages_needed(seq.num_computed + 1, page_size):
+            pending = seq.num_pending
+            if seq.num_computed + pending > len(seq.page_table) * page_size:  # a new position needs a page
+                while not self._grow(seq, seq.num_computed + pending):
+                    if self._incoming()[0] >= seq.pages_needed(seq.num_computed + pending, page_size):
                         waits = True  # a move in progress frees the page: wait a round for it
                         break
                     victim = self._victim_below(seq.rank_key)
@@ -279,9 +288,19 @@ class Scheduler:
                     else:
                         waits = True  # what ranks below keeps its room a few steps more
                     break
-            if seq.status is SeqStatus.RUNNING and budget > 0 and not waits:
+            if seq.status is not SeqStatus.RUNNING or waits or budget < pending:
+                continue
+            draft = drafts.get(seq, ())[:budget - pending] if drafts else ()
+            if pending == 1 and not draft:
                 chunks.append(ScheduledChunk(seq, 1))
                 budget -= 1
+                continue
+            chunk = self._verify_chunk(seq, pending, draft)
+            verifying.append(chunk)
+            budget -= chunk.num_tokens
+        if verifying:  # after the single-token decodes: the runner takes those as one block
+            chunks.extend(verifying)
+            plan.decodes_only = False
         self._prefill_chunks(prefilling, budget, plan, chunks, bool(decoding))
         if plan.decodes_only:
             plan.decode_seqs = [c.seq for c in chunks]
@@ -289,6 +308,41 @@ class Scheduler:
                     and len(plan.decode_seqs) == len(self.running):
                 self._steady = SteadyDecodes.of(self.running, plan.decode_seqs, page_size)
         return plan
+
+    def _drafts(self) -> dict[EngineSequence, tuple[int, ...]]:
+        """This step's drafts of the running sequences past their first token (asked once a step each)."""
+        assert self.speculator is not None
+        drafts = {}
+        for seq in self.running:
+            if seq.num_output and seq.num_computed >= seq.num_prompt:
+                draft = self.speculator.draft(seq)
+                if draft:
+                    drafts[seq] = draft
+        return drafts
+
+    def _verify_chunk(self, seq: EngineSequence, pending: int, draft: tuple[int, ...]) -> ScheduledChunk:
+        """The chunk of a sequence with a draft or several pending tokens: the draft as far as free pages
+        and (hybrids) a spare state slot allow it; room is never made for a draft."""
+        if draft and not self._grow(seq, seq.num_computed + pending + len(draft)):
+            have = len(seq.page_table) * self.limits.page_size - seq.num_computed - pending
+            draft = draft[:max(0, have)]
+        spare = None
+        if draft and self.slots is not None:
+            spare = self.slots.allocate()
+            if spare is None:
+                draft = ()
+        return ScheduledChunk(seq, pending + len(draft), draft, spare)
+
+    def trim_pages(self, seq: EngineSequence) -> None:
+        """After a verify: free the pages past the ones its tokens need (drafted positions that did not stand)."""
+        keep = -(-len(seq.token_ids) // self.limits.page_size)
+        if len(seq.page_table) > keep:
+            self.pages.release(seq.drop_pages(keep))
+
+    def release_slot(self, slot: int) -> None:
+        """A state slot no sequence holds any more (a drafting hybrid's state it did not keep)."""
+        if self.slots is not None:
+            self.slots.release(slot)
 
     def _prefill_chunks(self, prefilling: list[EngineSequence], budget: int, plan: StepPlan,
                         chunks: list[ScheduledChunk], decoding: bool) -> None:

@@ -154,6 +154,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 lookup=lookup_enabled(request.reuse.lookup),
                 commit=commit_policy(request.reuse.commit),
                 head_tokens=prompt.head_tokens,
+                speculative=not request.HasField("speculative") or request.speculative,
                 trace_context=capture_context(),  # this RPC's SERVER span: the parent of the engine's spans
                 guided=guided,
             )

@@ -30,12 +30,15 @@ class EngineOptions:
     cache_salt: str
     reuse: engine_pb2.ReusePolicy | None
     route_key: str | None  # prompt_cache_key: when set, routing hashes this instead of the prompt head
+    speculative: bool | None = None  # ignis.speculative: False turns speculative decoding off for the request
 
     def apply(self, request: engine_pb2.GenerateRequest) -> None:
         request.request_class = self.request_class
         request.cache_salt = self.cache_salt
         if self.reuse is not None:
             request.reuse.CopyFrom(self.reuse)
+        if self.speculative is not None:
+            request.speculative = self.speculative
 
 
 def engine_options(body: Fields, headers: Headers) -> EngineOptions:
@@ -56,4 +59,5 @@ def engine_options(body: Fields, headers: Headers) -> EngineOptions:
         cache_salt=body.string("cache_salt") or "",
         reuse=reuse,
         route_key=body.string("prompt_cache_key"),
+        speculative=ignis.boolean("speculative") if ignis is not None else None,
     )

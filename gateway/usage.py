@@ -34,12 +34,14 @@ class Usage:
     reused_tokens: int = 0
     time_to_first_token_ms: float = 0.0
     reasoning_tokens: int = 0  # counted by the gateway's reasoning parser (gateway/reasoning.py)
+    draft_tokens: int = 0  # speculative decoding: drafted and verified
+    accepted_tokens: int = 0  # of those, kept
 
     @classmethod
     def from_proto(cls, u: engine_pb2.Usage) -> Usage:
         return cls(u.prompt_tokens, u.completion_tokens, u.cached_tokens,
                    _TIERS.get(u.reuse.tier, "none"), _KINDS.get(u.reuse.kind, "none"), u.reuse.reused_tokens,
-                   u.time_to_first_token_ms)
+                   u.time_to_first_token_ms, draft_tokens=u.draft_tokens, accepted_tokens=u.accepted_tokens)
 
     @classmethod
     def total(cls, parts: Iterable[Usage]) -> Usage:
@@ -50,7 +52,9 @@ class Usage:
         best = max(items, key=lambda u: u.reused_tokens)
         return cls(sum(u.prompt_tokens for u in items), sum(u.completion_tokens for u in items),
                    sum(u.cached_tokens for u in items), best.tier, best.kind,
-                   sum(u.reused_tokens for u in items), max(u.time_to_first_token_ms for u in items))
+                   sum(u.reused_tokens for u in items), max(u.time_to_first_token_ms for u in items),
+                   draft_tokens=sum(u.draft_tokens for u in items),
+                   accepted_tokens=sum(u.accepted_tokens for u in items))
 
     def openai(self) -> JSONObject:
         return {
@@ -71,8 +75,11 @@ class Usage:
         }
 
     def ignis(self) -> JSONObject:
-        return {"tier": self.tier, "kind": self.kind, "reused_tokens": self.reused_tokens,
-                "time_to_first_token_ms": round(self.time_to_first_token_ms, 3)}
+        report: JSONObject = {"tier": self.tier, "kind": self.kind, "reused_tokens": self.reused_tokens,
+                              "time_to_first_token_ms": round(self.time_to_first_token_ms, 3)}
+        if self.draft_tokens:  # a request speculative decoding drafted for
+            report["speculative"] = {"draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens}
+        return report
 
 
 def close_stream(chunks: list[JSONObject], usage: Usage, include_usage: bool,

@@ -15,8 +15,8 @@ ENGINE = Path(__file__).resolve().parent.parent / "engine"
 # Lowest first: a unit may import the ones above it in this list, never those below.
 LAYERS = [
     "facts", "config", "kv", "sampling", "text", "guided", "model",
-    "request", "outputs", "prompt", "proto_convert",
-    "tiers", "residency", "cache", "tracing", "steady_decodes", "step_pacing", "scheduler", "runner", "metrics", "output_processor", "step_sampling", "engine_stats", "state_listing",
+    "request", "speculative", "outputs", "prompt", "proto_convert",
+    "tiers", "residency", "cache", "tracing", "steady_decodes", "step_pacing", "scheduler", "runner", "metrics", "output_processor", "step_sampling", "verify_step", "engine_stats", "state_listing",
     "responses_store",
     "builder", "offline", "inbox", "core", "call_status", "session", "server", "session_socket", "__main__",
 ]

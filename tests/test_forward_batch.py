@@ -110,7 +110,8 @@ def rest_chunks(draw: st.DrawFn) -> list[SequenceChunk]:
         n = draw(st.integers(1, 40)) if start == 0 else draw(st.integers(2, 40))  # no single-token decode
         table = list(range(500, 500 + -(-(start + n) // PAGE) + draw(st.integers(0, 2))))
         logits = draw(st.sampled_from(list(LogitsWanted)))
-        chunks.append(SequenceChunk(list(range(n)), start, table, draw(st.none() | st.integers(0, 31)), logits))
+        tail = draw(st.integers(1, n)) if logits is LogitsWanted.TAIL else 0  # a verify's drafted rows
+        chunks.append(SequenceChunk(list(range(n)), start, table, draw(st.none() | st.integers(0, 31)), logits, tail))
     return chunks
 
 

@@ -24,6 +24,7 @@ class LogitsWanted(Enum):
     NONE = "none"  # a middle chunk of a long prefill
     LAST = "last"  # the next-token distribution
     ALL = "all"  # every position (prompt logprobs, tests)
+    TAIL = "tail"  # the last `tail` positions (a verify of drafted tokens: the pending token's and each draft's)
 
 
 @dataclass(slots=True)  # not frozen: made per sequence every step, and a frozen init costs 4x
@@ -35,10 +36,13 @@ class SequenceChunk:
     page_table: Sequence[int]  # pages holding positions 0 .. start+len-1, in order
     state_slot: int | None = None  # recurrent-state slot (hybrid models)
     logits: LogitsWanted = LogitsWanted.LAST
+    tail: int = 0  # LogitsWanted.TAIL: how many
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             raise ValueError("a sequence chunk needs at least one token")
+        if self.logits is LogitsWanted.TAIL and not 0 < self.tail <= len(self.token_ids):
+            raise ValueError(f"a tail of {self.tail} logits rows for a chunk of {len(self.token_ids)} tokens")
         if self.start < 0:
             raise ValueError(f"start must be >= 0, got {self.start}")
 
@@ -287,6 +291,9 @@ class _ChunkRows:
             elif chunk.logits is LogitsWanted.ALL:
                 rows.extend(range(at, at + n))
                 counts.append(n)
+            elif chunk.logits is LogitsWanted.TAIL:
+                rows.extend(range(at + n - chunk.tail, at + n))
+                counts.append(chunk.tail)
             else:
                 counts.append(0)
             views.append((at, n, start, chunk.state_slot))

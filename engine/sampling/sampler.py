@@ -185,9 +185,9 @@ def process_logits(
             x[idx],
             counts,
             seen,
-            _column([p.repetition_penalty for p in params], x.device),
-            _column([p.presence_penalty for p in params], x.device),
-            _column([p.frequency_penalty for p in params], x.device),
+            float_column([p.repetition_penalty for p in params], x.device),
+            float_column([p.presence_penalty for p in params], x.device),
+            float_column([p.frequency_penalty for p in params], x.device),
         )
     # A tiny repetition penalty can push a logit past float32's range; +inf (and the NaN of
     # inf - inf in a softmax) would break the draw. Cap it: the token stays the most likely one.
@@ -256,7 +256,7 @@ def _sample_processed(logits: torch.Tensor, samplers: list[RequestSampler], eos_
     greedy = [i for i, s in enumerate(samplers) if s.greedy]
     if greedy:
         rows = x if len(greedy) == batch else x[greedy]  # an all-greedy batch: no copy of [B, V]
-        picked = _argmax(rows).tolist()  # ties -> lowest id
+        picked = argmax_lowest(rows).tolist()  # ties -> lowest id
         if len(greedy) == batch:
             token_ids = picked
         else:
@@ -266,12 +266,12 @@ def _sample_processed(logits: torch.Tensor, samplers: list[RequestSampler], eos_
     drawn = [i for i, s in enumerate(samplers) if not s.greedy]
     if drawn:
         params = [samplers[i].params for i in drawn]
-        scaled = x[drawn] / _column([p.temperature for p in params], x.device)[:, None]  # [S, V]
+        scaled = x[drawn] / float_column([p.temperature for p in params], x.device)[:, None]  # [S, V]
         probs = truncated_probs(
             scaled,
             torch.tensor([p.top_k for p in params], dtype=torch.int64, device=x.device),
-            _column([p.top_p for p in params], x.device),
-            _column([p.min_p for p in params], x.device),
+            float_column([p.top_p for p in params], x.device),
+            float_column([p.min_p for p in params], x.device),
         )  # [S, V]
         # One draw per row from the row's own generator: batch-independent.
         choices = torch.cat(
@@ -280,11 +280,11 @@ def _sample_processed(logits: torch.Tensor, samplers: list[RequestSampler], eos_
         for i, t in zip(drawn, choices):
             token_ids[i] = t
 
-    logprobs, top = _logprobs(x, samplers, token_ids)
+    logprobs, top = chosen_logprobs(x, samplers, token_ids)
     return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top)
 
 
-def _logprobs(
+def chosen_logprobs(
     x: torch.Tensor, samplers: list[RequestSampler], token_ids: list[int]
 ) -> tuple[list[float | None], list[list[tuple[int, float]]]]:
     # Convention: logprobs describe the model's distribution after bias and
@@ -322,7 +322,7 @@ def _check_batch(logits: torch.Tensor, samplers: list[RequestSampler], step_coun
         )
 
 
-def _argmax(rows: torch.Tensor) -> torch.Tensor:
+def argmax_lowest(rows: torch.Tensor) -> torch.Tensor:
     """torch.argmax over the last dim; on the CPU the C kernel's (torch's is a scalar loop there)."""
     fast = kernels_for(rows.device).argmax_rows
     picked = fast(rows) if fast is not None else None
@@ -336,7 +336,7 @@ def _only_these_allowed(row: torch.Tensor, ids: set[int]) -> bool:
     return bool(torch.isneginf(rest).all())
 
 
-def _column(values: list[float], device: torch.device) -> torch.Tensor:
+def float_column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 

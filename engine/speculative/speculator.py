@@ -1,0 +1,118 @@
+"""Per sequence: whether to draft this step, what, and whether drafting has been paying.
+
+A sequence is drafted for once it has its first token (the prompt's forward gave it), when its
+request allows it (`ignis.speculative`, on by default) and its sampling reads nothing of the tokens
+before each position but their count: requests with penalties or a grammar are decoded one token a
+step (their processing would have to be redone token by token inside a verify; not built).
+
+Drafting does not always pay: a verify forward of k+1 tokens costs more than a decode of one, and a
+draft that is rejected at once buys nothing. After two verifies in a row that kept no draft, a
+sequence stops drafting for a pause that doubles each time (4, 8 ... 64 steps) and resets once a
+draft stands, so at acceptance near zero a sequence spends almost every step as a plain decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.request import EngineSequence
+from engine.speculative.ngram import TokenHistory
+
+MISSES_BEFORE_PAUSE = 2  # verifies in a row that kept nothing before drafting pauses
+FIRST_PAUSE = 4  # steps
+LONGEST_PAUSE = 64  # steps
+
+
+@dataclass(slots=True)
+class SpecState:
+    """One sequence's drafting: its token history (the drafter's window) and its record."""
+
+    history: TokenHistory = field(default_factory=TokenHistory)
+    draft_tokens: int = 0  # drafted and verified, this sequence's whole life
+    accepted_tokens: int = 0
+    misses: int = 0  # verifies in a row that kept no draft
+    pauses: int = 0  # pauses in a row (each doubles the next)
+    paused_for: int = 0  # steps left without drafting
+
+
+class Drafter(Protocol):
+    def propose(self, seq: EngineSequence, state: SpecState, k: int) -> list[int]:
+        """Up to `k` tokens likely to follow `seq`'s tokens ([]: none worth verifying)."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt lookup over the sequence's own tokens (engine/speculative/ngram.py)."""
+
+    def propose(self, seq: EngineSequence, state: SpecState, k: int) -> list[int]:
+        state.history.sync(seq.token_ids)
+        return state.history.propose(k)
+
+
+@dataclass(slots=True)
+class SpecTotals:
+    """The engine's totals (its metrics read them), by method."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verifies: int = 0
+
+
+class Speculator:
+    def __init__(self, method: str, num_tokens: int, max_model_len: int) -> None:
+        if method not in ("none", "ngram"):
+            raise ValueError(f"speculative.method={method!r} is not built yet: use none or ngram")
+        self.method = method
+        self.num_tokens = num_tokens
+        self.max_model_len = max_model_len
+        self.drafter: Drafter = NgramDrafter()
+        self.totals = SpecTotals()
+
+    @property
+    def on(self) -> bool:
+        return self.method != "none"
+
+    def draft(self, seq: EngineSequence) -> tuple[int, ...]:
+        """Tokens to verify after `seq`'s pending ones this step; () when it does not draft this step. A
+        verify appends one token more than the draft kept, so the draft leaves room for it under the
+        sequence's length limit (max_tokens, the context)."""
+        room = seq.request.params.length_limit(seq.num_prompt, self.max_model_len) - len(seq.token_ids) - 1
+        if room <= 0 or seq.num_output == 0 or not _draftable(seq):
+            return ()
+        state: SpecState | None = seq.speculation
+        if state is None:
+            state = seq.speculation = SpecState()
+        if state.paused_for > 0:
+            state.paused_for -= 1
+            return ()
+        return tuple(self.drafter.propose(seq, state, min(self.num_tokens, room)))
+
+    def verified(self, seq: EngineSequence, drafted: int, accepted: int) -> None:
+        """A verify of `drafted` tokens kept `accepted` of them."""
+        totals = self.totals
+        totals.verifies += 1
+        totals.draft_tokens += drafted
+        totals.accepted_tokens += accepted
+        state: SpecState = seq.speculation
+        state.draft_tokens += drafted
+        state.accepted_tokens += accepted
+        if accepted:
+            state.misses = state.pauses = 0
+            return
+        state.misses += 1
+        if state.misses >= MISSES_BEFORE_PAUSE:
+            state.paused_for = min(FIRST_PAUSE * 2 ** state.pauses, LONGEST_PAUSE)
+            state.pauses += 1
+            state.misses = 0
+
+
+def _draftable(seq: EngineSequence) -> bool:
+    sampler = seq.sampler
+    return seq.request.speculative and sampler.guide is None and not sampler.penalised
+
+
+def drafted_counts(seq: EngineSequence) -> tuple[int, int]:
+    """(drafted, accepted) tokens of a sequence so far."""
+    state: SpecState | None = seq.speculation
+    return (state.draft_tokens, state.accepted_tokens) if state is not None else (0, 0)

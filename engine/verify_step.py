@@ -1,0 +1,94 @@
+"""One verified chunk, from the target's logits to appended tokens, with the sequence's memory settled.
+
+The forward ran the sequence's pending tokens and its draft (positions p .. p+pending+k-1, p its
+computed tokens before the step). Which tokens stand is `verify_drafts`'; then:
+
+- dense: the KV of every position written is right as far as the tokens that stand; the sequence's
+  computed count moves past its pending tokens and the accepted drafts, and the pages past what its
+  tokens need are freed (the drafted positions that did not stand are overwritten when reached again);
+- hybrid: a Gated DeltaNet layer's state cannot be cut back to a position, so the state from before the
+  step was copied to a spare slot (engine/scheduler.py `_verify_chunk`). Every draft standing, the new
+  state is kept; otherwise the sequence goes back to the copy and recomputes the tokens that stood in
+  its next step's chunk, together with its next draft (the "re-run from the last committed state" of
+  docs/architecture.md, chosen by measurement there).
+
+Tokens are appended one at a time through the output processor, so EOS, stop ids, stop strings and the
+length limit end the choice at the token they name, as plain decoding does; while they are appended the
+sequence's computed count and state agree (p + pending on a dense model, p on the spare slot of a
+hybrid), so a capture at its finish (engine/cache/) keeps state that is what it says.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engine.cache.reuse import PromptReuse
+from engine.metrics import EngineMetrics
+from engine.output_processor import Deltas, OutputProcessor
+from engine.request import EngineSequence, SeqStatus
+from engine.runner import ChunkLogits
+from engine.sampling.sampler import SampleOutput
+from engine.scheduler import Scheduler
+from engine.speculative.speculator import Speculator
+from engine.speculative.verify import verify_drafts
+
+log = logging.getLogger("ignis.engine")
+
+
+class VerifyStep:
+    def __init__(self, speculator: Speculator, scheduler: Scheduler, reuse: PromptReuse, outputs: OutputProcessor,
+                 metrics: EngineMetrics, eos_ids: frozenset[int]) -> None:
+        self.speculator = speculator
+        self.scheduler = scheduler
+        self.reuse = reuse
+        self.outputs = outputs
+        self.metrics = metrics
+        self.eos_ids = eos_ids
+
+    def settle(self, res: ChunkLogits, deltas: Deltas, failed: dict[str, str]) -> None:
+        seq, draft = res.seq, res.draft
+        rid = seq.request.request_id
+        assert res.draft_logits is not None
+        before = seq.num_computed
+        pending = res.num_tokens - len(draft)
+        spare, stepped = res.spare_slot, seq.slot  # a hybrid: its state before the step, and after it
+        if spare is not None:
+            seq.slot = spare  # the state of `before` tokens, as its computed count says, until the end
+        else:
+            seq.num_computed = before + pending
+            self.reuse.after_decodes([seq])
+        try:
+            verified = verify_drafts(res.draft_logits, draft, seq.sampler, self.eos_ids, seq.num_output)
+        except Exception:
+            log.exception("verifying the draft of request %s failed", rid)
+            failed.setdefault(rid, "sampling failed for this request (see the engine log)")
+            verified = None
+        if verified is not None:
+            self.speculator.verified(seq, len(draft), verified.accepted)
+            self.metrics.on_verified(self.speculator.method, len(draft), verified.accepted)
+            self._append(seq, verified.tokens, deltas, failed)
+        kept_all = verified is not None and verified.accepted == len(draft)
+        if seq.status is not SeqStatus.RUNNING or rid in failed:
+            if spare is not None and stepped is not None:
+                self.scheduler.release_slot(stepped)  # its own slot (the spare now) goes with the sequence
+            return
+        if spare is not None:
+            if kept_all:
+                seq.slot = stepped
+                self.scheduler.release_slot(spare)
+                seq.num_computed = before + pending + len(draft)
+            elif stepped is not None:
+                self.scheduler.release_slot(stepped)  # back on the copy: the tokens that stood run again
+        else:
+            assert verified is not None
+            seq.num_computed += verified.accepted
+            self.reuse.after_decodes([seq])
+        self.scheduler.trim_pages(seq)
+
+    def _append(self, seq: EngineSequence, tokens: SampleOutput, deltas: Deltas, failed: dict[str, str]) -> None:
+        """Each token that stands, in order, until one ends the choice."""
+        for i, token in enumerate(tokens.token_ids):
+            one = SampleOutput([token], [tokens.logprobs[i]], [tokens.top_logprobs[i]])
+            self.outputs.append_sampled([seq], one, deltas, failed)
+            if seq.status is not SeqStatus.RUNNING or seq.request.request_id in failed:
+                return

@@ -1,0 +1,463 @@
+"""Speculative decoding (issue 44): drafts verified in one forward, the output exactly plain decoding's.
+
+The drafting is checked on its own (prompt lookup against a brute-force search, the verify rule on
+constructed logits, the sampled rule's distribution by a chi-square test over thousands of seeds), then
+in an in-process EngineCore on dense, hybrid, MoE-hybrid and pure recurrent random checkpoints. Random
+weights rarely repeat themselves, so most engine tests draft with `ReferenceDrafter`: it proposes the
+tokens a cold run produced (each one wrong with probability q, so every verify outcome happens: all
+drafts kept, some, none); the engine's own prompt lookup is checked on a checkpoint whose greedy output
+falls into a loop. Every output is compared with the same request decoded one token a step.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from checkpoints import make_checkpoint
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.facts import ReuseTier
+from engine.model.loader import LoadedModel, load_model
+from engine.offline import run_to_completion
+from engine.outputs import RequestUpdate
+from engine.request import EngineRequest, EngineSequence
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import RequestSampler, sample
+from engine.speculative.ngram import TokenHistory
+from engine.speculative.speculator import SpecState
+from engine.speculative.verify import verify_drafts
+from engine.text.tokenizer import Tokenizer
+
+P = 16
+MiB = 1 << 20
+
+
+# --- prompt lookup -------------------------------------------------------------------------------
+def brute_force(tokens: list[int], k: int, max_n: int = 4, min_n: int = 2) -> list[int]:
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest first; a token must follow the match
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_prompt_lookup_takes_the_latest_longest_match() -> None:
+    h = TokenHistory()
+    h.sync([1, 2, 3, 9, 9, 2, 3, 7, 8, 1, 2, 3])
+    assert h.propose(3) == [9, 9, 2]  # "1 2 3" (n=3) beats the later "2 3" (n=2)
+    h.sync([1, 2, 3, 9, 9, 2, 3, 7, 8, 1, 2, 3, 4, 5, 2, 3])
+    assert h.propose(2) == [4, 5]  # "2 3" last seen before "4 5"
+    assert h.propose(0) == []
+
+
+def test_prompt_lookup_matches_whole_tokens_only() -> None:
+    h = TokenHistory()
+    # 256 is bytes 00 01 00 00 and 1 is 01 00 00 00: "256, 1" contains the bytes of "1, 0" off a token boundary.
+    h.sync([256, 1, 0, 7, 1, 0])
+    assert h.propose(2) == [7, 1]
+    h = TokenHistory()
+    h.sync([256, 1, 5, 1, 0])
+    assert h.propose(2) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=0, max_size=40), st.integers(1, 6))
+def test_prompt_lookup_equals_a_brute_force_search(tokens: list[int], k: int) -> None:
+    h = TokenHistory()
+    h.sync(tokens[: len(tokens) // 2])  # kept up to date in two steps, as a sequence grows
+    h.sync(tokens)
+    assert h.propose(k) == brute_force(tokens, k)
+
+
+# --- the verify rule ------------------------------------------------------------------------------
+def peaked(vocab: int, winners: list[int]) -> torch.Tensor:
+    """Logits whose row i has its argmax at winners[i]."""
+    logits = torch.zeros(len(winners), vocab)
+    for i, w in enumerate(winners):
+        logits[i, w] = 5.0
+    return logits
+
+
+def greedy_sampler(**params: object) -> RequestSampler:
+    return RequestSampler(SamplingParams(temperature=0.0, **params))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("draft,kept", [((3, 4, 5), [3, 4, 5, 6]), ((3, 1, 5), [3, 4]), ((1, 4, 5), [3])])
+def test_greedy_verify_keeps_drafts_while_they_are_the_argmax(draft: tuple[int, ...], kept: list[int]) -> None:
+    out = verify_drafts(peaked(8, [3, 4, 5, 6]), draft, greedy_sampler(logprobs=True), frozenset(), 0)
+    assert out.tokens.token_ids == kept and out.accepted == len(kept) - 1
+    logprobs = torch.log_softmax(peaked(8, [3, 4, 5, 6]), -1)
+    assert out.tokens.logprobs == pytest.approx([float(logprobs[i, t]) for i, t in enumerate(kept)])
+
+
+def test_greedy_verify_holds_eos_back_under_min_tokens_row_by_row() -> None:
+    # EOS (0) is each row's argmax; min_tokens=2 with one token already out masks it in row 0 only.
+    logits = peaked(6, [0, 0, 0])
+    logits[:, 2] = 4.0
+    out = verify_drafts(logits, (2, 0), greedy_sampler(min_tokens=2), frozenset({0}), 1)
+    assert out.tokens.token_ids == [2, 0, 0]
+
+
+def chi_square_p(observed: Counter[int], expected: dict[int, float], total: int) -> float:
+    """The chi-square test's p-value (the regularised upper incomplete gamma, from torch)."""
+    cells = [t for t, p in expected.items() if p * total >= 5]
+    stat = sum((observed[t] - expected[t] * total) ** 2 / (expected[t] * total) for t in cells)
+    return float(torch.special.gammaincc(torch.tensor((len(cells) - 1) / 2), torch.tensor(stat / 2)))
+
+
+def test_sampled_verify_keeps_the_target_distribution() -> None:
+    """Over 4000 seeds, the tokens a verify yields at the first position (draft kept or replaced) and at
+    the second (after a kept draft) are distributed as the target's sampling distribution, and as plain
+    sampling's: chi-square, not one run."""
+    vocab = 6
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5], [0.0, 0.3, 2.0, 1.0, 0.2, -0.5]])
+    params = SamplingParams(temperature=0.8, top_k=5)
+    probs = torch.softmax(logits / 0.8, -1)
+    for row in range(2):  # top_k=5 of 6 drops each row's least likely token
+        probs[row, probs[row].argmin()] = 0
+    probs = probs / probs.sum(-1, keepdim=True)
+    draws = 4000
+    first: Counter[int] = Counter()
+    second: Counter[int] = Counter()
+    plain: Counter[int] = Counter()
+    for seed in range(draws):
+        draft = (seed % vocab,)  # every token drafted in turn, likely ones and dropped ones
+        out = verify_drafts(logits, draft, RequestSampler(params, seed=seed), frozenset(), 0)
+        first[out.tokens.token_ids[0]] += 1
+        if out.accepted >= 1:
+            second[out.tokens.token_ids[1]] += 1
+        plain[sample(logits[:1], [RequestSampler(params, seed=10**6 + seed)], frozenset(), [0]).token_ids[0]] += 1
+    want = {t: float(probs[0, t]) for t in range(vocab)}
+    assert chi_square_p(first, want, draws) > 1e-3
+    assert chi_square_p(plain, want, draws) > 1e-3
+    assert chi_square_p(second, {t: float(probs[1, t]) for t in range(vocab)}, sum(second.values())) > 1e-3
+    assert first[int(probs[0].argmin())] == 0  # what top_k drops is never kept, drafted or not
+
+
+# --- the engine -------------------------------------------------------------------------------------
+class ReferenceDrafter:
+    """Proposes what a cold run of the same request produced, each token wrong with probability `q`."""
+
+    def __init__(self, reference: dict[str, list[int]], q: float, vocab: int) -> None:
+        self.reference, self.q, self.vocab = reference, q, vocab
+        self.rng = random.Random(7)
+
+    def propose(self, seq: EngineSequence, state: SpecState, k: int) -> list[int]:
+        ahead = self.reference.get(seq.request.request_id, [])[seq.num_output:seq.num_output + k]
+        return [t if self.rng.random() >= self.q else (t + 1) % self.vocab for t in ahead]
+
+
+@dataclass
+class Run:
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finish: list[str | None]
+    usage: list[tuple[int, int]]  # (drafted, accepted) per request
+
+
+def collect(updates: list[list[RequestUpdate]]) -> Run:
+    deltas = [[d for u in ups for d in u.deltas] for ups in updates]
+    for ups in updates:
+        assert ups[-1].error is None, ups[-1].error
+    usage = [(ups[-1].usage.draft_tokens, ups[-1].usage.accepted_tokens) for ups in updates
+             if ups[-1].usage is not None]
+    return Run([[t for d in ds for t in d.token_ids] for ds in deltas],
+               [[lp.logprob or 0.0 for d in ds for lp in d.logprobs] for ds in deltas],
+               [next((d.finish_reason.value for d in ds if d.finish_reason), None) for ds in deltas], usage)
+
+
+def engine_for(model: tuple[LoadedModel, Tokenizer], method: str = "ngram", k: int = 4, **config: object
+               ) -> EngineCore:
+    loaded, tokenizer = model
+    settings: dict[str, object] = {"page_size": P, "kv_cache_bytes": 8 * MiB, "max_num_seqs": 8,
+                                   "speculative_method": method, "speculative_num_tokens": k, **config}
+    return EngineCore(loaded, tokenizer, EngineConfig(**settings))  # type: ignore[arg-type]
+
+
+def run(core: EngineCore, *requests: EngineRequest) -> Run:
+    try:
+        result = collect(run_to_completion(core, *requests, start=True, timeout=600))
+        core.check_integrity()  # no page or slot a verify took is left over
+        assert core.slots is None or core.slots.num_used == 0
+        return result
+    finally:
+        core.stop()
+
+
+def prompts(vocab: int, seed: int = 1) -> list[tuple[int, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(10, vocab, (20,), generator=g).tolist()
+    return [tuple(base * 3), tuple(torch.randint(10, vocab, (45,), generator=g).tolist()), tuple(base[:7] * 5)]
+
+
+def greedy(rid: str, prompt: tuple[int, ...], max_tokens: int = 40, **params: object) -> EngineRequest:
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=True, **params)  # type: ignore[arg-type]
+    return EngineRequest(rid, prompt, sampling)
+
+
+def same_as_plain(got: Run, want: Run) -> None:
+    assert got.tokens == want.tokens and got.finish == want.finish
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert max((abs(x - y) for x, y in zip(a, b)), default=0.0) <= 1e-4
+
+
+MODELS = ["dense", "hybrid", "moe-hybrid", "recurrent"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model(request: pytest.FixtureRequest, tiny_model_dir: Path, dense_chat_model_dir: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> tuple[LoadedModel, Tokenizer]:
+    from engine.text.tiny_tokenizer import TINY_VOCAB_SIZE, write_tiny_tokenizer
+
+    if request.param == "dense":
+        path = dense_chat_model_dir
+    elif request.param == "hybrid":
+        path = tiny_model_dir
+    else:
+        arch, extra = (("Qwen3NextForCausalLM-moe", {}) if request.param == "moe-hybrid" else
+                       ("Qwen3_5ForCausalLM", {"layer_types": ["linear_attention"] * 4}))
+        path = make_checkpoint(tmp_path_factory.mktemp(request.param), arch, seed=5, vocab_size=TINY_VOCAB_SIZE,
+                               **extra)  # type: ignore[arg-type]
+        write_tiny_tokenizer(path)
+    return load_model(path), Tokenizer.from_dir(path)
+
+
+def plain_run(model: tuple[LoadedModel, Tokenizer], *requests: EngineRequest) -> Run:
+    return run(engine_for(model, "none"), *requests)
+
+
+@pytest.mark.parametrize("q", [0.0, 0.3, 1.0])
+def test_greedy_output_equals_plain_decoding_whatever_the_drafts(model: tuple[LoadedModel, Tokenizer],
+                                                                  q: float) -> None:
+    """All drafts right (q=0: every verify keeps k+1 tokens), some (a hybrid rolls back and catches up)
+    or none: a batch of three decodes exactly what plain decoding does, token and logprob."""
+    vocab = model[0].config.vocab_size
+    requests = [greedy(f"r{i}", p) for i, p in enumerate(prompts(vocab))]
+    want = plain_run(model, *requests)
+    core = engine_for(model)
+    core.speculator.drafter = ReferenceDrafter({r.request_id: t for r, t in zip(requests, want.tokens)}, q, vocab)
+    got = run(core, *requests)
+    same_as_plain(got, want)
+    drafted = sum(d for d, _ in got.usage)
+    accepted = sum(a for _, a in got.usage)
+    assert drafted > 0 and core.speculator.totals.draft_tokens == drafted
+    if q == 0.0:
+        assert accepted == drafted
+    if q == 1.0:
+        assert accepted == 0
+
+
+def test_stops_inside_a_kept_run_end_where_plain_decoding_ends(model: tuple[LoadedModel, Tokenizer]) -> None:
+    """A stop token id, a stop string and max_tokens each fall inside a run of kept drafts."""
+    loaded, tokenizer = model
+    vocab = loaded.config.vocab_size
+    prompt = prompts(vocab)[0]
+    reference = plain_run(model, greedy("ref", prompt)).tokens[0]
+    stop_id = reference[6]
+    stop_text = tokenizer.decode([reference[9]]).strip()
+    requests = [greedy("by-id", prompt, stop_token_ids=[stop_id]), greedy("by-length", prompt, max_tokens=7)]
+    if stop_text:
+        requests.append(greedy("by-string", prompt, stop=[stop_text]))
+    want = plain_run(model, *requests)
+    core = engine_for(model)
+    core.speculator.drafter = ReferenceDrafter({r.request_id: reference for r in requests}, 0.0, vocab)
+    got = run(core, *requests)
+    same_as_plain(got, want)
+    assert len(got.tokens[1]) == 7 and got.tokens[0][-1] == stop_id
+    assert got.usage[1][0] > 0
+
+
+def test_a_request_may_turn_it_off_beside_one_that_drafts(model: tuple[LoadedModel, Tokenizer]) -> None:
+    vocab = model[0].config.vocab_size
+    p = prompts(vocab)
+    on, off = greedy("on", p[0]), EngineRequest("off", p[1], greedy("x", p[1]).params, speculative=False)
+    want = plain_run(model, on, off)
+    core = engine_for(model)
+    core.speculator.drafter = ReferenceDrafter({"on": want.tokens[0], "off": want.tokens[1]}, 0.2, vocab)
+    got = run(core, on, off)
+    same_as_plain(got, want)
+    assert got.usage[0][0] > 0 and got.usage[1] == (0, 0)
+
+
+def test_seeded_sampling_is_reproducible_and_keeps_drafts(model: tuple[LoadedModel, Tokenizer]) -> None:
+    vocab = model[0].config.vocab_size
+    request = EngineRequest("s", prompts(vocab)[0], SamplingParams(temperature=0.7, seed=3, max_tokens=30,
+                                                                      ignore_eos=True))
+    reference = plain_run(model, greedy("s", request.prompt_ids, max_tokens=30)).tokens[0]
+    runs = []
+    for _ in range(2):
+        core = engine_for(model)
+        core.speculator.drafter = ReferenceDrafter({"s": reference}, 0.0, vocab)
+        runs.append(run(core, request))
+    assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens[0]) == 30
+    assert runs[0].usage[0][0] > 0
+
+
+def test_a_second_turn_claims_the_first_and_drafts_from_its_first_token(model: tuple[LoadedModel, Tokenizer]
+                                                                        ) -> None:
+    """Reuse and drafting together: turn 2 (turn 1's prompt and reply, then more) claims turn 1's state
+    on the device, drafts from its first generated token, and decodes what a cold engine does."""
+    vocab = model[0].config.vocab_size
+    first = greedy("t1", prompts(vocab)[1], max_tokens=20)
+    core = engine_for(model)
+    turn1 = collect(run_to_completion(core, first, start=True, timeout=600)).tokens[0]
+    second = greedy("t2", (*first.prompt_ids, *turn1, *prompts(vocab)[0][:9]), max_tokens=30)
+    cold = plain_run(model, second)
+    core.speculator.drafter = ReferenceDrafter({"t2": cold.tokens[0]}, 0.25, vocab)
+    try:
+        updates = run_to_completion(core, second, timeout=600)
+        got = collect(updates)
+        core.check_integrity()
+    finally:
+        core.stop()
+    same_as_plain(got, cold)
+    usage = updates[0][-1].usage
+    assert usage is not None and usage.cached_tokens > 0 and usage.draft_tokens > 0
+
+
+def test_prompt_lookup_drafts_a_looping_output_and_changes_nothing(dense_chat_model_dir: Path) -> None:
+    """The engine's own drafter: a random checkpoint's greedy output falls into a loop, which prompt
+    lookup predicts; the output is plain decoding's and the metrics count what was drafted."""
+    model = (load_model(dense_chat_model_dir), Tokenizer.from_dir(dense_chat_model_dir))
+    vocab = model[0].config.vocab_size
+    requests = [greedy(f"r{i}", p, max_tokens=160) for i, p in enumerate(prompts(vocab))]
+    want = plain_run(model, *requests)
+    core = engine_for(model)
+    got = run(core, *requests)
+    same_as_plain(got, want)
+    totals = core.speculator.totals
+    assert totals.accepted_tokens > 0 and sum(a for _, a in got.usage) == totals.accepted_tokens
+    metrics = {m.name: m for m in core.metrics.registry.collect()}
+    drafted = [s for s in metrics["ignis_spec_draft_tokens"].samples if s.name.endswith("_total")]
+    assert drafted[0].labels == {"method": "ngram"} and drafted[0].value == totals.draft_tokens
+    lengths = [s for s in metrics["ignis_spec_acceptance_length"].samples if s.name.endswith("_count")]
+    assert lengths[0].value == totals.verifies
+
+
+def test_drafting_pauses_where_it_does_not_pay(dense_chat_model_dir: Path) -> None:
+    """Every draft wrong: after two empty verifies in a row a sequence stops drafting for a pause that
+    doubles, so most of its steps are plain decodes."""
+    model = (load_model(dense_chat_model_dir), Tokenizer.from_dir(dense_chat_model_dir))
+    vocab = model[0].config.vocab_size
+    request = greedy("r", prompts(vocab)[1], max_tokens=120)
+    want = plain_run(model, request)
+    core = engine_for(model)
+    core.speculator.drafter = ReferenceDrafter({"r": want.tokens[0]}, 1.0, vocab)
+    got = run(core, request)
+    same_as_plain(got, want)
+    assert core.speculator.totals.accepted_tokens == 0
+    assert core.speculator.totals.verifies <= 12  # of 119 decode steps (2, then 2 after each pause of 4, 8 ... 64)
+
+
+def test_a_hybrid_that_rolls_back_holds_its_state_from_before_the_step(tiny_model_dir: Path) -> None:
+    """After a verify that kept some drafts and not all, a hybrid sequence's computed count is back where
+    the step began, its state slot holds that state (the spare copy), and the tokens that stood are
+    pending for the next step; the next steps decode on exactly as plain decoding does."""
+    model = (load_model(tiny_model_dir), Tokenizer.from_dir(tiny_model_dir))
+    vocab = model[0].config.vocab_size
+    request = greedy("r", prompts(vocab)[1], max_tokens=24)
+    want = plain_run(model, request)
+    core = engine_for(model)
+    drafter = ReferenceDrafter({"r": want.tokens[0]}, 0.0, vocab)
+    spoil_at = 3  # the third draft token of the first verify is wrong: two stand
+
+    class Spoiled:
+        calls = 0
+
+        def propose(self, seq: EngineSequence, state: SpecState, k: int) -> list[int]:
+            out = drafter.propose(seq, state, k)
+            Spoiled.calls += 1
+            if Spoiled.calls == 1:
+                out[spoil_at - 1] = (out[spoil_at - 1] + 1) % vocab
+            return out
+
+    core.speculator.drafter = Spoiled()
+    updates: list[RequestUpdate] = []
+    core.submit(request, updates.append)
+    core.drain_inbox()
+    try:
+        while not core.scheduler.running or core.scheduler.running[0].num_output == 0:
+            core.step()  # the prompt and its first token
+        seq = core.scheduler.running[0]
+        before, slot = seq.num_computed, seq.slot
+        core.step()  # the first verify: drafts 1, 2 stand, 3 does not
+        assert core.speculator.totals.accepted_tokens == spoil_at - 1
+        assert seq.num_computed == before and seq.slot != slot
+        assert seq.num_pending == spoil_at + 1  # the token it had, the two kept drafts and the correction
+        while not (updates and updates[-1].done):
+            core.step()
+        core.check_integrity()
+    finally:
+        core.stop()
+    assert [t for u in updates for d in u.deltas for t in d.token_ids] == want.tokens[0]
+
+
+@pytest.fixture
+def dense(dense_chat_model_dir: Path) -> Iterator[tuple[LoadedModel, Tokenizer]]:
+    yield load_model(dense_chat_model_dir), Tokenizer.from_dir(dense_chat_model_dir)
+
+
+def test_verify_frees_the_pages_of_drafts_that_did_not_stand(dense: tuple[LoadedModel, Tokenizer]) -> None:
+    vocab = dense[0].config.vocab_size
+    prompt = prompts(vocab)[1][:30]  # drafts after the first token (position 30) reach the third page
+    request = greedy("r", prompt, max_tokens=8)
+    core = engine_for(dense, k=8)
+    core.speculator.drafter = ReferenceDrafter({"r": [0] * 40}, 1.0, vocab)  # always wrong
+    core.submit(request, lambda u: None)
+    core.drain_inbox()
+    try:
+        while not core.scheduler.running or core.scheduler.running[0].num_output == 0:
+            core.step()
+        seq = core.scheduler.running[0]
+        core.step()
+        assert seq.num_computed == len(seq.token_ids) - 1
+        assert len(seq.page_table) == math.ceil(len(seq.token_ids) / P) == 2  # the third went back
+        core.check_integrity()
+    finally:
+        core.stop()
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "dense"])
+def test_a_sequence_moved_down_while_drafting_resumes_exactly(kind: str, tiny_model_dir: Path,
+                                                              dense_chat_model_dir: Path, tmp_path: Path) -> None:
+    """A live move (engine/residency/live_moves.py) of a drafting sequence: a hybrid moved while it
+    catches up after a rollback (tokens that stood are pending), a dense one right after a verify; each
+    resumes from KV-RAM onto poisoned memory and ends with plain decoding's tokens and logprobs."""
+    from services import start_tierstore
+    from test_live_moves import Driver, make_request, move_at, same
+
+    path = tiny_model_dir if kind == "hybrid" else dense_chat_model_dir
+    model = (kind, load_model(path), Tokenizer.from_dir(path))
+    prompt = prompts(model[1].config.vocab_size)[1]
+    plain = Driver(model)
+    try:
+        want = plain.run(make_request("r", prompt, max_tokens=30))
+    finally:
+        plain.close()
+    store = start_tierstore(tmp_path / "ts", ["--kv-host-pool-bytes", str(32 * MiB), "--kv-disk-bytes", "0"])
+    driver = Driver(model, store.address, reuse_prompt=False, speculative_method="ngram", speculative_num_tokens=4)
+    try:
+        driver.core.speculator.drafter = ReferenceDrafter({"r": want.tokens}, 0.4, model[1].config.vocab_size)
+        driver.submit(make_request("r", prompt, max_tokens=30))
+        if kind == "hybrid":
+            move_at(driver, "r", lambda s: s.num_pending > 1 and s.num_output > 3)  # caught mid catch-up
+        else:
+            move_at(driver, "r", lambda s: driver.core.speculator.totals.verifies >= 2)
+        driver.step_until(lambda: driver.done("r"))
+        same(driver.result("r"), want)
+        assert driver.poisoned and driver.core.stats().sequences_moved[ReuseTier.RAM] == 1
+        assert driver.core.speculator.totals.accepted_tokens > 0
+        driver.core.check_integrity()
+    finally:
+        driver.close()
+        store.stop()
