@@ -40,11 +40,12 @@ PROMPT = 64
 
 
 class ReferenceDrafter:
-    """The tokens a plain run of the same prompt produced, each wrong with probability `q`."""
+    """The tokens a plain run of the same prompt produced, each wrong with probability `q` (the drafter of
+    this benchmark and of tests/test_speculative.py: every verify outcome, at an acceptance q sets)."""
 
-    def __init__(self, reference: dict[tuple[int, ...], list[int]], q: float, vocab: int) -> None:
+    def __init__(self, reference: dict[tuple[int, ...], list[int]], q: float, vocab: int, seed: int = 0) -> None:
         self.reference, self.q, self.vocab = reference, q, vocab
-        self.rng = random.Random(0)
+        self.rng = random.Random(seed)
 
     def propose(self, seq: EngineSequence, state: SpecState, k: int) -> list[int]:
         ahead = self.reference.get(seq.request.prompt_ids, [])[seq.num_output:seq.num_output + k]

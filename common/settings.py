@@ -191,7 +191,8 @@ class ReuseSettings(_Section):
 
     NAME: ClassVar[str] = "reuse"
     prompt: bool = setting(True, parse_bool, doc="reuse retained state for prompts found by content")
-    retained_device: int = setting(8, parse_int, minimum=0, doc="retained-state slots in device memory")
+    retained_device: int = setting(8, parse_int, minimum=0, doc="retained-state slots in device memory (an "
+                                   "attention-only model: kept prompt ends; 0 = none)")
     retained_host: int = setting(0, parse_int, minimum=0, doc="retained-state slots in pinned host memory; "
                                  "captures go there first (hybrid models)")
     retained_host_tokens: int = setting(0, parse_int, minimum=0, doc="the longest state a host slot holds (it "

@@ -81,13 +81,13 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         kept = None
         worker = None
         if config.retained_device > 0 or config.retained_host > 0:
-            kept, worker = _retained_states(loaded, config, cache, pages, 0, max(0, config.retained_device), tiers,
+            kept, worker = _retained_states(loaded, config, cache, pages, 0, config.retained_device, tiers,
                                             counters, ahead_pages)
         worker = worker or (CopyWorker() if ahead_pages else None)  # also writes finished chains ahead of need
         chains = PageChains(pages, tiers, config.page_size, worker=worker, ahead_pages=ahead_pages,
                             counters=counters) if tiers is not None else None
         if kept is not None and chains is not None:
-            kept.on_written_below = lambda state: chains.covered(state.page_hashes)
+            kept.on_written_below = chains.covered
         residency = Residency(moves, worker, states=kept, chains=chains, tiers=tiers)
         reuse = PageReuse(pages, config.page_size, tiers=tiers, restore_floor=config.restore_floor, chains=chains,
                           counters=counters, states=kept)

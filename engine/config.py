@@ -29,8 +29,8 @@ class EngineConfig:
     max_queue: int = from_setting("engine.max_queue")
     max_model_len: int = from_setting("engine.max_model_len")  # 0: from the model config (and the cache's capacity)
     reuse_prompt: bool = from_setting("reuse.prompt")
-    retained_device: int = from_setting("reuse.retained_device")  # retained-state slots reserved at load (hybrid)
-    retained_host: int = from_setting("reuse.retained_host")  # retained-state slots in one host block (hybrid)
+    retained_device: int = from_setting("reuse.retained_device")  # retained slots (hybrid); kept prompt ends (dense)
+    retained_host: int = from_setting("reuse.retained_host")  # retained-state slots in one host block
     retained_host_tokens: int = from_setting("reuse.retained_host_tokens")  # the longest a host slot holds; 0: context
     retained_interactive_ttl: float = from_setting("reuse.retained_interactive_ttl")
     speculative_method: str = from_setting("speculative.method")  # none | ngram | mtp (engine/speculative/)

@@ -95,15 +95,20 @@ class EngineMetrics:
         self._accept_length = Histogram("ignis_spec_acceptance_length", "Tokens one verify step yields (the "
                                         "drafts kept, plus the target's own)", ["method"],
                                         buckets=tuple(range(1, 17)), registry=r)
+        self._spec: dict[str, tuple[Any, Any, Any]] = {}  # the three above's children, by method
         r.register(EngineCollector(stats, tiers))
         self._round: _Round | None = None  # engine thread only
         self._finished: dict[tuple[RequestClass, FinishReason], Any] = {}  # ignis_requests children by (class, reason)
 
     def on_verified(self, method: str, drafted: int, accepted: int) -> None:
         """A verify of `drafted` tokens kept `accepted` of them (engine thread)."""
-        self._drafted.labels(method).inc(drafted)
-        self._accepted.labels(method).inc(accepted)
-        self._accept_length.labels(method).observe(accepted + 1)
+        children = self._spec.get(method)
+        if children is None:  # bound once per method: a verify is a dict lookup, not three label lookups
+            children = self._spec[method] = (self._drafted.labels(method), self._accepted.labels(method),
+                                             self._accept_length.labels(method))
+        children[0].inc(drafted)
+        children[1].inc(accepted)
+        children[2].observe(accepted + 1)
 
     def on_tokens(self, seqs: Sequence[EngineSequence]) -> None:
         """After a sampling round (engine thread): each sequence got one token just now."""

@@ -217,6 +217,12 @@ class EngineSequence:
     def grow(self, pages: list[int]) -> None:
         self.page_table.extend(pages)
 
+    def swap_slot(self, slot: int) -> int | None:
+        """Hold `slot` instead of its own, which it hands back (a drafting hybrid's state before and after
+        a verify: engine/verify_step.py)."""
+        held, self.slot = self.slot, slot
+        return held
+
     def drop_pages(self, keep: int) -> list[int]:
         """Hand back the pages after the first `keep` (the caller frees them)."""
         dropped, self.page_table = self.page_table[keep:], self.page_table[:keep]

@@ -314,7 +314,7 @@ class Scheduler:
         assert self.speculator is not None
         drafts = {}
         for seq in self.running:
-            if seq.num_output and seq.num_computed >= seq.num_prompt:
+            if seq.num_computed >= seq.num_prompt:  # a decode (the speculator asks for a first token too)
                 draft = self.speculator.draft(seq)
                 if draft:
                     drafts[seq] = draft

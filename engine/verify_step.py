@@ -49,13 +49,11 @@ class VerifyStep:
         seq, draft = res.seq, res.draft
         rid = seq.request.request_id
         assert res.draft_logits is not None
-        before = seq.num_computed
         pending = res.num_tokens - len(draft)
-        spare, stepped = res.spare_slot, seq.slot  # a hybrid: its state before the step, and after it
-        if spare is not None:
-            seq.slot = spare  # the state of `before` tokens, as its computed count says, until the end
-        else:
-            seq.num_computed = before + pending
+        # A hybrid holds its state from before the step (as its computed count says) until the end.
+        stepped = seq.swap_slot(res.spare_slot) if res.spare_slot is not None else None
+        if res.spare_slot is None:
+            seq.mark_computed(pending)
             self.reuse.after_decodes([seq])
         try:
             verified = verify_drafts(res.draft_logits, draft, seq.sampler, self.eos_ids, seq.num_output)
@@ -67,23 +65,20 @@ class VerifyStep:
             self.speculator.verified(seq, len(draft), verified.accepted)
             self.metrics.on_verified(self.speculator.method, len(draft), verified.accepted)
             self._append(seq, verified.tokens, deltas, failed)
-        kept_all = verified is not None and verified.accepted == len(draft)
-        if seq.status is not SeqStatus.RUNNING or rid in failed:
-            if spare is not None and stepped is not None:
-                self.scheduler.release_slot(stepped)  # its own slot (the spare now) goes with the sequence
-            return
-        if spare is not None:
-            if kept_all:
-                seq.slot = stepped
-                self.scheduler.release_slot(spare)
-                seq.num_computed = before + pending + len(draft)
-            elif stepped is not None:
-                self.scheduler.release_slot(stepped)  # back on the copy: the tokens that stood run again
-        else:
-            assert verified is not None
-            seq.num_computed += verified.accepted
+        running = seq.status is SeqStatus.RUNNING and rid not in failed
+        if stepped is not None:
+            if running and verified is not None and verified.accepted == len(draft):
+                copy = seq.swap_slot(stepped)  # every draft stood: the new state is the one to keep
+                assert copy is not None
+                self.scheduler.release_slot(copy)
+                seq.mark_computed(pending + len(draft))
+            else:  # back on the copy (the tokens that stood run again), or gone with the sequence
+                self.scheduler.release_slot(stepped)
+        elif running and verified is not None:
+            seq.mark_computed(verified.accepted)
             self.reuse.after_decodes([seq])
-        self.scheduler.trim_pages(seq)
+        if running:
+            self.scheduler.trim_pages(seq)
 
     def _append(self, seq: EngineSequence, tokens: SampleOutput, deltas: Deltas, failed: dict[str, str]) -> None:
         """Each token that stands, in order, until one ends the choice."""

@@ -9,7 +9,8 @@ within 1e-5, greedy and seeded. The claims are made from the device, from KV-RAM
 
 from __future__ import annotations
 
-import threading
+import itertools
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,10 @@ import pytest
 from common.eviction import EvictionOrder
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.facts import RequestClass
 from engine.model.loader import LoadedModel, load_model
 from engine.offline import run_to_completion
+from engine.outputs import RequestUpdate
 from engine.prompt import render_chat
 from engine.request import EngineRequest
 from engine.sampling.params import SamplingParams
@@ -62,7 +65,7 @@ class CountingModel:
 
 class Engine:
     def __init__(self, model: tuple[LoadedModel, Tokenizer], *, reuse: bool = True, kept: int = 4,
-                 tierstore: str = "") -> None:
+                 tierstore: str = "", start: bool = True) -> None:
         loaded, self.tokenizer = model
         # restore floor 0: a claim from below that beats the device's pages by one token wins (these
         # tests claim from the tier they name; the floor has tests of its own).
@@ -71,21 +74,29 @@ class Engine:
             retained_interactive_ttl=0.0, tierstore_address=tierstore, tier_timeout=5.0, tier_restore_floor=0))
         self.model = CountingModel(self.core.runner.model)
         self.core.runner.model = self.model  # type: ignore[assignment]
-        self.core.start()
-        self.n = 0
+        if start:
+            self.core.start()
+        self.ids = itertools.count(1)  # next() is atomic: requests from several threads get their own ids
 
     def prompt(self, topic: str) -> list[int]:
         chat = engine_pb2.ChatInput()
         chat.messages.add(role="user", content=f"About {topic}: " + f"say more about {topic}. " * 5)
         return list(render_chat(self.tokenizer, chat).token_ids)
 
-    def run(self, topic: str, max_tokens: int = 5, n: int = 1, seed: int | None = None) -> Result:
-        prompt = self.prompt(topic)
-        self.n += 1
+    def request(self, topic: str, max_tokens: int = 5, n: int = 1, seed: int | None = None,
+                cls: RequestClass = RequestClass.INTERACTIVE) -> EngineRequest:
         params = SamplingParams(temperature=0.0 if seed is None else 0.9, seed=seed, n=n, max_tokens=max_tokens,
                                 ignore_eos=True, logprobs=True)
+        return EngineRequest(f"r{next(self.ids)}", tuple(self.prompt(topic)), params, cls)
+
+    def run(self, topic: str, max_tokens: int = 5, n: int = 1, seed: int | None = None,
+            cls: RequestClass = RequestClass.INTERACTIVE) -> Result:
         before = self.model.calls
-        updates = run_to_completion(self.core, EngineRequest(f"r{self.n}", tuple(prompt), params), timeout=300)[0]
+        updates = run_to_completion(self.core, self.request(topic, max_tokens, n, seed, cls), timeout=300)[0]
+        return self.result(updates, n, self.model.calls - before)
+
+    @staticmethod
+    def result(updates: list[RequestUpdate], n: int = 1, forwards: int = 0) -> Result:
         assert updates[-1].error is None
         choices: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
@@ -96,21 +107,19 @@ class Engine:
         usage = updates[-1].usage
         assert usage is not None
         return Result(choices, logprobs, usage.cached_tokens, usage.prompt_tokens, usage.reuse.tier.value,
-                      usage.reuse.kind.value, self.model.calls - before)
+                      usage.reuse.kind.value, forwards)
 
     def settle(self) -> None:
         """Wait until the copies off the step are collected."""
-        deadline = threading.Event()
-        for _ in range(3000):
-            if not self.core.residency.copying:
-                return
-            deadline.wait(0.01)
-        raise AssertionError("copies off the step never finished")
+        deadline = time.monotonic() + 30
+        while self.core.residency.copying:
+            assert time.monotonic() < deadline, "copies off the step never finished"
+            time.sleep(0.01)
 
     def close(self) -> None:
         self.settle()
+        self.core.stop()  # the step thread is gone: what is read next is not changing under it
         self.core.check_integrity()
-        self.core.stop()
 
 
 def same(got: Result, want: Result) -> None:
@@ -185,15 +194,13 @@ def test_a_regenerate_with_a_seed_and_n4_compute_nothing_for_the_prompt(dense, c
 
 def test_a_burst_of_one_prompt_waits_for_its_end_instead_of_computing_it_again(dense, cold: Engine,
                                                                               engines: list[Engine]) -> None:
-    """Four copies of one prompt sent together: one computes it, the other three claim its kept end."""
-    engine = Engine(dense)
+    """Four copies of one prompt sent together (all queued before the engine's first step): one computes
+    it, the other three are held while it does, then claim its kept end."""
+    engine = Engine(dense, start=False)
     engines.append(engine)
-    results: list[Result] = []
-    threads = [threading.Thread(target=lambda: results.append(engine.run("comets", max_tokens=2))) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    requests = [engine.request("comets", max_tokens=2) for _ in range(4)]
+    results = [Engine.result(u) for u in run_to_completion(engine.core, *requests, timeout=300, start=True)]
+    assert engine.core.reuse.counters.inflight_holds == 3
     want = cold.run("comets", max_tokens=2)
     for r in results:
         same(r, want)
@@ -209,13 +216,15 @@ def test_kept_ends_are_bounded_ranked_and_listed(dense, engines: list[Engine]) -
     assert len(views) == 2  # reuse.retained_device of them: the oldest was evicted
     assert engine.core.residency.retained_slots == (2, 2)
     assert engine.core.reuse.counters.evictions == 1
-    listing = StateLister("dense", EvictionOrder(0.0), None).listing(engine.core.snapshot(), 0, 100)
+    listing = StateLister("dense", EvictionOrder(0.0), None).listing(engine.core.request_snapshot().result(60), 0,
+                                                                     100)
     rows = [r for r in listing.states if r.kind == common_pb2.REUSE_KIND_PAGES and r.HasField("rank")]
     assert sorted(r.tokens for r in rows) == sorted(len(engine.prompt(t)) for t in ("glaciers", "volcanoes"))
     # The evicted one still claims its pages on the device, one token short of its end.
     tides = engine.run("tides", max_tokens=1)
     assert tides.cached == (tides.prompt_tokens - 1) // P * P and tides.forwards == 1
     # Pages are a cache: a long request takes them back from the kept ends (live work first).
+    engine.core.stop()  # reclaim is the step thread's to call: that thread is gone now
     assert engine.core.reuse.reclaim(engine.core.pages.num_pages)
     assert engine.core.residency.retained_slots == (2, 0)
 
@@ -226,9 +235,9 @@ def test_a_kept_end_spills_with_its_logits_and_a_claim_from_below_computes_nothi
         tmp_path: Path, dense, cold: Engine, engines: list[Engine], tier: str, ask: str) -> None:
     """A retry (greedy), a regenerate (seeded) or an n=4 request (seeded) of a prompt whose kept end left
     the device for KV-RAM or KV-disk: restored with its logits, nothing computed, equal to cold."""
-    probe = Engine(dense, kept=1)
+    probe = Engine(dense, kept=1, start=False)  # only its codec is read
     nbytes = probe.core.residency.states.codec.nbytes(len(probe.prompt("tides")), True)  # type: ignore[union-attr]
-    probe.close()
+    probe.core.stop()
     # RAM: room for every state. Disk: room for about two, so the first pushed out lands on disk.
     arena = 64 * MiB if tier == "ram" else -(-(2 * nbytes + nbytes // 2) // 4096) * 4096
     store = start_store(tmp_path, arena=arena)
@@ -273,7 +282,35 @@ def test_a_kept_end_written_below_covers_its_page_chain(tmp_path: Path, dense, e
         engine.settle()
         names = {v.name for v in chains.views()}
         assert chain_name("tides") not in names and chain_name("glaciers") in names
+        assert chains.spills == 0  # it left the chains because the kept end covers it, not by a write of its own
         got = engine.run("tides", max_tokens=1)
+        assert (got.tier, got.cached, got.forwards) == ("ram", got.prompt_tokens, 0)
+    finally:
+        for engine in engines:
+            engine.settle()
+        store.stop()
+
+
+def test_a_kept_end_captured_straight_below_covers_its_page_chain(tmp_path: Path, dense,
+                                                                   engines: list[Engine]) -> None:
+    """An agent's prompt end may not displace an interactive one from the one device slot, so it is captured
+    straight to KV-RAM: its chain is covered there too, not tracked to be written a second time."""
+    from engine.kv.chain_hash import page_hashes
+
+    store = start_store(tmp_path)
+    try:
+        engine = Engine(dense, kept=1, tierstore=store.address)
+        engines.append(engine)
+        chains = engine.core.residency.chains
+        assert chains is not None
+        engine.run("tides", max_tokens=1)  # the interactive end holds the slot
+        engine.run("glaciers", max_tokens=1, cls=RequestClass.AGENT)
+        engine.settle()
+        namespace = engine.core.namespace_hash("")
+        glaciers = page_hashes(namespace, engine.prompt("glaciers"), P)[-1]  # type: ignore[arg-type]
+        assert engine.core.reuse.counters.captures_below == 1
+        assert glaciers not in {v.name for v in chains.views()} and chains.spills == 0
+        got = engine.run("glaciers", max_tokens=1, cls=RequestClass.AGENT)
         assert (got.tier, got.cached, got.forwards) == ("ram", got.prompt_tokens, 0)
     finally:
         for engine in engines:

@@ -17,7 +17,8 @@ import signal
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,7 @@ from engine.tiers.client import TierClient
 from engine.tiers.codec import StateCodec
 from engine.tiers.integrity import IntegrityKey
 from engine.tiers.link import Spillable, TierHit, TierLink
-from engine.tiers.published_table import PublishedTable as EngineTable
+from engine.tiers.published_table import PublishedTable as EngineTable, SlotBusy
 from ignis.v1 import common_pb2, tierstore_pb2
 from services import RunningService, start_tierstore
 from tierstore.client import TierStoreClient
@@ -335,25 +336,50 @@ def forge(r: Rig, key: bytes, **fields: object) -> None:
     """A local process of the store's user rewrites the table: the slot of `key` (or, with `into`, an empty
     slot of that key's window) gets `fields` changed, its sequence number left as it was."""
     from common.published_layout import STATE_BODY, home
+    names = ["lo", "hi", "used", "kind", "offset", "nbytes", "tokens", "tag_len", "namespace", "tag"]
+    into = fields.pop("into", None)
+
+    def rewrite(buf: mmap.mmap, g: Any, at: int, body: dict[str, Any]) -> int:
+        if isinstance(into, bytes):  # the same entry under another name, in that name's window
+            body["lo"], body["hi"] = key_words(into)
+            start = home(body["lo"], g.states)
+            at = next(g.states_at + ((start + d) % g.states) * STATE_SLOT_BYTES for d in range(PROBE)
+                      if not struct.unpack_from("<I", buf, g.states_at + ((start + d) % g.states)
+                                                * STATE_SLOT_BYTES + 24)[0])
+        body.update(fields)
+        return at
+
+    _forge_slot(r, key, "states", STATE_SLOT_BYTES, STATE_BODY, names, rewrite)
+
+
+def forge_page(r: Rig, page: bytes, **fields: object) -> None:
+    """As `forge`, for the page slot of `page`."""
+    from common.published_layout import PAGE_BODY, PAGE_SLOT_BYTES
+
+    def rewrite(buf: mmap.mmap, g: Any, at: int, body: dict[str, Any]) -> int:
+        body.update(fields)
+        return at
+
+    _forge_slot(r, page, "pages", PAGE_SLOT_BYTES, PAGE_BODY,
+                ["lo", "hi", "used", "tokens", "holder", "nbytes"], rewrite)
+
+
+def _forge_slot(r: Rig, key: bytes, region: str, slot_bytes: int, layout: struct.Struct, names: list[str],
+                rewrite: Callable[[mmap.mmap, Any, int, dict[str, Any]], int]) -> None:
+    """Opens the table for writing, finds `key`'s slot in `region` ("states" or "pages"), lets `rewrite`
+    change its fields (and say where they go), and writes them there."""
     table = r.client.table
     assert table is not None
     g = table.geometry
+    first, count = getattr(g, f"{region}_at"), getattr(g, region)
     fd = os.open(table.path, os.O_RDWR)
     try:
         with mmap.mmap(fd, g.nbytes) as buf:
-            slot = next(s for s in range(g.states) if buf[g.states_at + s * STATE_SLOT_BYTES + 8:][:16] == key)
-            at = g.states_at + slot * STATE_SLOT_BYTES
-            names = ["lo", "hi", "used", "kind", "offset", "nbytes", "tokens", "tag_len", "namespace", "tag"]
-            body = dict(zip(names, STATE_BODY.unpack_from(buf, at + 8)))
-            into = fields.pop("into", None)
-            if isinstance(into, bytes):  # the same entry under another name, in that name's window
-                body["lo"], body["hi"] = key_words(into)
-                start = home(body["lo"], g.states)
-                at = next(g.states_at + ((start + d) % g.states) * STATE_SLOT_BYTES for d in range(PROBE)
-                          if not struct.unpack_from("<I", buf, g.states_at + ((start + d) % g.states)
-                                                    * STATE_SLOT_BYTES + 24)[0])
-            body.update(fields)
-            STATE_BODY.pack_into(buf, at + 8, *body.values())
+            slot = next(s for s in range(count) if buf[first + s * slot_bytes + 8:][:16] == key)
+            at = first + slot * slot_bytes
+            body = dict(zip(names, layout.unpack_from(buf, at + 8)))
+            at = rewrite(buf, g, at, body)
+            layout.pack_into(buf, at + 8, *body.values())
     finally:
         os.close(fd)
 
@@ -385,6 +411,69 @@ def test_a_forged_entry_is_caught_by_the_tag_and_runs_cold(tmp_path: Path) -> No
         hit = find(r, b)  # the entries not forged are served as ever
         assert hit is not None and restore(r, hit, list(range(40, 47))) is not None
         assert same_pages(r, list(range(40, 47)), [7, 8, 9, 10, 11, 12, 13])
+
+
+@pytest.mark.parametrize("field", ["tokens", "nbytes"])
+def test_a_page_slot_that_disagrees_with_its_holder_is_asked_of_match(tmp_path: Path, field: str) -> None:
+    """Which state holds a page is trusted as Match's answer is (the tag proves only the holder's own bytes),
+    so the slot must at least agree with the holder's entry: a page's token count one page too many (a
+    longer slice of the holder than the prompt shares) or a length not the holder's sends the lookup to
+    Match, which answers what the store holds."""
+    with rig(tmp_path) as r:
+        chain = tokens_of(2, 6 * P)
+        name = write(r, chain, 6 * P, [20, 21, 22, 23, 24, 25], logits=False, kind=ReuseKind.PAGES)
+        other = chain[:4 * P] + tokens_of(4, 3 * P + 5)
+        forged = {"tokens": 5 * P} if field == "tokens" else {"nbytes": 12345}
+        forge_page(r, page_hashes(NS, chain, P)[3], **forged)
+        hit = find(r, other)
+        assert r.matches == [1] and r.link.table_answers == 0
+        assert hit is not None and (hit.state_hash, hit.tokens) == (name, 4 * P)
+
+
+def test_a_slot_written_through_every_read_is_asked_of_match_not_taken_as_absent(tmp_path: Path) -> None:
+    """The store in the middle of writing the slot of the one state that answers (its sequence number odd):
+    the table cannot say what it holds, so a Match does, and finds the state."""
+    with rig(tmp_path) as r:
+        prompt = tokens_of(1, 5 * P + 7)
+        name = write(r, prompt, len(prompt), [10, 11, 12, 13, 14, 15])
+        table = r.client.table
+        assert table is not None
+        entry = table.state(name)
+        assert entry is not None
+        fd = os.open(table.path, os.O_RDWR)
+        try:
+            with mmap.mmap(fd, table.geometry.nbytes) as buf:
+                seq = struct.unpack_from("<Q", buf, entry.slot_at)[0]
+                struct.pack_into("<Q", buf, entry.slot_at, seq + 1)
+                hit = find(r, prompt)
+                struct.pack_into("<Q", buf, entry.slot_at, seq)
+        finally:
+            os.close(fd)
+        assert r.matches == [1] and hit is not None and (hit.state_hash, hit.tokens) == (name, len(prompt))
+
+
+def test_an_entry_changed_between_lookup_and_restore_is_acquired_not_copied(tmp_path: Path) -> None:
+    """The slot of the entry a lookup found is rewritten before the restore (the state moved): the restore
+    does not copy from the entry (which the after-copy check would refuse) but Acquires the state."""
+    with rig(tmp_path) as r:
+        prompt = tokens_of(1, 5 * P + 7)
+        write(r, prompt, len(prompt), [10, 11, 12, 13, 14, 15])
+        hit = find(r, prompt)
+        assert hit is not None and r.matches == []
+        table = r.client.table
+        assert table is not None
+        entry = table.state(hit.state_hash)
+        assert entry is not None
+        fd = os.open(table.path, os.O_RDWR)
+        try:
+            with mmap.mmap(fd, table.geometry.nbytes) as buf:
+                seq = struct.unpack_from("<Q", buf, entry.slot_at)[0]
+                struct.pack_into("<Q", buf, entry.slot_at, seq + 2)  # a write came and went
+        finally:
+            os.close(fd)
+        assert restore(r, hit, [40, 41, 42, 43, 44, 45]) is not None
+        assert same_pages(r, [40, 41, 42, 43, 44, 45], [10, 11, 12, 13, 14, 15])
+        assert (r.link.table_claims, r.link.table_races, r.link.restores) == (0, 0, 1)
 
 
 # --- (d) a tierstore restart ----------------------------------------------------------------
@@ -494,7 +583,9 @@ def test_a_table_entry_is_read_whole_or_not_at_all(tmp_path: Path) -> None:
         at = entry.slot_at
         seq = struct.unpack_from("<Q", writer._buf, at)[0]
         struct.pack_into("<Q", writer._buf, at, seq + 1)  # the store in the middle of writing it
-        assert reader.state(key) is None and not reader.unchanged(entry)
+        with pytest.raises(SlotBusy):  # not "absent": what it holds is unknown (the lookup asks Match)
+            reader.state(key)
+        assert not reader.unchanged(entry)
         struct.pack_into("<Q", writer._buf, at, seq)
         assert reader.state(key) == entry
         writer.put_state(key, record(2))  # rewritten: the entry read before is stale
@@ -572,3 +663,31 @@ def test_a_truncated_table_is_not_read(tmp_path: Path) -> None:
         assert not reader.current()
         fault = writer.fault()
         assert fault is not None and "truncated" in fault
+
+
+def test_the_table_is_made_before_its_arena_so_its_name_cannot_be_taken_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another user who sees the arena's name appear in /dev/shm could create `<arena>.table` before the
+    store and leave it without a table; the store makes the table first, under a name nobody can guess,
+    at start and when it recreates its arena."""
+    import tierstore.store as store_module
+    from tierstore.store import StoreConfig, TierStore
+
+    seen: list[bool] = []
+    make_arena = store_module.Arena
+
+    def arena_after_its_table(nbytes: int, *, instance_id: str, directory: Path) -> Any:
+        table = store_module.arena_path(directory, instance_id).with_name(
+            store_module.arena_path(directory, instance_id).name + ".table")
+        seen.append(table.exists())
+        return make_arena(nbytes, instance_id=instance_id, directory=directory)
+
+    monkeypatch.setattr(store_module, "Arena", arena_after_its_table)
+    store = TierStore(StoreConfig(4 * MiB, str(tmp_path / "disk"), 0), arena_dir=tmp_path)
+    try:
+        store.arena.path.unlink()  # deleted behind its back: a new arena (and table) at the next check
+        assert store._check_arena(sweep=True)
+        assert seen == [True, True] and store._table is not None
+        assert store._table.path == store.arena.path.with_name(store.arena.path.name + ".table")
+    finally:
+        store.close()

@@ -3,16 +3,15 @@
 The drafting is checked on its own (prompt lookup against a brute-force search, the verify rule on
 constructed logits, the sampled rule's distribution by a chi-square test over thousands of seeds), then
 in an in-process EngineCore on dense, hybrid, MoE-hybrid and pure recurrent random checkpoints. Random
-weights rarely repeat themselves, so most engine tests draft with `ReferenceDrafter`: it proposes the
-tokens a cold run produced (each one wrong with probability q, so every verify outcome happens: all
-drafts kept, some, none); the engine's own prompt lookup is checked on a checkpoint whose greedy output
+weights rarely repeat themselves, so most engine tests draft with `ReferenceDrafter` (bench/speculative.py):
+it proposes the tokens a cold run produced (each one wrong with probability q, so every verify outcome
+happens: all drafts kept, some, none); the engine's own prompt lookup is checked on a checkpoint whose greedy output
 falls into a loop. Every output is compared with the same request decoded one token a step.
 """
 
 from __future__ import annotations
 
 import math
-import random
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from bench.speculative import ReferenceDrafter
 from checkpoints import make_checkpoint
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -145,16 +145,9 @@ def test_sampled_verify_keeps_the_target_distribution() -> None:
 
 
 # --- the engine -------------------------------------------------------------------------------------
-class ReferenceDrafter:
-    """Proposes what a cold run of the same request produced, each token wrong with probability `q`."""
-
-    def __init__(self, reference: dict[str, list[int]], q: float, vocab: int) -> None:
-        self.reference, self.q, self.vocab = reference, q, vocab
-        self.rng = random.Random(7)
-
-    def propose(self, seq: EngineSequence, state: SpecState, k: int) -> list[int]:
-        ahead = self.reference.get(seq.request.request_id, [])[seq.num_output:seq.num_output + k]
-        return [t if self.rng.random() >= self.q else (t + 1) % self.vocab for t in ahead]
+def drafter(reference: dict[tuple[int, ...], list[int]], q: float, vocab: int) -> ReferenceDrafter:
+    """The plain run's tokens of each prompt as drafts, each wrong with probability `q`."""
+    return ReferenceDrafter(reference, q, vocab, seed=7)
 
 
 @dataclass
@@ -201,7 +194,8 @@ def prompts(vocab: int, seed: int = 1) -> list[tuple[int, ...]]:
 
 
 def greedy(rid: str, prompt: tuple[int, ...], max_tokens: int = 40, **params: object) -> EngineRequest:
-    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=True, **params)  # type: ignore[arg-type]
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=True,
+                              **params)  # type: ignore[arg-type]
     return EngineRequest(rid, prompt, sampling)
 
 
@@ -245,7 +239,7 @@ def test_greedy_output_equals_plain_decoding_whatever_the_drafts(model: tuple[Lo
     requests = [greedy(f"r{i}", p) for i, p in enumerate(prompts(vocab))]
     want = plain_run(model, *requests)
     core = engine_for(model)
-    core.speculator.drafter = ReferenceDrafter({r.request_id: t for r, t in zip(requests, want.tokens)}, q, vocab)
+    core.speculator.drafter = drafter({r.prompt_ids: t for r, t in zip(requests, want.tokens)}, q, vocab)
     got = run(core, *requests)
     same_as_plain(got, want)
     drafted = sum(d for d, _ in got.usage)
@@ -270,7 +264,7 @@ def test_stops_inside_a_kept_run_end_where_plain_decoding_ends(model: tuple[Load
         requests.append(greedy("by-string", prompt, stop=[stop_text]))
     want = plain_run(model, *requests)
     core = engine_for(model)
-    core.speculator.drafter = ReferenceDrafter({r.request_id: reference for r in requests}, 0.0, vocab)
+    core.speculator.drafter = drafter({prompt: reference}, 0.0, vocab)
     got = run(core, *requests)
     same_as_plain(got, want)
     assert len(got.tokens[1]) == 7 and got.tokens[0][-1] == stop_id
@@ -283,7 +277,7 @@ def test_a_request_may_turn_it_off_beside_one_that_drafts(model: tuple[LoadedMod
     on, off = greedy("on", p[0]), EngineRequest("off", p[1], greedy("x", p[1]).params, speculative=False)
     want = plain_run(model, on, off)
     core = engine_for(model)
-    core.speculator.drafter = ReferenceDrafter({"on": want.tokens[0], "off": want.tokens[1]}, 0.2, vocab)
+    core.speculator.drafter = drafter({on.prompt_ids: want.tokens[0], off.prompt_ids: want.tokens[1]}, 0.2, vocab)
     got = run(core, on, off)
     same_as_plain(got, want)
     assert got.usage[0][0] > 0 and got.usage[1] == (0, 0)
@@ -297,7 +291,7 @@ def test_seeded_sampling_is_reproducible_and_keeps_drafts(model: tuple[LoadedMod
     runs = []
     for _ in range(2):
         core = engine_for(model)
-        core.speculator.drafter = ReferenceDrafter({"s": reference}, 0.0, vocab)
+        core.speculator.drafter = drafter({request.prompt_ids: reference}, 0.0, vocab)
         runs.append(run(core, request))
     assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens[0]) == 30
     assert runs[0].usage[0][0] > 0
@@ -313,7 +307,7 @@ def test_a_second_turn_claims_the_first_and_drafts_from_its_first_token(model: t
     turn1 = collect(run_to_completion(core, first, start=True, timeout=600)).tokens[0]
     second = greedy("t2", (*first.prompt_ids, *turn1, *prompts(vocab)[0][:9]), max_tokens=30)
     cold = plain_run(model, second)
-    core.speculator.drafter = ReferenceDrafter({"t2": cold.tokens[0]}, 0.25, vocab)
+    core.speculator.drafter = drafter({second.prompt_ids: cold.tokens[0]}, 0.25, vocab)
     try:
         updates = run_to_completion(core, second, timeout=600)
         got = collect(updates)
@@ -352,7 +346,7 @@ def test_drafting_pauses_where_it_does_not_pay(dense_chat_model_dir: Path) -> No
     request = greedy("r", prompts(vocab)[1], max_tokens=120)
     want = plain_run(model, request)
     core = engine_for(model)
-    core.speculator.drafter = ReferenceDrafter({"r": want.tokens[0]}, 1.0, vocab)
+    core.speculator.drafter = drafter({request.prompt_ids: want.tokens[0]}, 1.0, vocab)
     got = run(core, request)
     same_as_plain(got, want)
     assert core.speculator.totals.accepted_tokens == 0
@@ -368,14 +362,14 @@ def test_a_hybrid_that_rolls_back_holds_its_state_from_before_the_step(tiny_mode
     request = greedy("r", prompts(vocab)[1], max_tokens=24)
     want = plain_run(model, request)
     core = engine_for(model)
-    drafter = ReferenceDrafter({"r": want.tokens[0]}, 0.0, vocab)
+    reference = drafter({request.prompt_ids: want.tokens[0]}, 0.0, vocab)
     spoil_at = 3  # the third draft token of the first verify is wrong: two stand
 
     class Spoiled:
         calls = 0
 
         def propose(self, seq: EngineSequence, state: SpecState, k: int) -> list[int]:
-            out = drafter.propose(seq, state, k)
+            out = reference.propose(seq, state, k)
             Spoiled.calls += 1
             if Spoiled.calls == 1:
                 out[spoil_at - 1] = (out[spoil_at - 1] + 1) % vocab
@@ -412,7 +406,7 @@ def test_verify_frees_the_pages_of_drafts_that_did_not_stand(dense: tuple[Loaded
     prompt = prompts(vocab)[1][:30]  # drafts after the first token (position 30) reach the third page
     request = greedy("r", prompt, max_tokens=8)
     core = engine_for(dense, k=8)
-    core.speculator.drafter = ReferenceDrafter({"r": [0] * 40}, 1.0, vocab)  # always wrong
+    core.speculator.drafter = drafter({prompt: [0] * 40}, 1.0, vocab)  # always wrong
     core.submit(request, lambda u: None)
     core.drain_inbox()
     try:
@@ -447,7 +441,7 @@ def test_a_sequence_moved_down_while_drafting_resumes_exactly(kind: str, tiny_mo
     store = start_tierstore(tmp_path / "ts", ["--kv-host-pool-bytes", str(32 * MiB), "--kv-disk-bytes", "0"])
     driver = Driver(model, store.address, reuse_prompt=False, speculative_method="ngram", speculative_num_tokens=4)
     try:
-        driver.core.speculator.drafter = ReferenceDrafter({"r": want.tokens}, 0.4, model[1].config.vocab_size)
+        driver.core.speculator.drafter = drafter({prompt: want.tokens}, 0.4, model[1].config.vocab_size)
         driver.submit(make_request("r", prompt, max_tokens=30))
         if kind == "hybrid":
             move_at(driver, "r", lambda s: s.num_pending > 1 and s.num_output > 3)  # caught mid catch-up

@@ -12,14 +12,14 @@ from __future__ import annotations
 import bisect
 import fcntl
 import logging
-import mmap
 import os
 import time
 import uuid
-from common.mapped_file import file_fault
-from common.prefault import Prefault
 from dataclasses import dataclass
 from pathlib import Path
+
+from common.prefault import Prefault
+from tierstore.shm_file import SharedFile
 
 log = logging.getLogger("ignis.tierstore")
 
@@ -119,21 +119,9 @@ class Arena:
         if size <= 0:
             raise ValueError(f"reuse.kv_host_pool_bytes must be at least {ALIGN} bytes, got {nbytes}")
         reap_stale_arenas(directory)
-        self.path = directory / f"{SHM_PREFIX}{os.getpid()}-{instance_id or uuid.uuid4().hex}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            # Held for the life of the process (the kernel drops it on any exit, kill -9 included):
-            # a later start removes a file nobody holds, whatever the pid in its name says.
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            # Allocate the pages now: a full /dev/shm fails here, at start, not as SIGBUS mid-copy.
-            os.posix_fallocate(fd, 0, size)
-            self._mmap = mmap.mmap(fd, size)
-        except BaseException:
-            self.path.unlink(missing_ok=True)
-            os.close(fd)
-            raise
-        self._lock_fd = fd
-        self._inode = os.fstat(fd).st_ino
+        self.file = SharedFile(arena_path(directory, instance_id or uuid.uuid4().hex), size)
+        self.path = self.file.path
+        self._mmap = self.file.mmap
         # This process's page tables for it, filled ahead of the first restores into it (common/prefault.py).
         self.prefault = Prefault(self._mmap, "arena")
         self.size = size
@@ -150,7 +138,7 @@ class Arena:
     def reader(self) -> int:
         """A descriptor of the arena file of its own (the caller closes it): reads through it see a
         truncated file as a short read, where the mapping would be SIGBUS; it outlives `close`."""
-        return os.dup(self._lock_fd)
+        return os.dup(self.file.fd)
 
     def slice(self, offset: int, nbytes: int) -> memoryview:
         """The arena bytes [offset, offset + nbytes), zero copy."""
@@ -162,23 +150,9 @@ class Arena:
         self.allocator.check_integrity()
 
     def fault(self) -> str | None:
-        """Why the file can no longer serve as the arena, or None.
-
-        Truncated: a copy into the missing pages would be SIGBUS, in the store and in
-        every engine mapping it. Deleted or replaced: an engine that maps it again by
-        path gets another file (or none). Both mean a new arena (store.py).
-        """
-        broken = file_fault(self._lock_fd, self.size)
-        if broken is not None:
-            return broken
-        try:
-            if os.stat(self.path).st_ino != self._inode:
-                return "replaced by another file"
-        except FileNotFoundError:
-            return "deleted"
-        except OSError as exc:
-            return f"cannot stat its path ({exc})"
-        return None
+        """Why the file can no longer serve as the arena, or None (SharedFile.fault): then a new arena
+        (store.py)."""
+        return self.file.fault()
 
     def close(self) -> None:
         """Unmaps and removes the file. Engines that still map it keep their mapping until they unmap."""
@@ -188,14 +162,13 @@ class Arena:
             self._mmap.close()
         except BufferError:  # a slice is still exported (an in-flight Get): the unlink below still happens
             log.warning("arena still referenced at close; unmapped at exit")
-        try:
-            if os.stat(self.path).st_ino == self._inode:  # never another tierstore's file of that name
-                self.path.unlink()
-        except FileNotFoundError:
-            pass
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        self.file.remove()
+
+
+def arena_path(directory: Path, instance_id: str) -> Path:
+    """Where the arena of instance `instance_id` lives (its published table beside it: a name nobody can
+    guess before the store makes it)."""
+    return directory / f"{SHM_PREFIX}{os.getpid()}-{instance_id}"
 
 
 def reap_stale_arenas(directory: Path = SHM_DIR, min_age: float = 10.0) -> list[Path]:

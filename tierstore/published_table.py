@@ -24,9 +24,7 @@ arena. Closing it zeroes the header's epoch first, so an engine stops trusting i
 
 from __future__ import annotations
 
-import fcntl
 import mmap
-import os
 import struct
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from common.published_layout import (ANCHORED, ELSEWHERE, EPOCH_OFFSET, FILTER_C
                                      PAGE_BODY, PAGE_SLOT_BYTES, PROBE, RAM, SATURATED, STATE_BODY, STATE_SLOT_BYTES,
                                      UNPUBLISHED_OFFSET, VERSION, Geometry, PageRecord, StateRecord, epoch_of,
                                      filter_indices, header_bytes, home, key_words)
+from tierstore.shm_file import SharedFile
 
 TABLE_SUFFIX = ".table"
 _SEQ = struct.Struct("<Q")
@@ -52,8 +51,10 @@ class _Slots:
 
     def put(self, key: bytes, body: bytes) -> bool:
         """Writes `key`'s slot (in place if it has one); False when its window is full (then pending)."""
-        self.bodies[key] = body
         slot = self.where.get(key)
+        if slot is not None and self.bodies.get(key) == body:
+            return True  # what it holds already: no write, no new sequence number (a reader's entry stays good)
+        self.bodies[key] = body
         if slot is None:
             slot = self._free_slot(key)
             if slot is None:
@@ -133,17 +134,8 @@ class PublishedTable:
 
     def __init__(self, path: Path, geometry: Geometry, instance_id: str) -> None:
         geometry.check()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while the store lives (see the module docstring)
-            os.posix_fallocate(fd, 0, geometry.nbytes)  # a full /dev/shm fails here, not as SIGBUS mid-write
-            self._buf = mmap.mmap(fd, geometry.nbytes)
-        except BaseException:
-            path.unlink(missing_ok=True)
-            os.close(fd)
-            raise
-        self._fd = fd
-        self._inode = os.fstat(fd).st_ino
+        self.file = SharedFile(path, geometry.nbytes)  # locked while the store lives (see the module docstring)
+        self._buf = self.file.mmap
         self.path = path
         self.geometry = geometry
         self.instance_id = instance_id
@@ -164,21 +156,32 @@ class PublishedTable:
     def nbytes(self) -> int:
         return self.geometry.nbytes
 
-    def put_state(self, name: bytes, record: StateRecord | None) -> None:
-        """The state `name` is in KV-RAM as `record`, or (None) it is not."""
-        if record is None:
-            self.states.remove(name)
-        else:
-            self.states.put(name, _state_body(name, record))
-        self._keyed(name)
+    def put_state(self, name: bytes, record: StateRecord | None, elsewhere: bool = False) -> None:
+        """The state `name` is in KV-RAM as `record`, or (None) it is not; `elsewhere`: a state not in
+        KV-RAM answers `name` too."""
+        self._put(self.states, name, None if record is None else _state_body(name, record), elsewhere)
 
-    def put_page(self, page: bytes, record: PageRecord | None) -> None:
-        """A state in KV-RAM holds `page` as a page-aligned prefix (`record`), or (None) none does."""
-        if record is None:
-            self.pages.remove(page)
+    def put_page(self, page: bytes, record: PageRecord | None, elsewhere: bool = False) -> None:
+        """A state in KV-RAM holds `page` as a page-aligned prefix (`record`), or (None) none does;
+        `elsewhere`: a state not in KV-RAM holds it."""
+        self._put(self.pages, page, None if record is None else _page_body(page, record), elsewhere)
+
+    def _put(self, slots: _Slots, key: bytes, body: bytes | None, elsewhere: bool) -> None:
+        """A key's slot and its ELSEWHERE mark, in the order that never shows it answered nowhere (a state
+        moving to disk is marked elsewhere before its slot goes; one coming back has its slot first)."""
+        if elsewhere:
+            self.set_elsewhere(key, True)
+        if body is None:
+            slots.remove(key)
         else:
-            self.pages.put(page, _page_body(page, record))
-        self._keyed(page)
+            slots.put(key, body)
+        self._keyed(key)
+        if not elsewhere:
+            self.set_elsewhere(key, False)
+
+    def set_elsewhere(self, key: bytes, present: bool) -> None:
+        """Whether a state not in KV-RAM answers `key` (its name, or a page it holds)."""
+        self.elsewhere.set(key, present)
 
     def shows_state(self, name: bytes, record: StateRecord) -> bool:
         """Whether the table holds `record` for `name` (check_integrity: the store compares with its indexes)."""
@@ -186,10 +189,6 @@ class PublishedTable:
 
     def shows_page(self, page: bytes, record: PageRecord) -> bool:
         return self.pages.bodies.get(page) == _page_body(page, record)
-
-    def set_elsewhere(self, key: bytes, present: bool) -> None:
-        """Whether a state not in KV-RAM answers `key` (its name, or a page it holds)."""
-        self.elsewhere.set(key, present)
 
     def set_anchored(self, page: bytes, present: bool) -> None:
         """Whether some state ends mid-page right after `page`."""
@@ -215,30 +214,18 @@ class PublishedTable:
             len(self.states.pending) + len(self.pages.pending), "the header miscounts unpublished keys"
 
     def fault(self) -> str | None:
-        """Why the file can no longer serve as the table (truncated: a write past its end is SIGBUS;
-        deleted or replaced), or None. The store then recreates it with the arena (store.py)."""
-        broken = file_fault(self._fd, self.nbytes)
-        if broken is not None:
-            return broken
-        try:
-            return None if os.stat(self.path).st_ino == self._inode else "replaced by another file"
-        except OSError:
-            return "deleted"
+        """Why the file can no longer serve as the table (SharedFile.fault), or None. The store then
+        recreates it with the arena (store.py)."""
+        return self.file.fault()
 
     def close(self) -> None:
         """Zeroes the epoch (engines stop using it at their next look), removes the file, drops the lock."""
-        if self._fd < 0:
+        if self.file.fd < 0:
             return
-        if file_fault(self._fd, self.nbytes) is None:  # a truncated one: nothing to write (SIGBUS)
+        if file_fault(self.file.fd, self.nbytes) is None:  # a truncated one: nothing to write (SIGBUS)
             struct.pack_into("<Q", self._buf, EPOCH_OFFSET, 0)
         self._buf.close()
-        try:
-            if os.stat(self.path).st_ino == self._inode:  # never another tierstore's file of that name
-                self.path.unlink()
-        except FileNotFoundError:
-            pass
-        os.close(self._fd)
-        self._fd = -1
+        self.file.remove()
 
 
 def _state_body(name: bytes, record: StateRecord) -> bytes:

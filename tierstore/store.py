@@ -55,7 +55,7 @@ from common.eviction import EvictionOrder, Resident
 from common.published_layout import PageRecord, StateRecord
 from common.request_class import RequestClass, from_pb
 from ignis.v1 import common_pb2, tierstore_pb2
-from tierstore.arena import SHM_DIR, Arena, Extent, align_up
+from tierstore.arena import SHM_DIR, Arena, Extent, align_up, arena_path
 from tierstore.disk import DiskFault, DiskIO, DiskRecord, DiskTier, FileRange, SourceShrank, StagedBlob
 from tierstore.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from tierstore.policy import last_tier_room, resident
@@ -247,10 +247,16 @@ class TierStore:
         self._disk = DiskTier(config.disk_path, config.disk_bytes, io=disk_io, clock=clock) \
             if config.disk_bytes > 0 else None
         self._arena_dir = arena_dir
-        self.arena = Arena(config.arena_bytes, instance_id=self.instance_id, directory=arena_dir)
+        # What KV-RAM holds, for engines to read (published_table.py). Made before the arena: once the
+        # arena's name is in /dev/shm, another user could take the table's name beside it first.
+        self._table = self._new_table(self.instance_id)
+        try:
+            self.arena = Arena(config.arena_bytes, instance_id=self.instance_id, directory=arena_dir)
+        except BaseException:
+            self._close_table()
+            raise
         self._arena_fault: str | None = None  # the arena is broken and could not be recreated yet
         self._arena_generation = 0  # a Get that began in an earlier arena ends without touching this one
-        self._table = self._new_table()  # what KV-RAM holds, for engines to read (published_table.py)
         known: dict[bytes, Registration] = {}
         if self._disk is not None:
             known = {ns: Registration.decode(raw) for ns, raw in self._disk.load_namespaces().items()}
@@ -510,7 +516,6 @@ class TierStore:
         """Removes a state from every tier, or abandons a reservation; False if neither existed."""
         check_hash(hash)
         with self._lock:
-            self._check_arena()  # a broken table is not written to (its recreation forgets what it must)
             res = self._reservations.pop(hash, None)
             if res is not None:
                 self.arena.free(res.extent)
@@ -1075,13 +1080,13 @@ class TierStore:
     # _index_ram / _unindex_ram and the extent change: commit, _restore, _move_down, _forget), and
     # whole for each new arena; each write recomputes the keys of that state from the indexes.
 
-    def _new_table(self) -> PublishedTable | None:
+    def _new_table(self, instance_id: str) -> PublishedTable | None:
+        """The published table of the arena instance `instance_id` will have (made first: see __init__)."""
+        path = arena_path(self._arena_dir, instance_id)
         try:
-            return PublishedTable.beside(self.arena.path, self.config.arena_bytes, self.config.disk_bytes,
-                                         self.instance_id)
+            return PublishedTable.beside(path, self.config.arena_bytes, self.config.disk_bytes, instance_id)
         except OSError as exc:  # /dev/shm full: engines ask Match for every claim
-            log.warning("no published table beside %s (%s): engines ask Match for every claim", self.arena.path.name,
-                        exc)
+            log.warning("no published table beside %s (%s): engines ask Match for every claim", path.name, exc)
             return None
 
     def _close_table(self) -> None:
@@ -1097,15 +1102,14 @@ class TierStore:
         """The table's records of every key `state` answers, as the indexes stand now (lock held): its
         name, the pages of a sliceable state, the page it is anchored after."""
         table = self._table
-        if table is None:
-            return
+        if table is None or table.fault() is not None:
+            return  # never written broken (a truncated file is SIGBUS): _check_arena makes a new one, all published
         info = state.info
-        table.put_state(info.hash, self._state_record(state) if self._states.get(info.hash) is state else None)
-        table.set_elsewhere(info.hash, self._answered_elsewhere(info.hash))
+        table.put_state(info.hash, self._state_record(state) if self._states.get(info.hash) is state else None,
+                        self._answered_elsewhere(info.hash))
         if info.sliceable:
             for i, page in enumerate(info.page_hashes):
-                table.put_page(page, self._page_record(page, i))
-                table.set_elsewhere(page, self._answered_elsewhere(page))
+                table.put_page(page, self._page_record(page, i), self._answered_elsewhere(page))
         anchor = _anchor(info)
         if anchor is not None:
             table.set_anchored(anchor, anchor in self._anchored)
@@ -1175,9 +1179,12 @@ class TierStore:
             self._arena_fault = f"arena {self.arena.path.name} was {reason}"
             what = f"{lost} states only in RAM lost, {kept} kept on disk"
         instance_id = uuid.uuid4().hex
+        table = self._new_table(instance_id)  # before its arena, as at start
         try:
             arena = Arena(self.config.arena_bytes, instance_id=instance_id, directory=self._arena_dir)
         except OSError as exc:
+            if table is not None:
+                table.close()
             if first:
                 log.error("KV-RAM %s (%s) and cannot be recreated (%s): the RAM tier is unusable until it can; "
                           "retrying every second", self._arena_fault, what, exc)
@@ -1187,7 +1194,7 @@ class TierStore:
         self.instance_id = instance_id
         old.close()
         self._close_table()
-        self._table = self._new_table()
+        self._table = table
         self._publish_all()  # the states kept on disk: their names and pages answer elsewhere
         if first:
             log.warning("KV-RAM %s (%s): recreated as %s, instance %s; engines re-register and map it",

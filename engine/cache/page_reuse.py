@@ -85,9 +85,6 @@ class PageReuse(TieredReuse):
         return state_name(seq.namespace, seq.page_hashes, seq.token_ids, n, self.page_size)
 
     def device_revived_pages(self, claim: Claim) -> int:
-        if isinstance(claim.source, HeldState):
-            assert self.states is not None
-            return self.states.revived_pages(claim.source.state)
         assert isinstance(claim.source, DevicePages)
         return sum(1 for p in claim.source.pages if self.pages.is_free(p))
 
@@ -159,12 +156,6 @@ class PageReuse(TieredReuse):
         for seq in seqs:
             if seq.num_computed // page_size > seq.num_registered:
                 self.after_compute(seq, None)
-
-    def reclaim(self, pages_needed: int, keep: Claim | None = None) -> bool:
-        if self.states is None:
-            return False
-        kept = keep.source.state if keep is not None and isinstance(keep.source, HeldState) else None
-        return self.states.reclaim(pages_needed, kept)
 
     def on_finish(self, seq: EngineSequence) -> None:
         if self.chains is not None and seq.request.publishes and seq.num_registered:

@@ -31,6 +31,8 @@ from engine.tiers.link import TierLink
 
 
 class RetainedStateReuse(TieredReuse):
+    states: RetainedStates  # always there: they are what this strategy reuses
+
     def __init__(self, states: RetainedStates, tiers: TierLink | None = None, restore_floor: int = 32) -> None:
         super().__init__(states.counters)
         self.states = states
@@ -38,7 +40,8 @@ class RetainedStateReuse(TieredReuse):
         self._lineage_ids = itertools.count(1)
         self.lower = LowerTierClaims(tiers, states.pages, self.page_size, restore_floor) if tiers is not None else None
         if self.lower is not None:
-            states.below.on_written = self.lower.forget  # a claimant held for it asks the store again
+            lower = self.lower  # a state written below: a claimant held for it asks the store again
+            states.on_written_below = lambda hashes: lower.forget()
 
     # --- lookup -------------------------------------------------------------
     def match(self, seq: EngineSequence) -> Claim | None:
@@ -65,10 +68,6 @@ class RetainedStateReuse(TieredReuse):
             if best is not None:
                 return Claim(best.num_tokens, best.kind, HeldState(best))
         return None
-
-    def device_revived_pages(self, claim: Claim) -> int:
-        assert isinstance(claim.source, HeldState)
-        return self.states.revived_pages(claim.source.state)
 
     def apply_device(self, seq: EngineSequence, claim: Claim) -> None:
         assert isinstance(claim.source, HeldState) and seq.slot is not None
@@ -156,6 +155,3 @@ class RetainedStateReuse(TieredReuse):
             seq.join_lineage(next(self._lineage_ids))
         return seq.lineage
 
-    def reclaim(self, pages_needed: int, keep: Claim | None = None) -> bool:
-        kept = keep.source.state if keep is not None and isinstance(keep.source, HeldState) else None
-        return self.states.reclaim(pages_needed, kept)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import time
 from abc import abstractmethod
 
-from engine.cache.reuse import Claim, LowerTier, PromptReuse
+from engine.cache.reuse import Claim, HeldState, LowerTier, PromptReuse
 from engine.facts import ReuseTier
 from engine.kv.page_pool import PagePool
 from engine.request import EngineSequence
+from engine.residency.retained_states import RetainedStates
 from engine.tiers.link import TierHit, TierLink
 
 _MEMO_SECONDS = 1.0
@@ -92,6 +93,7 @@ class TieredReuse(PromptReuse):
     lower-tier claims there and device claims to `apply_device`."""
 
     lower: LowerTierClaims | None = None
+    states: RetainedStates | None = None  # the residency layer's retained states, claimed as HeldState
 
     def apply(self, seq: EngineSequence, claim: Claim) -> None:
         if isinstance(claim.source, LowerTier):
@@ -108,10 +110,20 @@ class TieredReuse(PromptReuse):
         if isinstance(claim.source, LowerTier):
             assert self.lower is not None
             return self.lower.fresh_full_pages(claim)
+        if isinstance(claim.source, HeldState):
+            assert self.states is not None
+            return self.states.revived_pages(claim.source.state)
         return self.device_revived_pages(claim)
 
     def device_revived_pages(self, claim: Claim) -> int:
+        """Free-list pages a claim of device pages (not a held state) takes back."""
         return 0
+
+    def reclaim(self, pages_needed: int, keep: Claim | None = None) -> bool:
+        if self.states is None:
+            return False
+        kept = keep.source.state if keep is not None and isinstance(keep.source, HeldState) else None
+        return self.states.reclaim(pages_needed, kept)
 
     def record(self, seq: EngineSequence, claim: Claim | None) -> None:
         if claim is not None and isinstance(claim.source, LowerTier):

@@ -34,8 +34,8 @@ class CapturesBelow:
         self.tiers, self.pages, self.page_size, self.counters = tiers, pages, page_size, counters
         self.pending = pending  # the retained states' list of captures in flight: a claimant waits for these
         self.codec, self.ring = codec, ring
-        # Called once a capture landed in the tier below (a claimant held for it asks the store again).
-        self.on_written: Callable[[], None] = lambda: None
+        # Called with its page hashes once a capture landed in the tier below (RetainedStates.on_written_below).
+        self.on_written: Callable[[tuple[StateHash, ...]], None] = lambda hashes: None
 
     def capture(self, seq: EngineSequence, name: StateHash, m: int, kind: ReuseKind,
                 logits: torch.Tensor | None) -> None:
@@ -46,12 +46,13 @@ class CapturesBelow:
             if buffer is not None:
                 self._stage(seq, name, m, kind, logits, buffer)
                 return
-        full = m // self.page_size
+        hashes = tuple(seq.page_hashes[:m // self.page_size])
         spilled = self.tiers is not None and self.tiers.spill(Spillable(
-            name, seq.namespace, m, kind, seq.request.request_class, tuple(seq.page_hashes[:full]), seq.slot,
+            name, seq.namespace, m, kind, seq.request.request_class, hashes, seq.slot,
             seq.page_table[:-(-m // self.page_size)], logits))
         if spilled:
             self.counters.captures_below += 1
+            self.on_written(hashes)
         else:
             self.counters.slot_skips += 1
 
@@ -82,7 +83,7 @@ class CapturesBelow:
             self.pages.release(pages)
             if written:
                 self.counters.captures_below += 1
-                self.on_written()
+                self.on_written(hashes)
             else:
                 self.counters.slot_skips += 1
 

@@ -73,9 +73,11 @@ class RetainedStates:
         self.index = StateIndex(max_per_lineage)
         self.pending: list[RetainedState] = []  # captures whose staged copy is not done: claimable soon
         self.below = CapturesBelow(tiers, pages, self.page_size, counters, self.pending, codec, ring)
-        # Called with a state once a copy of it is committed in KV-RAM (an attention-only model's page
-        # chains stop tracking what a kept end written below covers: its pages are indexed there).
-        self.on_written_below: Callable[[RetainedState], None] = lambda state: None
+        # Called with a state's page hashes once a copy of it is committed in KV-RAM, whichever way it went
+        # (written ahead, on eviction, or captured straight there): an attention-only model's page chains
+        # stop tracking what it covers (its pages are indexed there), lower-tier answers are asked again.
+        self.on_written_below: Callable[[tuple[StateHash, ...]], None] = lambda hashes: None
+        self.below.on_written = lambda hashes: self.on_written_below(hashes)
 
     # --- what is held --------------------------------------------------------------
     def __bool__(self) -> bool:
@@ -310,7 +312,7 @@ class RetainedStates:
             if written:
                 state.below = True
                 self.counters.spills_ahead += 1
-                self.on_written_below(state)
+                self.on_written_below(state.page_hashes)
             if state in self._releasing:  # dropped while it was being written
                 self._releasing.remove(state)
                 self._release_memory(state)
@@ -362,7 +364,7 @@ class RetainedStates:
             self.counters.spills_on_step += 1
             spilled = self._writer(state)()
             if spilled:
-                self.on_written_below(state)
+                self.on_written_below(state.page_hashes)
         if not spilled:
             log_event(log, "ignis.request.evicted", hash=state.name.hex(), tokens=state.num_tokens,
                       kind=state.kind.value, tier="device")

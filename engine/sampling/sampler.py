@@ -185,9 +185,9 @@ def process_logits(
             x[idx],
             counts,
             seen,
-            float_column([p.repetition_penalty for p in params], x.device),
-            float_column([p.presence_penalty for p in params], x.device),
-            float_column([p.frequency_penalty for p in params], x.device),
+            _column([p.repetition_penalty for p in params], x.device),
+            _column([p.presence_penalty for p in params], x.device),
+            _column([p.frequency_penalty for p in params], x.device),
         )
     # A tiny repetition penalty can push a logit past float32's range; +inf (and the NaN of
     # inf - inf in a softmax) would break the draw. Cap it: the token stays the most likely one.
@@ -265,14 +265,7 @@ def _sample_processed(logits: torch.Tensor, samplers: list[RequestSampler], eos_
 
     drawn = [i for i, s in enumerate(samplers) if not s.greedy]
     if drawn:
-        params = [samplers[i].params for i in drawn]
-        scaled = x[drawn] / float_column([p.temperature for p in params], x.device)[:, None]  # [S, V]
-        probs = truncated_probs(
-            scaled,
-            torch.tensor([p.top_k for p in params], dtype=torch.int64, device=x.device),
-            float_column([p.top_p for p in params], x.device),
-            float_column([p.min_p for p in params], x.device),
-        )  # [S, V]
+        probs = draw_probs(x[drawn], [samplers[i].params for i in drawn])  # [S, V]
         # One draw per row from the row's own generator: batch-independent.
         choices = torch.cat(
             [torch.multinomial(probs[row], 1, generator=samplers[i].generator) for row, i in enumerate(drawn)]
@@ -282,6 +275,15 @@ def _sample_processed(logits: torch.Tensor, samplers: list[RequestSampler], eos_
 
     logprobs, top = chosen_logprobs(x, samplers, token_ids)
     return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top)
+
+
+def draw_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """What sampled rows draw from: processed logits [S, V] (row i under params[i]) through temperature,
+    top-k, top-p and min-p, as probabilities [S, V]."""
+    scaled = x / _column([p.temperature for p in params], x.device)[:, None]
+    return truncated_probs(scaled, torch.tensor([p.top_k for p in params], dtype=torch.int64, device=x.device),
+                           _column([p.top_p for p in params], x.device),
+                           _column([p.min_p for p in params], x.device))
 
 
 def chosen_logprobs(
@@ -336,7 +338,7 @@ def _only_these_allowed(row: torch.Tensor, ids: set[int]) -> bool:
     return bool(torch.isneginf(rest).all())
 
 
-def float_column(values: list[float], device: torch.device) -> torch.Tensor:
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling.processors import truncated_probs
-from engine.sampling.sampler import (RequestSampler, SampleOutput, argmax_lowest, chosen_logprobs, float_column,
+from engine.sampling.sampler import (RequestSampler, SampleOutput, argmax_lowest, chosen_logprobs, draw_probs,
                                      process_logits)
 
 
@@ -60,11 +59,8 @@ def _walk_greedy(picked: list[int], draft: tuple[int, ...]) -> list[int]:
 
 
 def _walk_sampled(x: torch.Tensor, draft: tuple[int, ...], sampler: RequestSampler) -> list[int]:
-    params = sampler.params
     rows = x.shape[0]
-    scaled = x / params.temperature
-    probs = truncated_probs(scaled, torch.full((rows,), params.top_k, dtype=torch.int64, device=x.device),
-                            float_column([params.top_p] * rows, x.device), float_column([params.min_p] * rows, x.device))
+    probs = draw_probs(x, [sampler.params] * rows)
     generator = sampler.generator
     tokens: list[int] = []
     for i, d in enumerate(draft):

@@ -52,7 +52,7 @@ from engine.tiers.client import TierClient
 from engine.tiers.checked_copy import copy_and_check
 from engine.tiers.codec import UNPACK_STEP_BYTES, StateCodec
 from engine.tiers.integrity import IntegrityKey
-from engine.tiers.published_table import PublishedTable, TableEntry
+from engine.tiers.published_table import PublishedTable, SlotBusy, TableEntry
 from ignis.v1 import tierstore_pb2
 
 log = logging.getLogger("ignis.request")
@@ -258,7 +258,7 @@ class TierLink:
             tail = state_name(namespace, page_hashes, tokens, n, self.page_size)
         self._published = None
         table = self.client.table
-        answer = self._from_table(table, namespace, pages, tail, n) if table is not None else None
+        answer = self._table_answer(table, namespace, pages, tail, n) if table is not None else None
         if table is not None and answer is not None:
             self._keep_lease(None, [], 0.0)  # a lease held from an earlier lookup goes back
             self.table_answers += 1
@@ -293,6 +293,15 @@ class TierLink:
         return TierHit(bytes(best.state_hash or best.hash), best.tokens,
                        reuse_kind(best.kind, ReuseKind.CHECKPOINT), reuse_tier(best.tier, ReuseTier.RAM))
 
+    def _table_answer(self, table: PublishedTable, namespace: StateHash, pages: list[StateHash],
+                      tail: bytes | None, n: int) -> tuple[TableEntry | None, int] | None:
+        """`_from_table`, or None (ask Match) when a slot it reads is being written all the while: what it
+        holds is unknown, so the table cannot settle the answer."""
+        try:
+            return self._from_table(table, namespace, pages, tail, n)
+        except SlotBusy:
+            return None
+
     def _from_table(self, table: PublishedTable, namespace: StateHash, pages: list[StateHash], tail: bytes | None,
                     n: int) -> tuple[TableEntry | None, int] | None:
         """What `_find` would answer, from the published table alone: (the state to claim and the tokens
@@ -307,9 +316,16 @@ class TierLink:
         passed over. A "maybe" the table cannot settle, an entry of another namespace: ask Match."""
         if not table.current():
             return None
+        read: dict[bytes, TableEntry | None] = {}  # each state slot read once (the whole prompt's is asked twice)
+
+        def state(key: bytes) -> TableEntry | None:
+            if key not in read:
+                read[key] = table.state(key)
+            return read[key]
+
         whole = tail if tail is not None else (pages[-1] if pages and len(pages) * self.page_size == n else None)
         if whole is not None:
-            entry = table.state(whole)
+            entry = state(whole)
             if entry is not None and entry.namespace == namespace and entry.tokens == n \
                     and self.codec.has_logits(n, entry.nbytes):
                 return entry, n
@@ -319,14 +335,14 @@ class TierLink:
         maybe = table.maybe(keys)  # [key, (in RAM, elsewhere, anchored after)]
         if tail is not None:
             in_ram, elsewhere, _ = maybe[-1]
-            entry = table.state(tail) if in_ram else None
+            entry = state(tail) if in_ram else None
             if elsewhere or (entry is not None and entry.namespace != namespace):
                 return None  # a disk hit for the whole prompt, or a state not ours: Match knows
         for j in np.flatnonzero(maybe[:len(pages)].any(axis=1))[::-1].tolist():  # longest first
             in_ram, elsewhere, anchored = maybe[j]
             if anchored:
                 return None  # a state may end mid-page after page j: longer than any hit up to it
-            entry = table.state(pages[j]) if in_ram else None
+            entry = state(pages[j]) if in_ram else None
             if entry is not None:  # a state named by this page (Match takes it before any holder)
                 if entry.namespace != namespace:
                     return None
@@ -334,8 +350,11 @@ class TierLink:
                     return entry, entry.tokens
             elif in_ram and (page := table.page(pages[j])) is not None \
                     and self._usable_at(page.tokens, page.nbytes, n):  # a longer state holds it as a prefix
-                entry = table.state(page.holder)
-                if entry is None or entry.namespace != namespace:
+                entry = state(page.holder)
+                # The slot must agree with its holder: page j's tokens, the holder's length (which holder
+                # it names is trusted, as a Match answer is: the tag proves only the holder's own bytes).
+                if entry is None or entry.namespace != namespace or page.tokens != (j + 1) * self.page_size \
+                        or page.nbytes != entry.nbytes:
                     return None
                 return entry, page.tokens
             if elsewhere:
@@ -395,11 +414,12 @@ class TierLink:
         return tokens < n or (tokens == n and self.codec.has_logits(tokens, nbytes))
 
     def _take_published(self, name: bytes) -> tuple[PublishedTable, TableEntry] | None:
-        """The last lookup's entry from the published table if it is on `name` and of the table mapped now."""
+        """The last lookup's entry from the published table if it is on `name`, of the table mapped now and
+        its slot unchanged since it was read."""
         kept, self._published = self._published, None
         if kept is None or kept[1].name != name or kept[0] is not self.client.table \
-                or kept[0].instance_id != self.client.instance_id:
-            return None
+                or kept[0].instance_id != self.client.instance_id or not kept[0].unchanged(kept[1]):
+            return None  # a slot changed since the lookup (spilled, evicted): Acquire finds where it went
         return kept
 
     def _as_lease(self, entry: TableEntry) -> tierstore_pb2.AcquireResponse:

@@ -6,7 +6,10 @@ the arena is; a file that is anything else is not used (the lookups go to Match)
 here is trusted for content: an entry says where a state's bytes are and what its metadata is,
 and the engine's integrity tag, made with a key the store never holds, stays the proof that the
 bytes copied are the state it names (engine/tiers/integrity.py). Any process that can write the
-arena can write this file too; what it can forge is a cold prefill, never served bytes.
+arena can write this file too. Forging a state's entry buys a cold prefill, never served bytes.
+Which state holds a page as a prefix (a page slot) is trusted as a Match answer is: the tag proves
+the holder's bytes are the holder, not that the holder's first pages are the prompt's; the engine
+checks only that the slot agrees with the holder's entry (its length, the page's token count).
 
 What an entry is worth is checked twice:
 
@@ -44,6 +47,10 @@ from common.published_layout import (EPOCH_OFFSET, FILTER_COLUMNS, HEADER, HEADE
 
 _U64 = struct.Struct("<Q")
 SPINS = 1000  # reads of a slot the store is writing before giving up on it (then: ask Match)
+
+
+class SlotBusy(Exception):
+    """A slot was being written through every read: what it holds is unknown (not absent): ask Match."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,22 +123,22 @@ class PublishedTable:
 
     # --- lookups ---------------------------------------------------------------------
     def state(self, name: bytes) -> TableEntry | None:
-        """The state `name` if the table holds it in KV-RAM (None: not there, or being written)."""
+        """The state `name` if the table holds it in KV-RAM (None: not there; SlotBusy: being written)."""
         at = self._find(name, self.geometry.states_at, self.geometry.states, STATE_SLOT_BYTES)
-        read = self._read(at, STATE_SLOT_BYTES) if at is not None else None
-        if at is None or read is None:
+        if at is None:
             return None
+        read = self._read(at, STATE_SLOT_BYTES)
         lo, hi, used, kind, offset, nbytes, tokens, tag_len, namespace, tag = STATE_BODY.unpack(read[1])
         if not used or (lo, hi) != key_words(name):
             return None
         return TableEntry(offset, nbytes, tokens, kind, namespace, tag[:tag_len], name=name, slot_at=at, seq=read[0])
 
     def page(self, page: bytes) -> PageRecord | None:
-        """Which state in KV-RAM holds `page` as a page-aligned prefix (None: none, or being written)."""
+        """Which state in KV-RAM holds `page` as a page-aligned prefix (None: none; SlotBusy: being written)."""
         at = self._find(page, self.geometry.pages_at, self.geometry.pages, PAGE_SLOT_BYTES)
-        read = self._read(at, PAGE_SLOT_BYTES) if at is not None else None
-        if at is None or read is None:
+        if at is None:
             return None
+        read = self._read(at, PAGE_SLOT_BYTES)
         lo, hi, used, tokens, holder, nbytes = PAGE_BODY.unpack(read[1])
         if not used or (lo, hi) != key_words(page):
             return None
@@ -153,8 +160,8 @@ class PublishedTable:
                 return at
         return None
 
-    def _read(self, at: int, size: int) -> tuple[int, bytes] | None:
-        """A slot as the seqlock allows: (its sequence number, its body), or None while it is written."""
+    def _read(self, at: int, size: int) -> tuple[int, bytes]:
+        """A slot as the seqlock allows: (its sequence number, its body); SlotBusy while it is written."""
         buf = self._buf
         for _ in range(SPINS):
             seq = _U64.unpack_from(buf, at)[0]
@@ -163,7 +170,7 @@ class PublishedTable:
             body = buf[at + 8:at + size]
             if _U64.unpack_from(buf, at)[0] == seq:
                 return seq, body
-        return None
+        raise SlotBusy
 
     def close(self) -> None:
         """Unmaps it (the arrays over the mapping go with it) and closes the file."""
