@@ -4,6 +4,7 @@ Nothing here runs per step."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -44,6 +45,11 @@ class EngineParts:
 def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     model_cfg = loaded.config
     shape = model_cfg.state_shape()
+    if config.speculative_method == "mtp" and loaded.mtp is not None:
+        # The MTP layers' K/V live in the sequence's pages beside the target's (the drafter's window
+        # travels with the state: engine/speculative/mtp_drafter.py); they are cache layers L, L+1 ...
+        extra = tuple(range(model_cfg.num_layers, model_cfg.num_layers + len(loaded.mtp.layers)))
+        shape = dataclasses.replace(shape, attention_layers=shape.attention_layers + extra)
     dtype = loaded.model.dtype
     kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype)  # pages hold K/V in it; a page's bytes follow it
     page_bytes = shape.kv_bytes_per_page(config.page_size, kv_dtype)
@@ -102,12 +108,19 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     return EngineParts(cache, pages, SlotPool(live_slots) if recurrent else None, reuse, residency, max_model_len)
 
 
+def next_row_size(loaded: LoadedModel, config: EngineConfig) -> int:
+    """The floats of the row a state keeps with it for its next token: the logits, and with an MTP drafter
+    the target's hidden state at the last position after them (its first draft needs it)."""
+    drafter = config.speculative_method == "mtp" and loaded.mtp is not None
+    return loaded.config.vocab_size + (loaded.config.hidden_size if drafter else 0)
+
+
 def _retained_states(loaded: LoadedModel, config: EngineConfig, cache: DeviceCache, pages: PagePool,
                      first_slot: int, num_slots: int, tiers: TierLink | None, counters: ReuseCounters,
                      ahead_pages: int) -> tuple[RetainedStates, CopyWorker | None]:
     """Retained states in `num_slots` device slots from `first_slot` (an attention-only model's slots
     are only a count), the host block and the staging ring as configured, and the copy worker."""
-    codec = StateCodec(cache, loaded.config.vocab_size)
+    codec = StateCodec(cache, next_row_size(loaded, config))
     host = _host_slots(config, codec, min(loaded.config.max_position_embeddings, pages.num_pages * config.page_size),
                        pin=cache.kv.device.type == "cuda")
     staged = config.staging_ring and (host is not None or tiers is not None)
@@ -143,7 +156,7 @@ def _tier_link(loaded: LoadedModel, config: EngineConfig, cache: DeviceCache) ->
     """The tierstore below the device, if one is configured."""
     if not config.tierstore_address:
         return None
-    codec = StateCodec(cache, loaded.config.vocab_size)
+    codec = StateCodec(cache, next_row_size(loaded, config))
     client = TierClient(
         config.tierstore_address, model=loaded.config.model_type, page_size=config.page_size,
         layout=codec.layout(), kv_bytes_per_token=codec.kv_bytes_per_token,

@@ -31,10 +31,11 @@ from engine.model.loader import LoadedModel
 from engine.output_processor import Deltas, LiveRequest, OutputProcessor, RequestTotals, Sink
 from engine.outputs import EngineStats, RequestUpdate
 from engine.request import EngineRequest, EngineSequence, FinishReason, SeqStatus, context_length_message
-from engine.runner import ModelRunner
+from engine.runner import ChunkLogits, ModelRunner
 from engine.sampling.defaults import SamplingDefaults
 from engine.sampling.sampler import RequestSampler
 from engine.scheduler import Scheduler, SchedulerLimits, StepPlan
+from engine.speculative.mtp_drafter import MtpDrafter
 from engine.speculative.speculator import Speculator
 from engine.verify_step import VerifyStep
 from engine.state_listing import EngineSnapshot, take_snapshot
@@ -93,7 +94,19 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self._next_seq = 0
         self.sampling = StepSampling(self.eos_ids, self.outputs.append_sampled)
+        self.drafter = self._mtp_drafter() if config.speculative_method == "mtp" else None
         self.verify = VerifyStep(self.speculator, self.scheduler, self.reuse, self.outputs, self.metrics, self.eos_ids)
+
+    def _mtp_drafter(self) -> MtpDrafter:
+        mtp = self.loaded.mtp
+        if mtp is None:
+            raise ValueError(f"speculative.method=mtp needs a checkpoint with an MTP layer (mtp.*): "
+                             f"{self.loaded.path.name} has none (use ngram)")
+        drafter = MtpDrafter(self.loaded.model, mtp, self.cache, self.speculator.next_draft_room,
+                             self.scheduler.grow_for_draft, self.scheduler.trim_pages, self.metrics.on_window_gaps)
+        self.speculator.use(drafter)
+        self.runner.keep_hidden = True
+        return drafter
 
     # --- public, any thread -------------------------------------------------------
     def start(self) -> None:
@@ -157,7 +170,8 @@ class EngineCore:
         found = self._namespaces.get(key)
         if found is None:
             dtype = namespace_dtype(self.cache.kv.dtype, self.loaded.model.dtype)
-            found = Namespace(self._fingerprint, dtype, self.config.page_size, cache_salt).digest()
+            drafter = f"mtp{len(self.drafter.mtp.layers)}" if self.drafter is not None else ""
+            found = Namespace(self._fingerprint, dtype, self.config.page_size, cache_salt, drafter).digest()
             if len(self._namespaces) < _MAX_NAMESPACES:
                 self._namespaces[key] = found
         return found
@@ -296,6 +310,8 @@ class EngineCore:
             if chunk.spare_slot is not None and chunk.seq.slot is not None:  # a drafting hybrid's rollback copy
                 self.cache.copy_slot(chunk.seq.slot, chunk.spare_slot)
         step = self.runner.run(plan.chunks)
+        if self.drafter is not None:
+            self.drafter.after_forward(self.runner.rows, self.runner.hidden)
         to_sample: list[tuple[EngineSequence, torch.Tensor]] = []
         deltas: Deltas = {}
         failed: dict[str, str] = {}
@@ -312,10 +328,12 @@ class EngineCore:
                     self.outputs.collect_prompt_logprobs(live, res)
             if res.num_tokens:
                 seq.mark_computed(res.num_tokens)
-                self.reuse.after_compute(seq, res.next_token_logits)
+                self.reuse.after_compute(seq, self._next_row(res))
             elif seq.num_cached == seq.num_prompt:  # claimed whole: a state from below is held here again
-                self.reuse.after_compute(seq, res.next_token_logits)
+                self.reuse.after_compute(seq, self._next_row(res))
             seq.take_pending_logits()
+            if self.drafter is not None and res.drafter_hidden is not None and res.next_token_logits is not None:
+                self.drafter.claimed_whole(seq, res.drafter_hidden)
             if res.next_token_logits is None:
                 continue
             if seq.num_output == 0 and seq.request.params.max_tokens == 0:
@@ -328,10 +346,21 @@ class EngineCore:
             self.sampling.sample([seq for seq, _ in to_sample], torch.stack([row for _, row in to_sample]), deltas, failed)
         self._finish_step(deltas, failed)
 
+    def _next_row(self, res: ChunkLogits) -> torch.Tensor | None:
+        """What a state keeps for its next token: the logits, and with an MTP drafter its hidden state too."""
+        logits = res.next_token_logits
+        if self.drafter is None or logits is None:
+            return logits
+        hidden = res.drafter_hidden if res.num_tokens == 0 else self.drafter.last_hidden(res.seq)
+        assert hidden is not None
+        return torch.cat([logits, hidden.float()])
+
     def _decoded(self, seqs: list[EngineSequence], logits: torch.Tensor) -> None:
         """After a decode-only step: each sequence computed its one pending token; sample them all."""
         deltas: Deltas = {}
         failed: dict[str, str] = {}
+        if self.drafter is not None:
+            self.drafter.after_forward(self.runner.rows, self.runner.hidden)
         self._decode_road(seqs, logits, deltas, failed)
         self._finish_step(deltas, failed)
 
@@ -350,3 +379,5 @@ class EngineCore:
             deltas.pop(rid, None)
             self._fail(rid, message)
         self.outputs.emit(self._live, deltas)
+        if self.drafter is not None:  # the tokens are out: then the window and the next step's drafts
+            self.drafter.after_step()

@@ -96,6 +96,9 @@ class EngineMetrics:
                                         "drafts kept, plus the target's own)", ["method"],
                                         buckets=tuple(range(1, 17)), registry=r)
         self._spec: dict[str, tuple[Any, Any, Any]] = {}  # the three above's children, by method
+        self._window_gaps = Counter("ignis_spec_window_gaps", "Sequences whose MTP drafter window lacked a position "
+                                    "its state did not carry (the drafter catches up from the first it computes)",
+                                    registry=r)
         r.register(EngineCollector(stats, tiers))
         self._round: _Round | None = None  # engine thread only
         self._finished: dict[tuple[RequestClass, FinishReason], Any] = {}  # ignis_requests children by (class, reason)
@@ -109,6 +112,10 @@ class EngineMetrics:
         children[0].inc(drafted)
         children[1].inc(accepted)
         children[2].observe(accepted + 1)
+
+    def on_window_gaps(self, count: int) -> None:
+        """`count` more sequences started drafting with a gap in their MTP window (engine thread)."""
+        self._window_gaps.inc(count)
 
     def on_tokens(self, seqs: Sequence[EngineSequence]) -> None:
         """After a sampling round (engine thread): each sequence got one token just now."""

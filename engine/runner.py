@@ -14,6 +14,7 @@ from engine.model.kept_decodes import KeptDecodes
 from engine.model.decoder import CausalLM
 from engine.request import EngineSequence
 from engine.scheduler import ScheduledChunk
+from engine.speculative.mtp_drafter import ComputedRows
 
 
 @dataclass(slots=True)  # not frozen: made per sequence every step, and a frozen init costs 4x
@@ -25,6 +26,7 @@ class ChunkLogits:
     draft: tuple[int, ...] = ()  # the drafted tokens this chunk verified (engine/speculative/)
     draft_logits: torch.Tensor | None = None  # [len(draft) + 1, V]: at the last pending token and each draft
     spare_slot: int | None = None  # a hybrid's state from before the step (ScheduledChunk.spare_slot)
+    drafter_hidden: torch.Tensor | None = None  # [H]: claimed with the logits, the MTP drafter's hidden state
 
 
 @dataclass(slots=True)
@@ -43,11 +45,16 @@ class ModelRunner:
         self.cache = cache
         self.page_size = cache.page_size
         self.kept = KeptDecodes(cache.page_size, model.device)  # the steady state's batch, from step to step
+        # With an MTP drafter: every row's hidden state in the last forward, and where each sequence's rows are.
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None
+        self.rows: list[ComputedRows] = []
 
     def run(self, chunks: Sequence[ScheduledChunk]) -> StepLogits:
         self.kept.forget()  # a step off the decode road: the next decode batch is built from the sequences
+        self.rows, self.hidden = [], None
         # A sequence that claimed a state together with its next-token logits computes nothing.
-        ready = [ChunkLogits(c.seq, 0, c.seq.pending_logits, None) for c in chunks if c.num_tokens == 0]
+        ready = [self._claimed(c.seq) for c in chunks if c.num_tokens == 0]
         chunks = [c for c in chunks if c.num_tokens > 0]
         if not chunks:
             return StepLogits([], None, ready)
@@ -69,7 +76,11 @@ class ModelRunner:
                                        self.page_size, self.model.device)
         else:
             batch = ForwardBatch.build([*map(self._spec, chunks[:lead]), *specs], self.page_size, self.model.device)
-        logits = self.model(batch, self.cache)  # [R, V]
+        logits = self.model(batch, self.cache, self.keep_hidden)  # [R, V]
+        if self.keep_hidden:
+            self.hidden = self.model.hidden
+            self.rows = [ComputedRows(item.seq, view.offset, view.start, view.length)
+                         for item, view in zip(chunks, batch.seqs)]
         step = StepLogits(decodes, logits[:lead] if lead else None, ready)
         out = step.chunks
         if batch.decodes_only:  # one logits row per sequence, in order
@@ -93,6 +104,14 @@ class ModelRunner:
                 )
             )
         return step
+
+    def _claimed(self, seq: EngineSequence) -> ChunkLogits:
+        """A sequence that claimed a state with its next-token row: the logits, and past them the MTP
+        drafter's hidden state where the engine keeps one (engine/builder.py next_row_size)."""
+        row, vocab = seq.pending_logits, self.model.config.vocab_size
+        if row is not None and row.shape[-1] > vocab:
+            return ChunkLogits(seq, 0, row[:vocab], None, drafter_hidden=row[vocab:])
+        return ChunkLogits(seq, 0, row, None)
 
     @staticmethod
     def _spec(item: ScheduledChunk) -> SequenceChunk:
@@ -122,7 +141,11 @@ class ModelRunner:
         else:
             batch = kept.build(seqs, [s.token_ids[-1] for s in seqs], [s.num_computed for s in seqs],
                                [s.page_table for s in seqs], [s.slot for s in seqs])
-        return self.model(batch, self.cache)
+        logits = self.model(batch, self.cache, self.keep_hidden)
+        if self.keep_hidden:
+            self.hidden = self.model.hidden
+            self.rows = [ComputedRows(seq, i, seq.num_computed, 1) for i, seq in enumerate(seqs)]
+        return logits
 
     def fork_state(self, parent: EngineSequence, child: EngineSequence, new_last_page: int | None) -> None:
         """Give `child` a copy of the parent's state: shared full pages are already in its

@@ -333,6 +333,11 @@ class Scheduler:
                 draft = ()
         return ScheduledChunk(seq, pending + len(draft), draft, spare)
 
+    def grow_for_draft(self, seq: EngineSequence, total_tokens: int) -> bool:
+        """Pages for `total_tokens` positions of `seq` if the pool (or retained state) has them: a drafter
+        writing past the sequence's tokens (engine/speculative/mtp_drafter.py); room is never made for it."""
+        return self._grow(seq, total_tokens)
+
     def trim_pages(self, seq: EngineSequence) -> None:
         """After a verify: free the pages past the ones its tokens need (drafted positions that did not stand)."""
         keep = -(-len(seq.token_ids) // self.limits.page_size)

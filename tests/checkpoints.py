@@ -137,3 +137,31 @@ def load_hf(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 
     arch = json.loads((path / "config.json").read_text())["architectures"][0]
     return getattr(tf, arch).from_pretrained(path, dtype=dtype).eval()
+
+
+def with_mtp_layer(src: Path, dst: Path, seed: int = 0, std: float = 0.1) -> Path:
+    """A copy of checkpoint `src` with a random multi-token-prediction layer (`mtp.*`, one layer) in a
+    shard of its own, stored as published checkpoints store it (routed experts one tensor per expert)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from bench.geometry import per_expert
+    from engine.model.loader import load_model
+    from engine.model.mtp import MtpPredictor
+
+    config = load_model(src).config
+    torch.manual_seed(seed)
+    module = MtpPredictor(config, 1)
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=std)
+    tensors = per_expert({f"mtp.{name}": t.clone() for name, t in module.state_dict().items()})
+    shutil.copytree(src, dst)
+    save_file(tensors, str(dst / "model-mtp.safetensors"))
+    index_path = dst / "model.safetensors.index.json"
+    if index_path.is_file():  # a sharded checkpoint names the new shard's tensors in its index
+        index = json.loads(index_path.read_text())
+        index["weight_map"].update({k: "model-mtp.safetensors" for k in tensors})
+        index_path.write_text(json.dumps(index))
+    return dst

@@ -64,7 +64,8 @@ class Driver:
     def __init__(self, model: tuple[str, LoadedModel, Tokenizer], tierstore: str = "", pages: int = 64,
                  **config: object) -> None:
         _, loaded, tokenizer = model
-        page_bytes = loaded.config.state_shape().kv_bytes_per_page(P, loaded.model.dtype)
+        # (a recurrent target's pages hold no bytes of its own: a drafter's layer may give them some)
+        page_bytes = loaded.config.state_shape().kv_bytes_per_page(P, loaded.model.dtype) or 1 << 16
         # The moves are placed at steps and chunk boundaries: a step time target would cut the prompts
         # by this machine's speed (under load a chunk boundary moved), so the token budget alone.
         settings: dict[str, object] = {"max_num_seqs": 8, "spill_window_pages": 2, "step_time_target_ms": math.inf,

@@ -31,11 +31,14 @@ class Namespace:
     kv_dtype: str
     page_size: int
     cache_salt: str = ""
+    drafter: str = ""  # what else a page holds ("mtp1": the MTP layer's K/V); "" keeps the roots as they were
 
     def digest(self) -> StateHash:
         """h0, the root of every chain in this namespace."""
-        payload = json.dumps([self.model_fingerprint.hex(), self.kv_dtype, self.page_size, self.cache_salt],
-                             ensure_ascii=False).encode("utf-8", "surrogatepass")
+        fields: list[object] = [self.model_fingerprint.hex(), self.kv_dtype, self.page_size, self.cache_salt]
+        if self.drafter:
+            fields.append(self.drafter)
+        payload = json.dumps(fields, ensure_ascii=False).encode("utf-8", "surrogatepass")
         return StateHash(xxhash.xxh3_128_digest(payload))
 
 

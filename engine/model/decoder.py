@@ -68,6 +68,9 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: Rotary | None = None  # set by the loader once weights are on their device
+        # The last forward's final normed hidden state of every row [T, H], when the caller asked for it
+        # (an MTP drafter reads it: engine/speculative/mtp_drafter.py); its caller takes it at once.
+        self.hidden: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -78,14 +81,20 @@ class CausalLM(nn.Module):
         return self.lm_head.weight.dtype
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: DeviceCache) -> torch.Tensor:
-        """Returns logits [R, vocab] in fp32 for batch.logits_rows."""
+    def forward(self, batch: ForwardBatch, cache: DeviceCache, keep_hidden: bool = False) -> torch.Tensor:
+        """Returns logits [R, vocab] in fp32 for batch.logits_rows; `keep_hidden`: every row's final normed
+        hidden state is left in `hidden`."""
         if self.rotary is None:
             raise RuntimeError("model has no rotary tables: it was not built by the loader (this is a bug)")
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, batch, cache, self.rotary, cos_sin)
+        if keep_hidden:
+            self.hidden = x = self.model.norm(x)
+            if batch.logits_rows.numel() == 0:
+                return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=x.device)
+            return self.lm_head(x[batch.logits_rows]).float()
         if batch.logits_rows.numel() == 0:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=x.device)
         x = self.model.norm(x[batch.logits_rows])

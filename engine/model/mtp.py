@@ -5,6 +5,7 @@ predicts the token after next from the target's last hidden state and the next t
 embedding. Its shape, as those checkpoints store it and as vLLM and SGLang run it:
 
     x = fc(cat(pre_fc_norm_embedding(embed(token)), pre_fc_norm_hidden(hidden)))   # 2H -> H
+                              # hidden: the target's final normed hidden state (what lm_head reads)
     x = layers[i](x)          # one full-attention decoder layer (the family's own: gated
                               # attention, an MLP or the MoE block), with a KV cache of its own
     logits = lm_head(norm(x)) # embed_tokens and lm_head are the target's, shared
@@ -12,7 +13,7 @@ embedding. Its shape, as those checkpoints store it and as vLLM and SGLang run i
 The layers are the decoder's own `DecoderLayer`, numbered after the target's layers (layer
 `num_layers + i`), so the device cache can give their attention its pages like any other layer.
 Here the weights are loaded and checked by name and shape (a missing or misshaped tensor fails
-at load, naming it); speculative decoding (issue 44) runs them. A checkpoint without `mtp.*`
+at load, naming it); engine/speculative/mtp_drafter.py runs them. A checkpoint without `mtp.*`
 loads as before, with no module.
 """
 
@@ -66,8 +67,8 @@ class MtpPredictor(nn.Module):
         self.norm = RMSNorm(hidden, eps, zc)
 
     def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """The MTP layer's input: the next token's embedding and the target's hidden state at the token
-        before it (pre-final-norm), each normed, concatenated [embedding, hidden] and projected to H."""
+        """The MTP layer's input: the next token's embedding and the target's final normed hidden state at
+        the token before it, each normed again, concatenated [embedding, hidden] and projected to H."""
         return self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
 
 

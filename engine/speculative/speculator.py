@@ -34,6 +34,9 @@ class SpecState:
     misses: int = 0  # verifies in a row that kept no draft
     pauses: int = 0  # pauses in a row (each doubles the next)
     paused_for: int = 0  # steps left without drafting
+    draft: tuple[int, ...] = ()  # a draft made after a step (MTP), for the sequence at `draft_for` tokens
+    draft_for: int = -1
+    windowed: bool = False  # MTP: this sequence has run positions of its own through the drafter
 
 
 class Drafter(Protocol):
@@ -59,10 +62,13 @@ class SpecTotals:
     verifies: int = 0
 
 
+METHODS = ("none", "ngram", "mtp")
+
+
 class Speculator:
     def __init__(self, method: str, num_tokens: int, max_model_len: int) -> None:
-        if method not in ("none", "ngram"):
-            raise ValueError(f"speculative.method={method!r} is not built yet: use none or ngram")
+        if method not in METHODS:
+            raise ValueError(f"speculative.method={method!r}: use one of {', '.join(METHODS)}")
         self.method = method
         self.num_tokens = num_tokens
         self.max_model_len = max_model_len
@@ -72,6 +78,21 @@ class Speculator:
     @property
     def on(self) -> bool:
         return self.method != "none"
+
+    def use(self, drafter: Drafter) -> None:
+        """The drafter of a method that needs the model (mtp: engine/speculative/mtp_drafter.py)."""
+        self.drafter = drafter
+
+    def next_draft_room(self, seq: EngineSequence) -> int:
+        """How many tokens `seq` drafts next step if a draft is there (0: it will not draft); for a
+        drafter that drafts after a step for the next one (MTP)."""
+        room = seq.request.params.length_limit(seq.num_prompt, self.max_model_len) - len(seq.token_ids) - 1
+        if room <= 0 or seq.num_output == 0 or not _draftable(seq):
+            return 0
+        state: SpecState | None = seq.speculation
+        if state is None:
+            state = seq.speculation = SpecState()
+        return 0 if state.paused_for > 0 else min(self.num_tokens, room)
 
     def draft(self, seq: EngineSequence) -> tuple[int, ...]:
         """Tokens to verify after `seq`'s pending ones this step; () when it does not draft this step. A
