@@ -48,18 +48,21 @@ from engine.text.tokenizer import Tokenizer
 
 SHARD = "model-mtp.safetensors"
 SUMMARY = "mtp-training.json"
+VERSION = 1  # bump when the data, the layer or the training changes, so cached layers are trained again
 PROMPT, OUTPUT = 64, 192  # tokens of each random prompt, greedy tokens generated after it
-TRAIN, HELD_OUT = 32, 4  # sequences
-BATCH, LR, WARMUP = 4, 1e-3, 10  # sequences a step, AdamW's rate, steps of linear warmup
+TRAIN, HELD_OUT = 32, 8  # sequences
+BATCH, LR, WARMUP = 4, 3e-3, 10  # sequences a step, AdamW's rate, steps of linear warmup
 
 
 @dataclass(frozen=True, slots=True)
 class Summary:
+    version: int
     seconds: float  # the training budget asked for (wall time)
     steps: int
     sequences: int
-    final_train_loss: float  # mean of the last 10 steps
+    final_train_loss: float  # mean squared error to the target's next hidden state, last 10 steps
     held_out_accuracy: float  # top-1 of t[j+2] at the held-out sequences' generated positions
+    held_out_positions: int
     base: dict[str, list[int]]  # the base checkpoint's files: name -> [size, mtime_ns]
 
 
@@ -72,7 +75,7 @@ def greedy_sequences(base: Path, count: int) -> torch.Tensor:
     transformers' generate on a CPU): [count, PROMPT + OUTPUT]."""
     loaded = on_own_thread(lambda: load_model(base, onednn_linears=True))
     core = on_own_thread(lambda: EngineCore(loaded, Tokenizer.from_dir(base), EngineConfig(
-        page_size=16, kv_cache_bytes=1 << 30, max_num_seqs=16, reuse_prompt=False)))
+        page_size=16, kv_cache_bytes=1 << 30, max_num_seqs=count, reuse_prompt=False)))  # one wave
     core.start()
     try:
         prompts = [random_prompt(PROMPT, 5000 + i) for i in range(count)]
@@ -86,28 +89,26 @@ def greedy_sequences(base: Path, count: int) -> torch.Tensor:
 class MtpLayer(nn.Module):
     """The MTP layer on transformers' modules; `hf` (the target) lends its embedding, rotary and lm_head."""
 
-    def __init__(self, hf: nn.Module, from_target: bool) -> None:
+    def __init__(self, hf: Any) -> None:  # a transformers *ForCausalLM (families differ)
         super().__init__()
         config = copy.deepcopy(hf.config)
-        types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         config.layer_types = ["full_attention"] * config.num_hidden_layers  # the family's attention layer
         hidden, eps = config.hidden_size, config.rms_norm_eps
         norm = type(hf.model.norm)  # zero-centred (Qwen3.5: starts at 0) or plain (Qwen3: starts at 1)
         self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm = (norm(hidden, eps=eps) for _ in range(3))
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        nn.init.normal_(self.fc.weight, std=0.02)
         self.layer = type(hf.model.layers[0])(config, 0)
-        if from_target:  # the target's last full-attention layer: measured better than random (module end)
-            last = max(i for i, t in enumerate(types) if t == "full_attention")
-            self.layer.load_state_dict(hf.model.layers[last].state_dict(), strict=True)
-        else:
-            for p in self.layer.parameters():
-                if p.dim() > 1:  # matrices and stacked experts; norms keep their neutral start
-                    nn.init.normal_(p, std=0.02)
+        # Random init (std 0.02), not the target's last full-attention layer: no better on held-out data
+        # (dense h256 l4, 300 steps: 2.0% random, 1.2% copied; hybrid, 200 steps: 0.3% both).
+        for p in [self.fc.weight, *self.layer.parameters()]:
+            if p.dim() > 1:  # matrices and stacked experts; norms keep their neutral start
+                nn.init.normal_(p, std=0.02)
+        # Tuples: the target's modules are used, not registered (not trained, not in state_dict()).
         self.embed, self.rotary, self.lm_head = (hf.model.embed_tokens,), (hf.model.rotary_emb,), (hf.lm_head,)
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of t[j+2] at positions j = 0 .. S-3: [B, S-2, V] from tokens [B, S], hidden [B, S, H]."""
+        """The normed output at positions j = 0 .. S-3 (what lm_head reads for t[j+2]): [B, S-2, H], from
+        tokens [B, S] and the target's hidden states there [B, S, H]."""
         e = self.embed[0](tokens[:, 1:-1])  # t[j+1]: [B, T, H], T = S-2
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(hidden[:, :-2])], dim=-1))
         T = x.shape[1]
@@ -116,8 +117,8 @@ class MtpLayer(nn.Module):
         out = self.layer(x, position_embeddings=self.rotary[0](x, positions), attention_mask=mask,
                          position_ids=positions)
         out = out[0] if isinstance(out, tuple) else out
-        logits: torch.Tensor = self.lm_head[0](self.norm(out))
-        return logits
+        normed: torch.Tensor = self.norm(out)
+        return normed
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """`mtp.*` as ignis' MtpPredictor names them, experts one tensor each (tests/checkpoints.py)."""
@@ -126,32 +127,30 @@ class MtpLayer(nn.Module):
 
 
 @torch.no_grad()
-def target_hidden(hf: nn.Module, tokens: torch.Tensor, chunk: int = 4) -> torch.Tensor:
+def target_hidden(hf: Any, tokens: torch.Tensor, chunk: int = 4) -> torch.Tensor:
     """The target's final normed hidden states of whole sequences: [N, S, H]."""
     return torch.cat([hf.model(input_ids=tokens[i:i + chunk], use_cache=False).last_hidden_state
                       for i in range(0, len(tokens), chunk)])
 
 
-def loss_mask(tokens: torch.Tensor, generated_only: bool) -> torch.Tensor:
-    """Which targets t[j+2] count: every one, or those the target generated (j+2 >= PROMPT)."""
-    targets = torch.arange(2, tokens.shape[1])
-    return (targets >= PROMPT if generated_only else torch.ones_like(targets, dtype=torch.bool)).expand(
-        len(tokens), -1)
-
-
 @torch.no_grad()
 def accuracy(layer: MtpLayer, tokens: torch.Tensor, hidden: torch.Tensor) -> float:
-    hits = layer(tokens, hidden).argmax(-1) == tokens[:, 2:]
-    return float(hits[loss_mask(tokens, True)].float().mean())
+    """Top-1 of t[j+2] where the target generated it (j+2 >= PROMPT): the first draft's acceptance."""
+    hits = layer.lm_head[0](layer(tokens, hidden)[:, PROMPT - 2:]).argmax(-1) == tokens[:, PROMPT:]
+    return float(hits.float().mean())
 
 
-def train(layer: MtpLayer, tokens: torch.Tensor, hidden: torch.Tensor, seconds: float,
-          generated_only: bool) -> tuple[int, float]:
-    """AdamW on shuffled batches until `seconds` of wall time: (steps, mean loss of the last 10)."""
+def train(layer: MtpLayer, tokens: torch.Tensor, hidden: torch.Tensor, seconds: float) -> tuple[int, float]:
+    """AdamW on shuffled batches until `seconds` of wall time: (steps, mean loss of the last 10).
+
+    The loss is the distance of the layer's normed output at j to the target's hidden state at j+1, which
+    lm_head turns into t[j+2]: H numbers a position, not one label (dense h256 l4, 60 s: held-out 0.8%
+    against 0.1% with cross-entropy on t[j+2], 0.3% with KL to the target's distribution). Every position
+    counts, the prompt's too: teacher-forced, the target's next hidden state is as right a label there
+    (all 1.2%, generated only 1.0%, 120 s)."""
     params = [p for p in layer.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP))
-    mask = loss_mask(tokens, generated_only)
     gen = torch.Generator().manual_seed(0)
     losses: list[float] = []
     deadline = time.monotonic() + seconds
@@ -160,19 +159,18 @@ def train(layer: MtpLayer, tokens: torch.Tensor, hidden: torch.Tensor, seconds: 
         if len(order) < BATCH:
             order = torch.randperm(len(tokens), generator=gen)
         pick, order = order[:BATCH], order[BATCH:]
-        logits = layer(tokens[pick], hidden[pick])
-        loss = nn.functional.cross_entropy(logits[mask[pick]], tokens[pick, 2:][mask[pick]])
+        loss = nn.functional.mse_loss(layer(tokens[pick], hidden[pick]), hidden[pick, 1:-1])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     tail = losses[-10:]
     return len(losses), sum(tail) / max(len(tail), 1)
 
 
-def load_target(base: Path) -> nn.Module:
+def load_target(base: Path) -> Any:
     arch = json.loads((base / "config.json").read_text())["architectures"][0]
     hf = getattr(transformers, arch).from_pretrained(base, dtype=torch.float32).eval()
     hf.requires_grad_(False)  # embed_tokens and lm_head (tied) stay the target's
@@ -185,16 +183,16 @@ def ensure_trained_mtp(kind: str, hidden: int = 1024, layers: int = 16, seconds:
     identity = base_identity(base)
     if (target / SUMMARY).is_file():
         done = json.loads((target / SUMMARY).read_text())
-        if done.get("base") == identity and done.get("seconds") == seconds:
+        if (done.get("version"), done.get("base"), done.get("seconds")) == (VERSION, identity, seconds):
             return target
     tokens = greedy_sequences(base, TRAIN + HELD_OUT)
     hf = load_target(base)
     states = target_hidden(hf, tokens)
     torch.manual_seed(0)
-    layer = MtpLayer(hf, from_target=True)
-    # Loss on generated positions only: measured better on held-out generated positions (module end).
-    steps, loss = train(layer, tokens[:TRAIN], states[:TRAIN], seconds, generated_only=True)
-    summary = Summary(seconds, steps, TRAIN, loss, accuracy(layer, tokens[TRAIN:], states[TRAIN:]), identity)
+    layer = MtpLayer(hf)
+    steps, loss = train(layer, tokens[:TRAIN], states[:TRAIN], seconds)
+    held_out = accuracy(layer, tokens[TRAIN:], states[TRAIN:])
+    summary = Summary(VERSION, seconds, steps, TRAIN, loss, held_out, HELD_OUT * OUTPUT, identity)
     write(base, target, layer.checkpoint_tensors(), summary)
     return target
 
@@ -202,6 +200,18 @@ def ensure_trained_mtp(kind: str, hidden: int = 1024, layers: int = 16, seconds:
 def write(base: Path, target: Path, tensors: dict[str, torch.Tensor], summary: Summary) -> None:
     """Build the directory beside `target` and rename it into place, so a half-written one is never seen."""
     building = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        _fill(base, building, tensors, summary)
+    except BaseException:
+        shutil.rmtree(building)
+        raise
+    building.chmod(0o755)  # mkdtemp's 0700 otherwise
+    if target.exists():
+        shutil.rmtree(target)  # stale (another base or budget); rmtree removes links, not what they name
+    building.rename(target)
+
+
+def _fill(base: Path, building: Path, tensors: dict[str, torch.Tensor], summary: Summary) -> None:
     for p in base.iterdir():
         if p.name != "model.safetensors.index.json":
             (building / p.name).symlink_to(p.resolve())
@@ -212,9 +222,6 @@ def write(base: Path, target: Path, tensors: dict[str, torch.Tensor], summary: S
         index["weight_map"].update({name: SHARD for name in tensors})
         (building / index_path.name).write_text(json.dumps(index, indent=2))
     (building / SUMMARY).write_text(json.dumps(dataclasses.asdict(summary), indent=2))
-    if target.exists():
-        shutil.rmtree(target)  # stale (another base or budget); rmtree removes links, not what they name
-    building.rename(target)
 
 
 def main() -> None:

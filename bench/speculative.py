@@ -1,6 +1,7 @@
 """Speculative decoding: decode tok/s with drafts verified in one forward against plain decoding, one run.
 
     python -m bench.speculative [--hidden 1024 --layers 16] [--kinds dense,hybrid] [--batches 1,8]
+                                [--mtp-seconds 90] [--peer llama.cpp|none]
 
 Random weights do not copy from their prompt, so prompt lookup (`ngram`) drafts almost nothing that
 stands on them; the table says what it does on an agent-like workload (a file in the prompt, asked to
@@ -8,7 +9,12 @@ be repeated) at that acceptance, which is the "never slower" half of the target.
 a given acceptance is measured with `reference` drafts: the tokens a plain run produced, each one
 replaced by a wrong token with probability q, through the same verify path (the drafter is the only
 part swapped), so acceptance is set by q and the cost of drafting and verifying is the engine's own.
-`mtp` is not built yet (issue 44), nor is llama.cpp's speculative mode compared here.
+`mtp`: the checkpoint's MTP layer, trained for --mtp-seconds on the target's own greedy outputs
+(bench/mtp_training.py, cached), drafting on random prompts.
+
+llama.cpp (`--peer llama.cpp`, bench/speculative_peer.py): llama-server on the same checkpoint, plain,
+with prompt lookup (`ngram-simple`) on the echo workload, and with the same trained MTP layer
+(`draft-mtp`, Qwen3.5 only: llama.cpp's Qwen3 has no MTP block).
 
 Decode tok/s excludes the prefill (t(N) - t(1), as bench/throughput.py); every request decodes
 --decode tokens greedily. Each configuration alternates with plain decoding in pairs; its ratio is
@@ -26,6 +32,8 @@ from typing import Any
 
 from bench.drive import random_prompt, run
 from bench.geometry import ensure_geometry
+from bench.mtp_training import ensure_trained_mtp
+from bench.speculative_peer import PeerRate, describe, peer_rates
 from bench.table import markdown, save
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -86,11 +94,15 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=48)
     parser.add_argument("--num-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--mtp-seconds", type=float, default=90.0, help="training budget of the MTP layer (cached)")
+    parser.add_argument("--peer", default="llama.cpp", choices=["llama.cpp", "none"])
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     rows: list[dict[str, Any]] = []
+    peers: dict[tuple[str, int, bool], PeerRate | str] = {}  # llama.cpp's plain rate per (checkpoint, batch, echo)
     for kind in args.kinds.split(","):
-        path = ensure_geometry(kind, args.hidden, args.layers)
+        base = ensure_geometry(kind, args.hidden, args.layers)
+        path = ensure_trained_mtp(kind, args.hidden, args.layers, args.mtp_seconds)  # the same target, with MTP
         loaded = on_own_thread(lambda: load_model(path, onednn_linears=True))
         tokenizer = Tokenizer.from_dir(path)
 
@@ -101,30 +113,33 @@ def main() -> None:
             core.start()
             return core
 
-        plain, drafting = core_for("none"), core_for("ngram")
+        plain, drafting, mtp = core_for("none"), core_for("ngram"), core_for("mtp")
         vocab = loaded.config.vocab_size
         try:
             timed(plain, 1, 4, "warm", False)
             timed(drafting, 1, 4, "warm-d", False)
+            timed(mtp, 1, 4, "warm-m", False)
             for b in batches:
                 reference: dict[tuple[int, ...], list[int]] = {}
                 for echo in (False, True):
                     _, outs = decode_rate(plain, b, args.decode, f"ref{b}{echo}", echo)
                     reference.update(zip(prompts(b, echo), outs))
-                configs: list[tuple[str, float | None, bool]] = [("ngram", None, True)]
+                configs: list[tuple[str, float | None, bool]] = [("ngram", None, True), ("mtp", None, False)]
                 configs += [("reference", q, False) for q in (0.0, 0.15, 0.4, 1.0)]
                 for method, q, echo in configs:
-                    drafting.speculator.drafter = NgramDrafter() if q is None else ReferenceDrafter(reference, q, vocab)
+                    core = mtp if method == "mtp" else drafting
+                    if method != "mtp":
+                        core.speculator.drafter = NgramDrafter() if q is None else ReferenceDrafter(reference, q, vocab)
                     pairs = []
-                    before = (drafting.speculator.totals.draft_tokens, drafting.speculator.totals.accepted_tokens,
-                              drafting.speculator.totals.verifies)
+                    before = (core.speculator.totals.draft_tokens, core.speculator.totals.accepted_tokens,
+                              core.speculator.totals.verifies)
                     for r in range(args.repeats):
-                        got, outs = decode_rate(drafting, b, args.decode, f"d{b}{method}{q}{r}", echo)
+                        got, outs = decode_rate(core, b, args.decode, f"d{b}{method}{q}{r}", echo)
                         want, plain_outs = decode_rate(plain, b, args.decode, f"p{b}{method}{q}{r}", echo)
                         if outs != plain_outs:
                             raise RuntimeError(f"{kind} b{b} {method} q={q}: output differs from plain decoding")
                         pairs.append((got, want))
-                    totals = drafting.speculator.totals
+                    totals = core.speculator.totals
                     drafted = totals.draft_tokens - before[0]
                     accepted = totals.accepted_tokens - before[1]
                     verifies = totals.verifies - before[2]
@@ -136,23 +151,57 @@ def main() -> None:
                            "acceptance_rate": accepted / drafted if drafted else 0.0,
                            "acceptance_length": 1 + accepted / verifies if verifies else 1.0,
                            "verifies": verifies, "pairs": pairs}
+                    if args.peer == "llama.cpp" and q is None and (method == "ngram" or kind == "hybrid"):
+                        # The peer reads the checkpoint without `mtp.*` unless it drafts with it (its Qwen3
+                        # converter knows no MTP tensors).
+                        row.update(peer_pair(path if method == "mtp" else base, method, args, b, prompts(b, echo),
+                                             peers))
                     rows.append(row)
                     print({k: v for k, v in row.items() if k != "pairs"}, flush=True)
         finally:
             plain.stop()
             drafting.stop()
+            mtp.stop()
     headers = ["model", "batch", "drafts", "workload", "none decode tok/s", "drafting decode tok/s",
-               "ratio (median of pairs)", "drafts kept", "acceptance length"]
+               "ratio (median of pairs)", "drafts kept", "acceptance length", "llama.cpp none tok/s",
+               "llama.cpp drafting tok/s", "llama.cpp ratio", "llama.cpp drafts kept", "llama.cpp tokens/step"]
     table = markdown(headers, [[r["kind"], r["batch"], r["drafts"], r["workload"], r["none_tps"], r["spec_tps"],
-                                r["ratio"], r["acceptance_rate"], r["acceptance_length"]] for r in rows])
+                                r["ratio"], r["acceptance_rate"], r["acceptance_length"], *peer_cells(r)]
+                               for r in rows])
     title = (f"### Speculative decoding: drafted tokens verified in one forward vs plain decoding "
              f"(hidden {args.hidden}, {args.layers} layers, CPU fp32, k={args.num_tokens}, greedy)")
     notes = ("Every drafted run's tokens equal plain decoding's (checked). `reference q`: the plain run's own "
              "tokens as drafts, each wrong with probability q (acceptance set by q); `ngram`: prompt lookup on "
-             "a file echoed back, which random weights do not copy. Target: batch 1 >= 1.6x at acceptance "
-             "length >= 2.5, never slower at acceptance ~0. `mtp` and llama.cpp's speculative mode: not measured.")
+             "a file echoed back, which random weights do not copy; `mtp`: the checkpoint's MTP layer trained "
+             f"for {args.mtp_seconds:.0f} s on the target's greedy outputs (bench/mtp_training.py), random "
+             "prompts. llama.cpp: llama-server on the same checkpoint, 2 threads, ngram-simple / draft-mtp with "
+             "the same k; its tokens/step = decoded / (decoded - kept), its ratio against its own plain run. "
+             "Target: batch 1 >= 1.6x at acceptance length >= 2.5, never slower at acceptance ~0.")
     print(title + "\n\n" + table + "\n\n" + notes)
     save("speculative", {"rows": rows, "args": vars(args)}, title + "\n\n" + table + "\n\n" + notes)
+
+
+def peer_pair(path: Any, method: str, args: argparse.Namespace, batch: int, batch_prompts: list[tuple[int, ...]],
+              peers: dict[tuple[str, int, bool], PeerRate | str]) -> dict[str, Any]:
+    """llama.cpp's rate with `method`'s drafts and plain, on the same prompts (plain measured once a workload)."""
+    echo = method == "ngram"
+    key = (str(path), batch, echo)
+    if key not in peers:
+        peers[key] = peer_rates(path, "none", args.num_tokens, batch, batch_prompts, args.decode, 2, args.repeats)
+    drafted = peer_rates(path, method, args.num_tokens, batch, batch_prompts, args.decode, 2, args.repeats)
+    out = describe(drafted)
+    plain = peers[key]
+    if isinstance(plain, PeerRate):
+        out["peer_none_tps"] = plain.tok_s
+    return out
+
+
+def peer_cells(row: dict[str, Any]) -> list[Any]:
+    if "peer_tps" not in row:
+        return [row.get("peer_note", "—"), "—", "—", "—", "—"]
+    none = row.get("peer_none_tps")
+    return [none if none else "—", row["peer_tps"], row["peer_tps"] / none if none else "—",
+            row["peer_accepted"] / row["peer_drafted"] if row["peer_drafted"] else 0.0, row["peer_acceptance_length"]]
 
 
 if __name__ == "__main__":

@@ -275,18 +275,20 @@ def test_a_sequence_moved_down_resumes_with_its_window(kind: str, mtp_model: tup
         torch.testing.assert_close(got, wanted, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
 @pytest.mark.parametrize("tier", ["ram", "disk"])
-def test_another_engine_claims_the_window_from_ram_and_disk(kind: str, mtp_model: tuple[LoadedModel, Tokenizer],
-                                                            tier: str, tmp_path: Path) -> None:
+def test_another_engine_claims_the_state_from_ram_and_disk(kind: str, mtp_model: tuple[LoadedModel, Tokenizer],
+                                                           tier: str, method: str, tmp_path: Path) -> None:
     """A request on one engine, written ahead to the tierstore (for disk: the store restarted, its RAM gone);
-    one that goes on from its prompt, on a fresh engine, claims it from that tier: equal to cold, and its
-    MTP forwards are those of the same request claiming on the device where the first ran (the window
-    came down and back in the pages, under their integrity tag)."""
+    one that goes on from its prompt, on a fresh engine, claims it from that tier, drafts, and equals cold.
+    MTP: its forwards are those of the same request claiming on the device where the first ran (the
+    window came down and back in the pages, under their integrity tag). Prompt lookup's window is the
+    tokens: drafted here by the plain run's own tokens, 30% of them wrong (test_speculative's drafter)."""
     import time
 
     from engine.offline import run_to_completion
     from services import start_tierstore
-    from test_speculative import collect
+    from test_speculative import collect, drafter
     from tierstore.client import TierStoreClient
 
     vocab = mtp_model[0].config.vocab_size
@@ -300,17 +302,25 @@ def test_another_engine_claims_the_window_from_ram_and_disk(kind: str, mtp_model
     # (the prompt is whole pages, where a dense model's device claim ends too).
     second = greedy("t2", (*first.prompt_ids, *prompts(vocab, seed=9)[1][:12]), max_tokens=12)
 
-    here = engine_for(mtp_model, "mtp", 3)  # the device claim: turn 2 where turn 1 ran
+    plain = plain_run(mtp_model, second)
+
+    def engine(**config: object) -> EngineCore:
+        core = engine_for(mtp_model, method, 3, **config)
+        if method == "ngram":
+            core.speculator.drafter = drafter({second.prompt_ids: plain.tokens[0]}, 0.3, vocab)
+        return core
+
+    here = engine()  # the device claim: turn 2 where turn 1 ran
     try:
         turn1 = collect(run_to_completion(here, first, start=True, timeout=600)).tokens[0]
-        want_forwards = watch_forwards(here)
+        want_forwards = watch_forwards(here) if method == "mtp" else []
         want_updates = run_to_completion(here, second, timeout=600)
         assert final_usage(want_updates).reuse.tier.value == "device"
     finally:
         here.stop()
     store = start_tierstore(tmp_path / "ts", args)
     try:
-        writer = engine_for(mtp_model, "mtp", 3, tierstore_address=store.address, **settings)
+        writer = engine(tierstore_address=store.address, **settings)
         try:
             assert collect(run_to_completion(writer, first, start=True, timeout=600)).tokens[0] == turn1
             deadline = time.monotonic() + 60
@@ -326,8 +336,8 @@ def test_another_engine_claims_the_window_from_ram_and_disk(kind: str, mtp_model
         if tier == "disk":
             assert store.stop() == 0
             store = start_tierstore(tmp_path / "ts", args)  # the arena is gone with the process; the disk is not
-        reader = engine_for(mtp_model, "mtp", 3, tierstore_address=store.address, **settings)
-        forwards = watch_forwards(reader)
+        reader = engine(tierstore_address=store.address, **settings)
+        forwards = watch_forwards(reader) if method == "mtp" else []
         try:
             updates = run_to_completion(reader, second, start=True, timeout=600)
             reader.check_integrity()
@@ -337,7 +347,9 @@ def test_another_engine_claims_the_window_from_ram_and_disk(kind: str, mtp_model
         store.stop()
     usage = final_usage(updates)
     assert usage.reuse.tier.value == tier and usage.cached_tokens == final_usage(want_updates).cached_tokens >= P
-    same_as_plain(collect(updates), collect(want_updates))
+    same_as_plain(collect(updates), plain)
+    same_as_plain(collect(want_updates), plain)
+    assert usage.draft_tokens > 0 and (method == "mtp" or usage.accepted_tokens > 0)
     assert [start for start, _ in forwards] == [start for start, _ in want_forwards]
     for (_, got), (_, wanted) in zip(forwards, want_forwards):
         torch.testing.assert_close(got, wanted, rtol=0, atol=1e-5)
