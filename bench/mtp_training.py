@@ -184,6 +184,7 @@ def ensure_trained_mtp(kind: str, hidden: int = 1024, layers: int = 16, seconds:
     if (target / SUMMARY).is_file():
         done = json.loads((target / SUMMARY).read_text())
         if (done.get("version"), done.get("base"), done.get("seconds")) == (VERSION, identity, seconds):
+            _stated_config(base, target)  # a directory made before the config said so
             return target
     tokens = greedy_sequences(base, TRAIN + HELD_OUT)
     hf = load_target(base)
@@ -211,10 +212,23 @@ def write(base: Path, target: Path, tensors: dict[str, torch.Tensor], summary: S
     building.rename(target)
 
 
+def _stated_config(base: Path, directory: Path) -> None:
+    """config.json as published checkpoints with an MTP layer have it: `mtp_num_hidden_layers` stated
+    (llama.cpp's converter keeps the layer only when it is)."""
+    config = json.loads((base / "config.json").read_text())
+    if json.loads((directory / "config.json").read_text()).get("mtp_num_hidden_layers") == 1 \
+            and not (directory / "config.json").is_symlink():
+        return
+    config["mtp_num_hidden_layers"] = 1
+    (directory / "config.json").unlink(missing_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def _fill(base: Path, building: Path, tensors: dict[str, torch.Tensor], summary: Summary) -> None:
     for p in base.iterdir():
-        if p.name != "model.safetensors.index.json":
+        if p.name not in ("model.safetensors.index.json", "config.json"):
             (building / p.name).symlink_to(p.resolve())
+    _stated_config(base, building)
     save_file(tensors, str(building / SHARD), metadata={"format": "pt"})
     index_path = base / "model.safetensors.index.json"
     if index_path.is_file():  # a sharded base names the new shard's tensors in its index

@@ -54,6 +54,8 @@ def peer_rates(checkpoint: Path, method: str, k: int, batch: int, prompts: list[
             ctx_size=batch * (max(map(len, prompts)) + decode + 64), cache_ram_mib=0, extra=SPEC_FLAGS[method](k))
     except llama_cpp.PeerUnavailable as e:
         return f"peer unavailable: {e}"
+    except RuntimeError as e:  # llama-server refused the flags or the model: say so in the table, go on
+        return f"llama-server did not start: {str(e).splitlines()[-1] if str(e) else e!r}"
     http = httpx.Client(base_url=f"http://{server.address}", timeout=3600,
                         limits=httpx.Limits(max_keepalive_connections=0))  # see bench/profile.py's Peer
     try:

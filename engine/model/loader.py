@@ -167,6 +167,8 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
     if onednn_linears:
         # copies the linear weights out of the mapped files (cpu_linear.py says why)
         use_onednn_linears(model, packed if packed != torch_dtype else torch.float32)
+        if mtp is not None:  # the drafter's layer runs beside the target's every step: on the same linears
+            use_onednn_linears(mtp, packed if packed != torch_dtype else torch.float32)
     return LoadedModel(model=model, config=config, path=path, weights_digest=digest, files=tuple(files),
                        side_weights=side, mtp=mtp)
 

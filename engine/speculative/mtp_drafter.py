@@ -167,17 +167,29 @@ class MtpDrafter:
     def _forward(self, runs: list[_Run]) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP forward over the runs; (normed output, logits) of the last position of each run that
         drafts, in order."""
-        chunks = [SequenceChunk(run.tokens, run.start, run.seq.page_table, None,
-                                LogitsWanted.LAST if run.draft else LogitsWanted.NONE) for run in runs]
         model, mtp = self.model, self.mtp
-        batch = ForwardBatch.build(chunks, self.cache.page_size, model.device)
+        page_size, device = self.cache.page_size, model.device
+        if all(len(run.tokens) == 1 and run.start > 0 for run in runs):
+            # One position each (the steady state): the decode road's batch, its attention kernel; only the
+            # drafting rows go on to the head.
+            batch = ForwardBatch.for_decodes([run.tokens[0] for run in runs], [run.start for run in runs],
+                                             [run.seq.page_table for run in runs], [None] * len(runs),
+                                             page_size, device)
+            drafting = [i for i, run in enumerate(runs) if run.draft]
+            rows = batch.logits_rows if len(drafting) == len(runs) else \
+                torch.tensor(drafting, dtype=torch.long, device=device)
+        else:
+            batch = ForwardBatch.build([SequenceChunk(run.tokens, run.start, run.seq.page_table, None,
+                                                      LogitsWanted.LAST if run.draft else LogitsWanted.NONE)
+                                        for run in runs], page_size, device)
+            rows = batch.logits_rows
         hidden = runs[0].rows if len(runs) == 1 else torch.cat([run.rows for run in runs])
         with torch.inference_mode():
             x = mtp.fuse(model.model.embed_tokens(batch.input_ids), hidden)
             assert model.rotary is not None
             cos_sin = model.rotary.cos_sin(batch.positions, x.dtype)
             x = mtp.layers[0](x, batch, self.cache, model.rotary, cos_sin)
-            out = mtp.norm(x[batch.logits_rows])
+            out = mtp.norm(x[rows])
             return out, model.lm_head(out).float()
 
     def _draft(self, seqs: list[EngineSequence], out: torch.Tensor, logits: torch.Tensor) -> None:

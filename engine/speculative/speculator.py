@@ -7,8 +7,9 @@ step (their processing would have to be redone token by token inside a verify; n
 
 Drafting does not always pay: a verify forward of k+1 tokens costs more than a decode of one, and a
 draft that is rejected at once buys nothing. After two verifies in a row that kept no draft, a
-sequence stops drafting for a pause that doubles each time (4, 8 ... 64 steps) and resets once a
-draft stands, so at acceptance near zero a sequence spends almost every step as a plain decode.
+sequence stops drafting for a pause that doubles each time (4, 8 ... 64 steps); after a pause one
+verify probes, and a miss pauses it again. A draft that stands resets it all, so at acceptance near
+zero a sequence spends almost every step as a plain decode.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class Speculator:
             state.misses = state.pauses = 0
             return
         state.misses += 1
-        if state.misses >= MISSES_BEFORE_PAUSE:
+        if state.misses >= MISSES_BEFORE_PAUSE or state.pauses:  # after a pause, one probe that misses is enough
             state.paused_for = min(FIRST_PAUSE * 2 ** state.pauses, LONGEST_PAUSE)
             state.pauses += 1
             state.misses = 0
