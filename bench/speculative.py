@@ -109,7 +109,8 @@ def main() -> None:
         def core_for(method: str) -> EngineCore:
             core = on_own_thread(lambda: EngineCore(loaded, tokenizer, EngineConfig(
                 page_size=16, kv_cache_bytes=1 << 30, max_num_seqs=max(batches), prefill_chunk_tokens=4096,
-                reuse_prompt=False, speculative_method=method, speculative_num_tokens=args.num_tokens)))
+                reuse_prompt=False, speculative_method=method, speculative_num_tokens=args.num_tokens,
+                speculative_disable_batch_size=0)))  # the verify path's own cost at every batch size
             core.start()
             return core
 

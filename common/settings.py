@@ -303,6 +303,11 @@ class SpeculativeSettings(_Section):
                               "last tokens; every model) or mtp (the checkpoint's multi-token-prediction layer)")
     num_tokens: int = setting(4, parse_int, minimum=1, doc="tokens drafted per step (k); each step verifies them "
                                                           "in one forward and keeps between 1 and k+1 tokens")
+    disable_batch_size: int = setting(-1, parse_int, minimum=-1,
+                                      doc="no drafting in a step with more than this many sequences running "
+                                          "(vLLM's speculative_disable_by_batch_size); 0: no limit; -1: 1 on "
+                                          "models with recurrent state (a hybrid's verify loses at batch 8 at "
+                                          "every acceptance, bench/speculative.py), no limit on the others")
 
 
 @dataclass(slots=True)

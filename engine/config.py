@@ -35,6 +35,7 @@ class EngineConfig:
     retained_interactive_ttl: float = from_setting("reuse.retained_interactive_ttl")
     speculative_method: str = from_setting("speculative.method")  # none | ngram | mtp (engine/speculative/)
     speculative_num_tokens: int = from_setting("speculative.num_tokens")  # k: drafted tokens per step
+    speculative_disable_batch_size: int = from_setting("speculative.disable_batch_size")  # -1: by model
     tierstore_address: str = from_setting("tierstore.address")  # unix:/path or host:port; empty: device-only reuse
     tierstore_secret_file: str = from_setting("tierstore.secret_file")  # the shared secret of a TCP tierstore
     spill_window_pages: int = from_setting("engine.spill_window_pages")  # a live sequence's pages moved per step

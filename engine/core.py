@@ -71,7 +71,11 @@ class EngineCore:
         self.sampling_defaults = SamplingDefaults.from_checkpoint(loaded.path)  # generation_config.json
         self.moves = self.residency.moves
         self.pacing = StepPacing(config.step_time_target_ms, config.prefill_chunk_tokens)
-        self.speculator = Speculator(config.speculative_method, config.speculative_num_tokens, self.max_model_len)
+        batch_limit = config.speculative_disable_batch_size
+        if batch_limit < 0:  # auto: measured (docs/architecture.md "Speculative decoding")
+            batch_limit = 1 if loaded.config.state_shape().has_recurrent_state else 0
+        self.speculator = Speculator(config.speculative_method, config.speculative_num_tokens, self.max_model_len,
+                                     batch_limit)
         self.scheduler = Scheduler(
             SchedulerLimits(config.page_size, config.max_num_seqs, config.prefill_chunk_tokens),
             self.pages, self.slots, reuse=self.reuse, fork_copy=self.runner.fork_state,

@@ -172,8 +172,11 @@ def collect(updates: list[list[RequestUpdate]]) -> Run:
 def engine_for(model: tuple[LoadedModel, Tokenizer], method: str = "ngram", k: int = 4, **config: object
                ) -> EngineCore:
     loaded, tokenizer = model
+    # Drafting in batches of every size: the verify machinery is what these tests check (the batch-size
+    # gate has a test of its own).
     settings: dict[str, object] = {"page_size": P, "kv_cache_bytes": 8 * MiB, "max_num_seqs": 8,
-                                   "speculative_method": method, "speculative_num_tokens": k, **config}
+                                   "speculative_method": method, "speculative_num_tokens": k,
+                                   "speculative_disable_batch_size": 0, **config}
     return EngineCore(loaded, tokenizer, EngineConfig(**settings))  # type: ignore[arg-type]
 
 
@@ -336,6 +339,38 @@ def test_prompt_lookup_drafts_a_looping_output_and_changes_nothing(dense_chat_mo
     assert drafted[0].labels == {"method": "ngram"} and drafted[0].value == totals.draft_tokens
     lengths = [s for s in metrics["ignis_spec_acceptance_length"].samples if s.name.endswith("_count")]
     assert lengths[0].value == totals.verifies
+
+
+@pytest.mark.parametrize("limit", [-1, 0, 1, 2])
+def test_no_drafting_in_a_batch_larger_than_the_limit(tiny_model_dir: Path, dense_chat_model_dir: Path,
+                                                      limit: int) -> None:
+    """speculative.disable_batch_size: no draft is asked in a step with more sequences running than the limit
+    (1; on a hybrid also -1, auto), and drafts are asked beside another under 0 (no limit) or 2; alone, a
+    request drafts under any limit. The output is plain decoding's either way."""
+    for path, hybrid in ((tiny_model_dir, True), (dense_chat_model_dir, False)):
+        model = (load_model(path), Tokenizer.from_dir(path))
+        vocab = model[0].config.vocab_size
+        pair = [greedy(f"r{i}", p, max_tokens=20) for i, p in enumerate(prompts(vocab)[:2])]
+        want = plain_run(model, *pair)
+        reference = drafter({r.prompt_ids: t for r, t in zip(pair, want.tokens)}, 0.0, vocab)
+        asked_beside: list[int] = []  # the sequences running in each step a draft was asked in
+
+        def drafting(*requests: EngineRequest) -> Run:
+            core = engine_for(model, speculative_disable_batch_size=limit)
+
+            class Watched:
+                def propose(self, seq: EngineSequence, state: SpecState, k: int) -> list[int]:
+                    asked_beside.append(core.speculator.running)
+                    return reference.propose(seq, state, k)
+
+            core.speculator.drafter = Watched()
+            return run(core, *requests)
+
+        same_as_plain(drafting(*pair), want)
+        gated = limit == 1 or (limit == -1 and hybrid)
+        assert (max(asked_beside) == 1) if gated else (max(asked_beside) == 2), (hybrid, asked_beside)
+        alone = drafting(pair[0])
+        assert alone.usage[0][0] > 0 and alone.tokens[0] == want.tokens[0]
 
 
 def test_drafting_pauses_where_it_does_not_pay(dense_chat_model_dir: Path) -> None:

@@ -67,10 +67,13 @@ METHODS = ("none", "ngram", "mtp")
 
 
 class Speculator:
-    def __init__(self, method: str, num_tokens: int, max_model_len: int) -> None:
+    def __init__(self, method: str, num_tokens: int, max_model_len: int, batch_limit: int = 0) -> None:
+        """`batch_limit`: no drafting in a step with more sequences running (0: no limit)."""
         if method not in METHODS:
             raise ValueError(f"speculative.method={method!r}: use one of {', '.join(METHODS)}")
         self.method = method
+        self.batch_limit = batch_limit
+        self.running = 0  # sequences running in the step being planned (the scheduler says)
         self.num_tokens = num_tokens
         self.max_model_len = max_model_len
         self.drafter: Drafter = NgramDrafter()
@@ -80,6 +83,11 @@ class Speculator:
     def on(self) -> bool:
         return self.method != "none"
 
+    @property
+    def batch_too_large(self) -> bool:
+        """More sequences running than drafting pays for (speculative.disable_batch_size)."""
+        return 0 < self.batch_limit < self.running
+
     def use(self, drafter: Drafter) -> None:
         """The drafter of a method that needs the model (mtp: engine/speculative/mtp_drafter.py)."""
         self.drafter = drafter
@@ -88,7 +96,7 @@ class Speculator:
         """How many tokens `seq` drafts next step if a draft is there (0: it will not draft); for a
         drafter that drafts after a step for the next one (MTP)."""
         room = seq.request.params.length_limit(seq.num_prompt, self.max_model_len) - len(seq.token_ids) - 1
-        if room <= 0 or seq.num_output == 0 or not _draftable(seq):
+        if room <= 0 or seq.num_output == 0 or not _draftable(seq) or self.batch_too_large:
             return 0
         state: SpecState | None = seq.speculation
         if state is None:
