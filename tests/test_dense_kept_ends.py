@@ -261,27 +261,28 @@ def test_a_kept_end_spills_with_its_logits_and_a_claim_from_below_computes_nothi
         store.stop()
 
 
-def test_a_kept_end_written_below_covers_its_page_chain(tmp_path: Path, dense, engines: list[Engine]) -> None:
-    """Its pages are indexed in KV-RAM with it: the finished chain of the same pages is not written again."""
+def last_page_hash(engine: Engine, topic: str) -> bytes:
+    """The name of the last full page of `topic`'s prompt: its page chain's name."""
     from engine.kv.chain_hash import page_hashes
 
+    return page_hashes(engine.core.namespace_hash(""), engine.prompt(topic), P)[-1]
+
+
+def test_a_kept_end_written_below_covers_its_page_chain(tmp_path: Path, dense, engines: list[Engine]) -> None:
+    """Its pages are indexed in KV-RAM with it: the finished chain of the same pages is not written again."""
     store = start_store(tmp_path)
     try:
         engine = Engine(dense, kept=1, tierstore=store.address)
         engines.append(engine)
         chains = engine.core.residency.chains
         assert chains is not None
-        namespace = engine.core.namespace_hash("")
-
-        def chain_name(topic: str) -> bytes:
-            return page_hashes(namespace, engine.prompt(topic), P)[-1]  # type: ignore[arg-type]
 
         engine.run("tides", max_tokens=1)  # one token, never computed: the chain is the prompt's full pages
-        assert chain_name("tides") in {v.name for v in chains.views()}
+        assert last_page_hash(engine, "tides") in {v.name for v in chains.views()}
         engine.run("glaciers", max_tokens=1)  # takes the one kept end's place: tides' is written below
         engine.settle()
         names = {v.name for v in chains.views()}
-        assert chain_name("tides") not in names and chain_name("glaciers") in names
+        assert last_page_hash(engine, "tides") not in names and last_page_hash(engine, "glaciers") in names
         assert chains.spills == 0  # it left the chains because the kept end covers it, not by a write of its own
         got = engine.run("tides", max_tokens=1)
         assert (got.tier, got.cached, got.forwards) == ("ram", got.prompt_tokens, 0)
@@ -295,8 +296,6 @@ def test_a_kept_end_captured_straight_below_covers_its_page_chain(tmp_path: Path
                                                                    engines: list[Engine]) -> None:
     """An agent's prompt end may not displace an interactive one from the one device slot, so it is captured
     straight to KV-RAM: its chain is covered there too, not tracked to be written a second time."""
-    from engine.kv.chain_hash import page_hashes
-
     store = start_store(tmp_path)
     try:
         engine = Engine(dense, kept=1, tierstore=store.address)
@@ -306,8 +305,7 @@ def test_a_kept_end_captured_straight_below_covers_its_page_chain(tmp_path: Path
         engine.run("tides", max_tokens=1)  # the interactive end holds the slot
         engine.run("glaciers", max_tokens=1, cls=RequestClass.AGENT)
         engine.settle()
-        namespace = engine.core.namespace_hash("")
-        glaciers = page_hashes(namespace, engine.prompt("glaciers"), P)[-1]  # type: ignore[arg-type]
+        glaciers = last_page_hash(engine, "glaciers")
         assert engine.core.reuse.counters.captures_below == 1
         assert glaciers not in {v.name for v in chains.views()} and chains.spills == 0
         got = engine.run("glaciers", max_tokens=1, cls=RequestClass.AGENT)

@@ -63,7 +63,7 @@ class _Run:
     start: int
     tokens: list[int]
     rows: torch.Tensor  # [len(tokens), H]
-    draft: bool  # wants the logits of its last position
+    room: int  # tokens to draft from its last position (0: no draft, no logits)
 
 
 class MtpDrafter:
@@ -84,7 +84,6 @@ class MtpDrafter:
         self.trim = trim
         self.count_gaps = count_gaps
         self._rows: list[ComputedRows] = []
-        self._last: dict[int, ComputedRows] = {}  # id(seq) -> its rows in the step's forward
         self._hidden: torch.Tensor | None = None  # the step's forward's hidden states [T, H]
 
     # --- the Drafter protocol (engine/speculative/speculator.py) ---------------------------------
@@ -97,7 +96,6 @@ class MtpDrafter:
         """Right after the target's forward (`hidden`: its rows' final normed hidden states, `rows`: whose
         they are): the window for the positions whose next token is known."""
         self._rows = rows
-        self._last = {id(r.seq): r for r in rows}
         self._hidden = hidden
         runs = []
         gaps = 0
@@ -111,7 +109,7 @@ class MtpDrafter:
             known = min(r.start + r.length, len(r.seq.token_ids) - 1) - r.start
             if known > 0:
                 assert hidden is not None
-                runs.append(self._run_of(r, hidden, 0, known, draft=False))
+                runs.append(self._run_of(r, hidden, 0, known, room=0))
                 r.windowed = known
         if gaps:
             self.count_gaps(gaps)
@@ -121,7 +119,7 @@ class MtpDrafter:
     def last_hidden(self, seq: EngineSequence) -> torch.Tensor:
         """The target's hidden state at `seq`'s last position in the step's forward (kept with a captured
         state's logits, for the first draft of a claimant that computes nothing)."""
-        r = self._last[id(seq)]
+        r = next(r for r in self._rows if r.seq is seq)  # a prompt's last chunk: not every step
         assert self._hidden is not None
         return self._hidden[r.offset + r.length - 1]
 
@@ -138,7 +136,7 @@ class MtpDrafter:
     def after_step(self) -> None:
         """After sampling: the window for the positions whose next token the step gave, then the drafts."""
         rows, self._rows = self._rows, []
-        step_hidden, self._hidden, self._last = self._hidden, None, {}
+        step_hidden, self._hidden = self._hidden, None
         runs = []
         for r in rows:
             hidden = r.hidden if r.hidden is not None else step_hidden
@@ -150,19 +148,19 @@ class MtpDrafter:
             if end <= r.windowed:
                 continue
             reaches_last = end == len(seq.token_ids) - 1 - r.start  # its last run position gives the first draft
-            runs.append(self._run_of(r, hidden, r.windowed, end, draft=reaches_last and self.draft_room(seq) > 0))
+            runs.append(self._run_of(r, hidden, r.windowed, end, room=self.draft_room(seq) if reaches_last else 0))
         if not runs:
             return
         out, logits = self._forward(runs)
-        drafting = [run.seq for run in runs if run.draft]
+        drafting = [run for run in runs if run.room]
         if drafting:
             self._draft(drafting, out, logits)
 
     # --- internals -------------------------------------------------------------------------------
-    def _run_of(self, r: ComputedRows, hidden: torch.Tensor, begin: int, end: int, draft: bool) -> _Run:
+    def _run_of(self, r: ComputedRows, hidden: torch.Tensor, begin: int, end: int, room: int) -> _Run:
         start = r.start + begin
         tokens = r.seq.token_ids[start + 1:r.start + end + 1]
-        return _Run(r.seq, start, list(tokens), hidden[r.offset + begin:r.offset + end], draft)
+        return _Run(r.seq, start, list(tokens), hidden[r.offset + begin:r.offset + end], room)
 
     def _forward(self, runs: list[_Run]) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP forward over the runs; (normed output, logits) of the last position of each run that
@@ -175,12 +173,12 @@ class MtpDrafter:
             batch = ForwardBatch.for_decodes([run.tokens[0] for run in runs], [run.start for run in runs],
                                              [run.seq.page_table for run in runs], [None] * len(runs),
                                              page_size, device)
-            drafting = [i for i, run in enumerate(runs) if run.draft]
+            drafting = [i for i, run in enumerate(runs) if run.room]
             rows = batch.logits_rows if len(drafting) == len(runs) else \
                 torch.tensor(drafting, dtype=torch.long, device=device)
         else:
             batch = ForwardBatch.build([SequenceChunk(run.tokens, run.start, run.seq.page_table, None,
-                                                      LogitsWanted.LAST if run.draft else LogitsWanted.NONE)
+                                                      LogitsWanted.LAST if run.room else LogitsWanted.NONE)
                                         for run in runs], page_size, device)
             rows = batch.logits_rows
         hidden = runs[0].rows if len(runs) == 1 else torch.cat([run.rows for run in runs])
@@ -192,11 +190,12 @@ class MtpDrafter:
             out = mtp.norm(x[rows])
             return out, model.lm_head(out).float()
 
-    def _draft(self, seqs: list[EngineSequence], out: torch.Tensor, logits: torch.Tensor) -> None:
-        """From each sequence's first draft token (its row of `logits`), the rest: the layer on its own output,
+    def _draft(self, drafting: list[_Run], out: torch.Tensor, logits: torch.Tensor) -> None:
+        """From each run's first draft token (its row of `logits`), the rest: the layer on its own output,
         one position a round, as far as each one's room and free pages allow."""
+        seqs = [run.seq for run in drafting]
+        rooms = [run.room for run in drafting]
         drafts = [[int(t)] for t in logits.argmax(dim=-1).tolist()]
-        rooms = [self.draft_room(seq) for seq in seqs]
         grown: set[int] = set()
         live = list(range(len(seqs)))
         h = out
@@ -210,7 +209,7 @@ class MtpDrafter:
                     keep.append((j, at))
             if not keep:
                 break
-            runs = [_Run(seqs[at], len(seqs[at].token_ids) - 2 + i, [drafts[at][-1]], h[j:j + 1], True)
+            runs = [_Run(seqs[at], len(seqs[at].token_ids) - 2 + i, [drafts[at][-1]], h[j:j + 1], rooms[at])
                     for j, at in keep]
             h, logits = self._forward(runs)
             for (_, at), token in zip(keep, logits.argmax(dim=-1).tolist()):
