@@ -30,6 +30,9 @@ SUITES: list[tuple[list[str], bool]] = [
     (["bench.scale"], False),  # 2 and 3 engines behind one gateway by routing rule, then one engine killed
     (["bench.swarm", "--peer", "llama.cpp"], True),
     (["bench.decode_attention"], False),  # CPU decode attention: torch reference vs the in-place C kernel, per KV dtype
+    # each CPU linear path (MKL, oneDNN, the C kernel; fp32 and bf16) per layer shape at decode row counts
+    (["bench.linear_paths", "--kind", "dense"], False),
+    (["bench.linear_paths", "--kind", "hybrid"], False),
     (["bench.profile", "--peer", "llama.cpp"], True),  # where the step's time goes, per-token rates vs llama.cpp  # ignis alone, and says so, where llama.cpp cannot be built
     # the same with fp16 KV (llama.cpp's default), then also bf16 weights against a bf16 GGUF
     (["bench.profile", "--peer", "llama.cpp", "--kv-dtype", "float16"], True),

@@ -18,6 +18,7 @@ Kinds (bench/geometry.py): dense is Qwen3, hybrid Qwen3.5 (Gated DeltaNet), moe 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -39,6 +40,7 @@ from bench import table
 from bench.drive import random_prompt
 from bench.geometry import KINDS, ensure_geometry
 from bench.step_scopes import breakdown, scope_times, scopes, top_ops
+from engine import cpu_host
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.kv.device_cache import resolve_kv_dtype
@@ -48,6 +50,7 @@ from engine.outputs import RequestUpdate
 from engine.request import EngineRequest
 from engine.sampling.params import SamplingParams
 from engine.text.tokenizer import Tokenizer
+from kernels.select import kernels_for
 
 PAGE = 16
 PEER = "llama.cpp"
@@ -280,12 +283,28 @@ def run_both(checkpoint: Path, setup: Setup, peer: Peer | None) -> tuple[dict[st
                                  for k in ("prefill", "decode_b"))
             ignis["profile_prefill"] = profiled(driver, lambda around: driver.prefill(one, around), prefill)
             ignis["profile_decode_b"] = profiled(driver, lambda around: driver.decode_batch(many, around), decode_b)
+            ignis["host"] = host_facts(driver)  # right after a decode: the OpenMP team is where it ran
     finally:
         torch.set_num_threads(threads)
     if peer is None:
         return ignis, None
     keys = {"prefill": "prefill_ms", "decode_1": "ms_step", "decode_b": "ms_step"}  # lower is the median's order
     return ignis, {**peer.about, **{phase: _median(theirs[phase], keys[phase]) for phase in PHASES}}
+
+
+def host_facts(driver: Driver) -> dict[str, Any]:
+    """What ran where: the CPU, the OpenMP runtime and where this process's threads last ran, which
+    path runs the linears at each row count, and which kernels the CPU's table holds (C or reference)."""
+    host = cpu_host.describe()
+    table = kernels_for(torch.device("cpu"))
+    plan = driver.core.loaded.linear_plan
+    return {"cpu": asdict(host), "summary": host.summary(),
+            "threads": [asdict(t) for t in cpu_host.thread_placement()],
+            "linear_plan": plan.summary() if plan is not None else "not packed: torch's F.linear (MKL)",
+            "kernels": {"table": table.name,
+                        "c": sorted(f.name for f in dataclasses.fields(table)
+                                    if f.name != "name" and callable(getattr(table, f.name))
+                                    and getattr(getattr(table, f.name), "func", None) is not None)}}
 
 
 def streaming_read(nbytes: int, threads: int, repeats: int = 5) -> dict[str, float]:
@@ -424,6 +443,18 @@ def _num(v: float | None) -> str:
     return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"  # no 9.28e+03 for a rate
 
 
+def machine_section(host: dict[str, Any] | None) -> list[str]:
+    """The CPU, OpenMP runtime, thread placement, linear path and C kernels of ignis' side (issue 50:
+    two machines' reports are only comparable with these)."""
+    if host is None:
+        return []
+    places = ", ".join(f"{t['name']} on CPU {t['cpu']}" for t in host["threads"])
+    return ["## Machine", "", f"- {host['summary']}", f"- threads after a decode step: {places}",
+            f"- {host['linear_plan']}",
+            f"- C kernels loaded (kernels/cpu/, `make kernels`; the line above says whether linear_rows runs): "
+            f"{', '.join(host['kernels']['c']) or 'none'}; the rest are the torch references", ""]
+
+
 def render(setup: Setup, ignis: dict[str, Any], peer: dict[str, Any], loads: dict[str, list[float]]) -> str:
     b = setup.batch
     have_peer = "unavailable" not in peer
@@ -439,7 +470,8 @@ def render(setup: Setup, ignis: dict[str, Any], peer: dict[str, Any], loads: dic
     out = [f"# Profile, {setup.kind}: hidden {setup.hidden}, {setup.layers} layers, {setup.threads} threads, "
            f"prompt {setup.prompt}, decode {setup.decode}, batch {b}, ignis KV dtype {setup.kv_dtype}, "
            f"weights {setup.weight_dtype} ({PEER}: a {setup.gguf_type} GGUF, f16 KV)",
-           "", f"1-minute load average before → after: {load_line}", "", "## Rates", "",
+           "", f"1-minute load average before → after: {load_line}", "", *machine_section(ignis.get("host")),
+           "## Rates", "",
            f"Each figure is the median of {ROUNDS} rounds, ignis and {PEER} alternating (which goes first "
            f"alternates by round), so a load spike lands in one round rather than on one side. ignis' "
            f"rounds, wall: {spread}.", "",

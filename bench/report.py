@@ -48,6 +48,11 @@ SECTIONS: list[tuple[str, list[str], str]] = [
      "The torch reference (gather + SDPA) against the C kernel reading K/V pages in place, in each "
      "engine.kv_dtype, and the model's decode forward before and after, at batch 1 and 8 with 2048-token "
      "contexts on the dense geometry. `python -m bench.decode_attention`"),
+    ("Linear paths on the CPU", ["linear-paths-dense", "linear-paths-hybrid"],
+     "Each path a CPU linear can take at a decode step's 1-16 rows (MKL's F.linear, oneDNN on a packed weight, "
+     "the C kernel; fp32 and bf16 weights), over one decode step's weights of each layer shape, against a streaming "
+     "read of as many bytes: which is fastest depends on the CPU's vendor and ISA (issue 50). "
+     "`python -m bench.linear_paths`"),
     ("The engine's Python around the model", ["overhead"],
      "A step at 64 and 256 sequences on a tiny model, cut into the scheduler's plan, the batch build, "
      "the forward pass, sampling and the rest: the same sequences decoding, and under churn (requests "
@@ -77,7 +82,7 @@ SECTIONS: list[tuple[str, list[str], str]] = [
 
 
 def _provenance(m: dict[str, Any]) -> str:
-    parts = [f"run {m['when']}" if m.get("when") else None, m.get("platform"),
+    parts = [f"run {m['when']}" if m.get("when") else None, m.get("platform"), m.get("cpu"),
              f"torch {m['torch']}" if m.get("torch") else None,
              f"{m['threads']} threads" if m.get("threads") else None, m.get("cuda")]
     return "_" + ", ".join(p for p in parts if p) + "_" if any(parts) else ""

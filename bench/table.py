@@ -15,6 +15,8 @@ from typing import Any, Sequence
 
 import torch
 
+from engine import cpu_host
+
 RESULTS = Path(__file__).resolve().parent / "results"
 RAW = RESULTS / "raw"  # ignored by git (.gitignore)
 MACHINE = "<!-- machine: "  # how a table's last line starts: the machine it ran on, as JSON
@@ -30,7 +32,8 @@ def markdown(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def machine() -> dict[str, Any]:
-    return {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    return {"platform": platform.platform(), "cpu": cpu_host.describe().part, "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "when": time.strftime("%Y-%m-%d %H:%M:%S")}
 

@@ -258,9 +258,12 @@ class EngineSettings(_Section):
                                 doc="the linear layers' weights (auto: the compute dtype); bfloat16 on an fp32 CPU "
                                     "model: half the bytes per decode step, inputs rounded to bf16 (oneDNN)")
     device: str = setting("auto", parse_device, doc="auto, cpu, cuda or cuda:N")
-    cpu_linear: str = setting("onednn", choice("onednn", "torch"),
+    cpu_linear: str = setting("auto", choice("auto", "onednn", "c", "torch"),
                               doc="fp32 CPU linear layers: onednn (weights reordered once at load: faster "
-                                  "decode and prefill, a copy of them in memory) or torch (MKL on the mapped file, no copy)")
+                                  "decode and prefill, a copy of them in memory), c (oneDNN, but calls of at "
+                                  "most 8 rows on ignis' C kernel over the weights as loaded), auto (oneDNN, and "
+                                  "each row count up to 8 on whichever of the two measured faster at load) or "
+                                  "torch (MKL on the mapped file, no copy)")
     integrity_key_file: str = setting("~/.cache/ignis/engine-integrity.key", parse_path,
                                       doc="the engine's key for the integrity tag on state it writes to the tierstore "
                                           "(made 0600 on first start; states tagged with another key are never served)")

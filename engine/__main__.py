@@ -20,6 +20,7 @@ from common.logs import configure_logging
 from common.secret_auth import Listeners, listeners as secret_listeners
 from common.settings import Settings, default_engine_socket, parse_service_args
 from common.tracing import run_traced
+from engine import cpu_host
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from common.metrics import serve_metrics
@@ -84,8 +85,12 @@ def resolve_device(name: str) -> torch.device:
 
 def build_core(model_path: Path, settings: Settings) -> EngineCore:
     e = settings.engine
-    loaded = load_model(model_path, dtype=e.dtype, device=resolve_device(e.device),
-                        onednn_linears=e.cpu_linear == "onednn", weight_dtype=e.weight_dtype)
+    device = resolve_device(e.device)
+    if device.type == "cpu":  # what a CPU step's speed depends on, for comparing two machines' logs
+        log.info("%s", cpu_host.describe().summary())
+    loaded = load_model(model_path, dtype=e.dtype, device=device,
+                        onednn_linears=e.cpu_linear != "torch", weight_dtype=e.weight_dtype,
+                        decode_linear="onednn" if e.cpu_linear == "torch" else e.cpu_linear)
     tokenizer = Tokenizer.from_dir(model_path)
     return EngineCore(loaded, tokenizer, EngineConfig.from_settings(settings))
 

@@ -105,6 +105,9 @@ class Kernels:
     # grouped GEMM per projection (Triton), on the CPU the C kernel reading only the experts hit, which
     # Experts runs for decode-sized steps; None: engine/model/layers.py's Experts runs its torch forms.
     moe_experts: MoeExperts | None = None
+    # The CPU's linear layer at a decode step's row counts (kernels/cpu/linear_rows.py), which
+    # engine/model/linear_calibration.py may choose over oneDNN per row count; None: oneDNN runs.
+    linear_rows: Callable[..., torch.Tensor] | None = None
 
 
 def torch_kernels() -> Kernels:
@@ -121,7 +124,8 @@ def cpu_kernels() -> Kernels:
     if os.environ.get("IGNIS_CPU_KERNELS", "native") == "reference":
         log.info("IGNIS_CPU_KERNELS=reference: the CPU runs the torch reference kernels")
         return references
-    from kernels.cpu import argmax, causal_conv, gdn_decode, moe_experts, paged_decode, rms_norm, rope_cache
+    from kernels.cpu import (argmax, causal_conv, gdn_decode, linear_rows, moe_experts, paged_decode, rms_norm,
+                             rope_cache)
 
     decode = paged_decode.load()
     if decode is None:
@@ -131,6 +135,7 @@ def cpu_kernels() -> Kernels:
                                gdn_decode_fused=gdn_decode.load(), rms_norm=rms_norm.load(),
                                rope_and_cache=rope_cache.load(), argmax_rows=argmax.load(),
                                argmax_rows_capped=argmax.load_capped(), moe_experts=moe_experts.load(),
+                               linear_rows=linear_rows.load(),
                                causal_conv1d=causal_conv.load() or references.causal_conv1d)
 
 

@@ -11,7 +11,7 @@ import torch
 from checkpoints import ARCHITECTURES, load_hf
 from engine.kv.device_cache import CacheGeometry, DeviceCache
 from engine.model.batch import CPU_PADDED_DECODE_MAX_CONTEXT, ForwardBatch, LogitsWanted, SequenceChunk
-from engine.model.cpu_linear import OneDnnLinear
+from engine.model.cpu_linear import OneDnnLinear, PackedLinear
 from engine.model.loader import LoadedModel, load_model
 from engine.offline import greedy_generate
 from kernels.select import kernels_for
@@ -71,16 +71,20 @@ MAX_DIFF: dict[str, float] = {}
 GDN_CUT_TOLERANCE = 1e-4  # logits of a hybrid prefill cut elsewhere (fp32 chunked delta rule)
 
 
-@pytest.mark.parametrize("onednn", [False, True], ids=["torch-linear", "onednn-linear"])
+@pytest.mark.parametrize("linear", ["torch", "onednn", "c"], ids=["torch-linear", "onednn-linear", "c-linear"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_logits_match_transformers(arch: str, onednn: bool, checkpoint_dir: Callable[[str], Path]) -> None:
+def test_logits_match_transformers(arch: str, linear: str, checkpoint_dir: Callable[[str], Path]) -> None:
     path = checkpoint_dir(arch)
-    loaded = load_model(path, onednn_linears=onednn)
+    onednn = linear != "torch"
+    # c: oneDNN for the chunks of many rows, the C kernel (kernels/cpu/linear_rows.c) for those of 1-8
+    loaded = load_model(path, onednn_linears=onednn, decode_linear="onednn" if linear == "torch" else linear)
     assert any(isinstance(m, OneDnnLinear) for m in loaded.model.modules()) == onednn
+    packed = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
+    assert all((m.c_rows is not None) == (linear == "c") for m in packed)
     assert loaded.config.architecture == arch.removesuffix("-moe")
     ids = make_prompt(100)
     # One chunk of many rows, then decode-sized ones: oneDNN's blocked kernels differ by row count.
-    sizes = [64, 33, 1, 1, 1] if onednn else [100]
+    sizes = [64, 28, 5, 1, 1, 1] if onednn else [100]
     ours = run_chunks(loaded, make_cache(loaded), ids, sizes, list(range(7)))
     ref = hf_logits(path, ids)
     diff = (ours - ref).abs().max().item()

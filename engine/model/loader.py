@@ -17,13 +17,15 @@ import torch
 
 from common.progress import Progress
 from engine.model.config import ModelConfig, load_config
-from engine.model.cpu_linear import onednn_bf16_available, use_onednn_linears
+from engine.model.cpu_linear import onednn_bf16_available, packed_linears, use_onednn_linears
+from engine.model.linear_calibration import LinearPlan, plan_linears
 from engine.model.decoder import CausalLM
 from engine.model.errors import CheckpointError, check_tensors
 from engine.model.fp8 import dequantize_all, fp8_gemm_absent, fp8_linear_weights, load_note, use_fp8_linears
 from engine.model.layers import Rotary
 from engine.model.mtp import MtpPredictor, load_mtp
 from engine.model.safetensors_mmap import SafetensorsFile, open_checkpoint_weights
+from kernels.select import kernels_for
 
 log = logging.getLogger("ignis.engine")
 
@@ -45,6 +47,7 @@ class LoadedModel:
     # The checkpoint's parts text decoding does not run, by part ("vision tower"): name -> tensor.
     side_weights: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     mtp: MtpPredictor | None = None  # the checkpoint's MTP layers (engine/model/mtp.py), for speculative decoding
+    linear_plan: LinearPlan | None = None  # which path runs the CPU linears per row count (None: not packed)
 
 
 def resolve_dtype(name: str, device: torch.device, config: ModelConfig) -> torch.dtype:
@@ -104,8 +107,10 @@ WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",
-               onednn_linears: bool = False, weight_dtype: str = "auto") -> LoadedModel:
-    """`onednn_linears`: on an fp32 CPU model, run the linear layers on oneDNN (engine.cpu_linear).
+               onednn_linears: bool = False, weight_dtype: str = "auto", decode_linear: str = "auto") -> LoadedModel:
+    """`onednn_linears`: on an fp32 CPU model, run the linear layers on oneDNN (engine.cpu_linear other
+    than torch); `decode_linear` (engine.cpu_linear: auto, onednn or c) says which of oneDNN and the C
+    kernel runs calls of a decode step's few rows (engine/model/linear_calibration.py).
     `weight_dtype` (engine.weight_dtype): "bfloat16" keeps those layers' weights in bf16 (an fp32
     CPU model on oneDNN only); "auto" or the compute dtype: as loaded."""
     path = Path(checkpoint).expanduser()
@@ -157,20 +162,24 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
         raise ValueError(f"weight_dtype must be auto, {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     if packed != torch_dtype:
         if not (onednn_linears and dev.type == "cpu" and torch_dtype == torch.float32):
-            raise ValueError(f"weight_dtype {weight_dtype} applies to an fp32 CPU model with engine.cpu_linear=onednn; "
+            raise ValueError(f"weight_dtype {weight_dtype} applies to an fp32 CPU model with engine.cpu_linear=onednn "
+                             "(or auto, or c); "
                              "elsewhere set engine.dtype")
         if packed == torch.bfloat16 and not onednn_bf16_available():
             raise ValueError("weight_dtype bfloat16 needs oneDNN's bf16 inner product, which this CPU lacks "
                              "(it needs AVX512 BW/VL/DQ or AVX-NE-CONVERT): set engine.weight_dtype=float32")
         # Other weights make other state: the reuse namespace must tell them apart.
         digest = hashlib.sha256(digest + f"/linear-weights={weight_dtype}".encode()).digest()
+    plan = None
     if onednn_linears:
         # copies the linear weights out of the mapped files (cpu_linear.py says why)
         use_onednn_linears(model, packed if packed != torch_dtype else torch.float32)
         if mtp is not None:  # the drafter's layer runs beside the target's every step: on the same linears
             use_onednn_linears(mtp, packed if packed != torch_dtype else torch.float32)
+        on_cpu = packed_linears(model) + ([] if mtp is None else packed_linears(mtp))
+        plan = plan_linears(on_cpu, decode_linear, kernels_for(torch.device("cpu")).linear_rows if on_cpu else None)
     return LoadedModel(model=model, config=config, path=path, weights_digest=digest, files=tuple(files),
-                       side_weights=side, mtp=mtp)
+                       side_weights=side, mtp=mtp, linear_plan=plan)
 
 
 def _log_parts(path: Path, config: ModelConfig, decoder_tensors: int, side: dict[str, dict[str, torch.Tensor]],
