@@ -26,7 +26,8 @@ SECTIONS: list[tuple[str, list[str], str]] = [
      "does a repeated prompt cost a copy instead of a prefill? `python -m bench.swarm`"),
     ("Per-token rates vs llama.cpp, and where ignis' step time goes",
      ["profile-dense", "profile-hybrid", "profile-dense-kv-float16", "profile-hybrid-kv-float16",
-      "profile-dense-kv-float16-w-bfloat16", "profile-hybrid-kv-float16-w-bfloat16", "profile-moe"],
+      "profile-dense-kv-float16-w-bfloat16", "profile-hybrid-kv-float16-w-bfloat16", "profile-dense-w-bfloat16",
+      "profile-hybrid-w-bfloat16", "profile-moe"],
      "Prefill and decode rates of both servers on the swarm's checkpoint and threads, and a torch.profiler "
      "breakdown of ignis' engine step (the slow side of the swarm). `python -m bench.profile`"),
     ("Reuse vs cold", ["reuse"],
@@ -48,11 +49,13 @@ SECTIONS: list[tuple[str, list[str], str]] = [
      "The torch reference (gather + SDPA) against the C kernel reading K/V pages in place, in each "
      "engine.kv_dtype, and the model's decode forward before and after, at batch 1 and 8 with 2048-token "
      "contexts on the dense geometry. `python -m bench.decode_attention`"),
-    ("Linear paths on the CPU", ["linear-paths-dense", "linear-paths-hybrid"],
+    ("Linear paths on the CPU", ["linear-paths-dense", "linear-paths-hybrid",
+                                 "linear-paths-dense-fp32-bf16-lib-lib_avx2-onednn-avx2-mkl-avx2"],
      "Each path a CPU linear can take at a decode step's 1-16 rows (MKL's F.linear, oneDNN on a packed weight, "
      "the C kernel; fp32 and bf16 weights), over one decode step's weights of each layer shape, against a streaming "
-     "read of as many bytes: which is fastest depends on the CPU's vendor and ISA (issue 50). "
-     "`python -m bench.linear_paths`"),
+     "read of as many bytes: which is fastest depends on the CPU's vendor and ISA (issue 50). The third table "
+     "emulates an AVX2-only CPU on this one (oneDNN and MKL capped with ONEDNN_MAX_CPU_ISA / MKL_ENABLE_INSTRUCTIONS, "
+     "the C kernels built for x86-64-v3). `python -m bench.linear_paths`"),
     ("The engine's Python around the model", ["overhead"],
      "A step at 64 and 256 sequences on a tiny model, cut into the scheduler's plan, the batch build, "
      "the forward pass, sampling and the rest: the same sequences decoding, and under churn (requests "

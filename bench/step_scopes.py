@@ -76,6 +76,7 @@ CLASS_SCOPES: list[tuple[Any, str, str]] = [
 KERNEL_SCOPES: dict[str, str] = {
     "paged_attention": "ignis.attention.kernel",
     "paged_decode_attention": "ignis.attention.kernel",
+    "paged_decode_from_table": "ignis.attention.kernel",  # the decode-only batch's form (was uncounted: in "rest")
     "causal_conv1d": "ignis.gdn.conv",
     "chunk_gated_delta_rule": "ignis.gdn.chunked",
     "gated_delta_decode_step_": "ignis.gdn.recurrent",

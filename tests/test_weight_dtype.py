@@ -72,14 +72,19 @@ def rounded_oracle(path: Path, ids: list[int]) -> torch.Tensor:
 
 
 @needs_bf16
+@pytest.mark.parametrize("decode_linear", ["onednn", "c"])
 @pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "Qwen3NextForCausalLM-moe"])
-def test_bf16_weights_match_the_rounded_oracle(arch: str, checkpoint_dir: Callable[[str], Path]) -> None:
+def test_bf16_weights_match_the_rounded_oracle(arch: str, decode_linear: str,
+                                               checkpoint_dir: Callable[[str], Path]) -> None:
+    """c: the chunks of 1-3 rows run kernels/cpu/linear_rows.c on a bf16 copy of the weights, rounding
+    rows and outputs as oneDNN's bf16 inner product does: the same oracle, the same bounds."""
     path = checkpoint_dir(arch)
-    loaded = load_model(path, onednn_linears=True, weight_dtype="bfloat16")
+    loaded = load_model(path, onednn_linears=True, weight_dtype="bfloat16", decode_linear=decode_linear)
     linears = [m for m in loaded.model.modules() if isinstance(m, OneDnnLinear)]
     assert linears and all(m.packed_weight.dtype == torch.bfloat16 for m in linears)
+    assert all((m.c_rows is not None) == (decode_linear == "c") for m in linears)
     ids = make_prompt(60)
-    ours = run_chunks(loaded, make_cache(loaded), ids, [40, 17, 1, 1, 1], list(range(5)))
+    ours = run_chunks(loaded, make_cache(loaded), ids, [40, 14, 3, 1, 1, 1], list(range(5)))
     assert ours.dtype == torch.float32
     diff = (ours - rounded_oracle(path, ids)).abs().max().item()
     plain = (ours - hf_logits(path, ids)).abs().max().item()
