@@ -88,6 +88,11 @@ def test_modes(kernel: linear_rows.LinearRows, checkpoint_dir: Callable[[str], P
     assert [t.rows for t in measured.timings] == list(CALIBRATED_ROWS)
     assert measured.c_rows == linear_calibration._rows_from(measured.timings)
     assert all((m.c_rows.rows if m.c_rows else frozenset()) == measured.c_rows for m in linears)
+    # a large model is measured on its first linears only, and the plan applies to all of them
+    monkeypatch.setattr(linear_calibration, "CALIBRATE_SAMPLE_BYTES", 1)
+    sampled = plan_linears(linears, "auto", kernel)
+    assert sampled.linears == 1 and len(sampled.timings) == len(CALIBRATED_ROWS)
+    assert all((m.c_rows.rows if m.c_rows else frozenset()) == sampled.c_rows for m in linears)
     with pytest.raises(ValueError, match="engine.cpu_linear must be one of"):
         plan_linears(linears, "fastest", kernel)
     with pytest.raises(ValueError, match="not built"):

@@ -34,6 +34,10 @@ CALIBRATED_ROWS = (1, 2, 4, 8)
 ROUNDS = 3
 MARGIN = 0.10
 CALIBRATE_MIN_BYTES = 64 * 2**20
+# The linears measured: the model's first ones (in module order: every shape of a layer) up to this many
+# packed bytes, well past any L3 so a pass streams from memory as a step does. A large model is not
+# measured whole: its load would pay seconds, and with bf16 weights a transient copy of all of them.
+CALIBRATE_SAMPLE_BYTES = 512 * 2**20
 MODES = ("auto", "onednn", "c")
 
 
@@ -115,11 +119,27 @@ def measure(linears: Sequence[PackedLinear], kernel: LinearRows, rounds: int = R
     return tuple(timings)
 
 
+def _packed_bytes(linears: Sequence[PackedLinear]) -> int:
+    return sum(m.packed_weight.numel() * m.packed_weight.element_size() for m in linears)
+
+
+def _sample(linears: Sequence[PackedLinear]) -> list[PackedLinear]:
+    """The first linears holding CALIBRATE_SAMPLE_BYTES (all of them in a smaller model)."""
+    sample: list[PackedLinear] = []
+    total = 0
+    for m in linears:
+        if total >= CALIBRATE_SAMPLE_BYTES:
+            break
+        sample.append(m)
+        total += _packed_bytes([m])
+    return sample
+
+
 def plan_linears(linears: Sequence[PackedLinear], mode: str, kernel: LinearRows | None) -> LinearPlan:
     """The plan for `mode` (measured for auto), applied to `linears`, and logged."""
     if mode not in MODES:
         raise ValueError(f"engine.cpu_linear must be one of {', '.join(MODES)} or torch, got {mode!r}")
-    weight_bytes = sum(m.packed_weight.numel() * m.packed_weight.element_size() for m in linears)
+    weight_bytes = _packed_bytes(linears)
     plan = LinearPlan(mode, frozenset(), linears=len(linears), weight_bytes=weight_bytes)
     if mode == "onednn" or not linears:
         pass
@@ -133,8 +153,9 @@ def plan_linears(linears: Sequence[PackedLinear], mode: str, kernel: LinearRows 
         plan = LinearPlan(mode, frozenset(), note=f"{weight_bytes / 2**20:.1f} MiB of linear weights, "
                                                   f"under the {CALIBRATE_MIN_BYTES // 2**20} MiB worth measuring")
     else:
-        timings = measure(linears, kernel)
-        plan = LinearPlan(mode, _rows_from(timings), timings, len(linears), weight_bytes)
+        sample = _sample(linears)
+        timings = measure(sample, kernel)
+        plan = LinearPlan(mode, _rows_from(timings), timings, len(sample), _packed_bytes(sample))
     apply(linears, plan, kernel)
     log.info("%s", plan.summary())
     return plan
