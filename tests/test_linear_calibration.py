@@ -70,6 +70,24 @@ def test_measured_choice_follows_the_clock(kernel: linear_rows.LinearRows,
     assert linear_calibration._rows_from(timings) == frozenset({3, 4})
 
 
+def test_a_failure_while_measuring_leaves_every_linear_as_it_was(kernel: linear_rows.LinearRows,
+                                                                  checkpoint_dir: Callable[[str], Path]) -> None:
+    linears = linears_of(checkpoint_dir)[:3]
+    plan_linears(linears, "c", kernel)
+    before = [m.c_rows for m in linears]
+    calls = []
+
+    def clock(ms: Sequence[PackedLinear], inputs: Sequence[torch.Tensor]) -> float:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a kernel failed")
+        return 1.0
+
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        measure(linears, kernel, rounds=1, clock=clock)
+    assert [m.c_rows for m in linears] == before
+
+
 def test_modes(kernel: linear_rows.LinearRows, checkpoint_dir: Callable[[str], Path],
                monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     linears = linears_of(checkpoint_dir)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.cpu_linear import DECODE_ROWS, CRows, PackedLinear
-from kernels.cpu.linear_rows import LinearRows
+from kernels.cpu.linear_rows import LinearRows, RowWeights
 
 log = logging.getLogger("ignis.engine")
 
@@ -100,7 +100,19 @@ def measure(linears: Sequence[PackedLinear], kernel: LinearRows, rounds: int = R
     """Each calibrated row count's fastest pass over `linears` with each path (C weights in place)."""
     g = torch.Generator().manual_seed(0)
     weights = {id(m): m.c_weights() for m in linears}
-    timings = []
+    before = [m.c_rows for m in linears]
+    timings: list[RowsTiming] = []
+    try:
+        _time_paths(linears, kernel, weights, rounds, clock, g, timings)
+    finally:  # each linear as it was, whatever happened
+        for m, plan in zip(linears, before):
+            m.c_rows = plan
+    return tuple(timings)
+
+
+def _time_paths(linears: Sequence[PackedLinear], kernel: LinearRows, weights: dict[int, RowWeights], rounds: int,
+                clock: Callable[[Sequence[PackedLinear], Sequence[torch.Tensor]], float], g: torch.Generator,
+                timings: list[RowsTiming]) -> None:
     with torch.no_grad():
         for rows in CALIBRATED_ROWS:
             inputs = [torch.randn(rows, m.in_features, generator=g) for m in linears]
@@ -114,9 +126,6 @@ def measure(linears: Sequence[PackedLinear], kernel: LinearRows, rounds: int = R
                     if r:
                         best[path] = min(best[path], ms)
             timings.append(RowsTiming(rows, best["onednn"], best["c"]))
-    for m in linears:
-        m.c_rows = None
-    return tuple(timings)
 
 
 def _packed_bytes(linears: Sequence[PackedLinear]) -> int:
@@ -144,9 +153,10 @@ def plan_linears(linears: Sequence[PackedLinear], mode: str, kernel: LinearRows 
     if mode == "onednn" or not linears:
         pass
     elif kernel is None:
-        plan = LinearPlan(mode, frozenset(), note="the C kernels are not built (`make kernels`)")
+        plan = LinearPlan(mode, frozenset(), note="the C kernels are not built (`make kernels`) or are turned off")
         if mode == "c":
-            raise ValueError("engine.cpu_linear=c needs the C kernels, which are not built (`make kernels`)")
+            raise ValueError("engine.cpu_linear=c needs the C kernels, which are not built (`make kernels`) "
+                             "or are turned off (IGNIS_CPU_KERNELS=reference)")
     elif mode == "c":
         plan = LinearPlan(mode, frozenset(range(1, DECODE_ROWS + 1)), linears=len(linears), weight_bytes=weight_bytes)
     elif weight_bytes < CALIBRATE_MIN_BYTES:

@@ -177,7 +177,8 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
         if mtp is not None:  # the drafter's layer runs beside the target's every step: on the same linears
             use_onednn_linears(mtp, packed if packed != torch_dtype else torch.float32)
         on_cpu = packed_linears(model) + ([] if mtp is None else packed_linears(mtp))
-        plan = plan_linears(on_cpu, decode_linear, kernels_for(torch.device("cpu")).linear_rows if on_cpu else None)
+        if on_cpu:  # none on another device, or in another dtype
+            plan = plan_linears(on_cpu, decode_linear, kernels_for(torch.device("cpu")).linear_rows)
     return LoadedModel(model=model, config=config, path=path, weights_digest=digest, files=tuple(files),
                        side_weights=side, mtp=mtp, linear_plan=plan)
 

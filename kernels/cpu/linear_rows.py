@@ -77,7 +77,7 @@ def _run(fn: Callable[..., int], x: torch.Tensor, weights: RowWeights) -> torch.
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != weights.in_features:
         raise ValueError(f"linear_rows takes fp32 CPU rows of {weights.in_features}, got {x.dtype} {tuple(x.shape)}")
     rows = x.reshape(-1, weights.in_features)
-    if rows.stride(-1) != 1:
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < weights.in_features):  # expanded rows
         rows = rows.contiguous()
     y = torch.empty(rows.shape[0], weights.out_features, dtype=torch.float32)
     if fn(rows.data_ptr(), rows.shape[0], rows.stride(0), weights.in_features, len(weights.tensors),
