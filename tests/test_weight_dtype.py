@@ -17,6 +17,7 @@ from torch import nn
 
 from checkpoints import ARCHITECTURES, ROUTED_ARCHITECTURES, load_hf
 from engine.model import loader
+from engine import cpu_host
 from engine.model.cpu_linear import OneDnnLinear, onednn_available, onednn_bf16_available
 from engine.model.loader import load_model
 from test_model import hf_logits, make_cache, make_prompt, run_chunks
@@ -49,10 +50,7 @@ def _amx_bf16() -> bool:
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "")
     if cap and "AMX" not in cap.upper() and cap.upper() != "ALL":
         return False
-    try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+    return "amx_bf16" in cpu_host.describe().isa
 
 
 def rounded_oracle(path: Path, ids: list[int]) -> torch.Tensor:

@@ -101,18 +101,17 @@ def measure(linears: Sequence[PackedLinear], kernel: LinearRows, rounds: int = R
     g = torch.Generator().manual_seed(0)
     weights = {id(m): m.c_weights() for m in linears}
     before = [m.c_rows for m in linears]
-    timings: list[RowsTiming] = []
     try:
-        _time_paths(linears, kernel, weights, rounds, clock, g, timings)
+        return _time_paths(linears, kernel, weights, rounds, clock, g)
     finally:  # each linear as it was, whatever happened
         for m, plan in zip(linears, before):
             m.c_rows = plan
-    return tuple(timings)
 
 
 def _time_paths(linears: Sequence[PackedLinear], kernel: LinearRows, weights: dict[int, RowWeights], rounds: int,
-                clock: Callable[[Sequence[PackedLinear], Sequence[torch.Tensor]], float], g: torch.Generator,
-                timings: list[RowsTiming]) -> None:
+                clock: Callable[[Sequence[PackedLinear], Sequence[torch.Tensor]], float], g: torch.Generator
+                ) -> tuple[RowsTiming, ...]:
+    timings = []
     with torch.no_grad():
         for rows in CALIBRATED_ROWS:
             inputs = [torch.randn(rows, m.in_features, generator=g) for m in linears]
@@ -126,6 +125,7 @@ def _time_paths(linears: Sequence[PackedLinear], kernel: LinearRows, weights: di
                     if r:
                         best[path] = min(best[path], ms)
             timings.append(RowsTiming(rows, best["onednn"], best["c"]))
+    return tuple(timings)
 
 
 def _packed_bytes(linears: Sequence[PackedLinear]) -> int:
