@@ -314,6 +314,18 @@ class SpeculativeSettings(_Section):
 
 
 @dataclass(slots=True)
+class LoraSettings(_Section):
+    """[lora]: LoRA adapters served beside the base model (`--lora NAME=PATH`, /v1/load_lora_adapter)."""
+
+    NAME: ClassVar[str] = "lora"
+    enabled: bool = setting(False, parse_bool, doc="serve LoRA adapters (on by itself with --lora): the model's "
+                                                  "linears get their adapter slots at start")
+    max_adapters: int = setting(4, parse_int, minimum=1, doc="adapters resident at once (their slots: each holds "
+                                                            "one adapter's weights for every adaptable linear)")
+    max_rank: int = setting(16, parse_int, minimum=1, doc="the highest adapter rank served (a slot's width)")
+
+
+@dataclass(slots=True)
 class ResponsesSettings(_Section):
     """[responses]: the engine's store of Responses API records (`store`, `previous_response_id`)."""
 
@@ -327,7 +339,7 @@ class ResponsesSettings(_Section):
 
 _SECTIONS: dict[str, type[_Section]] = {
     cls.NAME: cls for cls in (ReuseSettings, KvDiskSettings, EngineSettings, TierstoreSettings, ResponsesSettings,
-                              SpeculativeSettings)
+                              SpeculativeSettings, LoraSettings)
 }
 
 
@@ -341,6 +353,7 @@ class Settings:
     tierstore: TierstoreSettings = field(default_factory=TierstoreSettings)
     responses: ResponsesSettings = field(default_factory=ResponsesSettings)
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -24,6 +24,7 @@ from engine import cpu_host
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from common.metrics import serve_metrics
+from engine.lora.adapter import read_adapter
 from engine.model.errors import CheckpointError
 from engine.model.loader import load_model
 from engine.model.openmp import on_own_thread
@@ -61,6 +62,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     parser.add_argument("--model", default=TINY_NAME,
                         help=f"checkpoint directory, a Hugging Face repo id already in the local cache, or {TINY_NAME}")
     parser.add_argument("--served-model-name", default=None, help="model id clients use (default: from --model)")
+    parser.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", type=lora_argument,
+                        help="serve a LoRA adapter (a PEFT folder) as model NAME beside the base model; repeatable. "
+                             "Turns lora.enabled on")
     parser.add_argument("--host", default="127.0.0.1", help="TCP bind address, with --port (default: loopback only)")
     parser.add_argument("--port", type=int, default=None,
                         help="also serve gRPC over TCP on this port (0 picks a free one), every call but health "
@@ -74,7 +78,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings]:
     parser.add_argument("--session-socket", action=argparse.BooleanOptionalAction, default=True,
                         help="also serve GenerateSession on a private Unix socket, for a gateway on this host "
                              "(engine/session_socket.py)")
-    return parse_service_args(parser, _SETTING_FLAGS, argv)
+    args, settings = parse_service_args(parser, _SETTING_FLAGS, argv)
+    if args.lora:
+        settings.lora.enabled = True
+        if len({name for name, _ in args.lora}) < len(args.lora):
+            parser.error("--lora: two adapters with one name")
+    return args, settings
 
 
 def resolve_device(name: str) -> torch.device:
@@ -83,7 +92,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_core(model_path: Path, settings: Settings) -> EngineCore:
+def lora_argument(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
+
+
+def build_core(model_path: Path, settings: Settings, model_id: str = "", loras: list[tuple[str, str]] | None = None
+               ) -> EngineCore:
     e = settings.engine
     device = resolve_device(e.device)
     if device.type == "cpu":  # what a CPU step's speed depends on, for comparing two machines' logs
@@ -92,7 +109,15 @@ def build_core(model_path: Path, settings: Settings) -> EngineCore:
                         onednn_linears=e.cpu_linear != "torch", weight_dtype=e.weight_dtype,
                         decode_linear="onednn" if e.cpu_linear == "torch" else e.cpu_linear)
     tokenizer = Tokenizer.from_dir(model_path)
-    return EngineCore(loaded, tokenizer, EngineConfig.from_settings(settings))
+    core = EngineCore(loaded, tokenizer, EngineConfig.from_settings(settings))
+    for name, path in loras or []:  # before the step thread starts: each is placed at once
+        if name == model_id:
+            raise ValueError(f"--lora {name}={path}: {name!r} is the base model's name")
+        assert core.adapters is not None  # --lora turned lora.enabled on
+        adapter = read_adapter(path, core.adapters.sites.targets, core.config.lora_max_rank)
+        served = core.load_adapter(name, adapter).result()
+        log.info("serving LoRA adapter %s (rank %d) from %s", served.name, served.rank, served.path)
+    return core
 
 
 def listeners(args: argparse.Namespace, settings: Settings) -> Listeners:
@@ -162,7 +187,7 @@ async def serve_on(args: argparse.Namespace, settings: Settings, addresses: list
 
     # On a thread that ends with it: no OpenMP team outlives the load (engine/model/openmp.py).
     load = asyncio.ensure_future(asyncio.to_thread(
-        on_own_thread, lambda: build_core(resolve_model_path(args.model), settings)))
+        on_own_thread, lambda: build_core(resolve_model_path(args.model), settings, model_id, args.lora)))
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait({load, waiter}, return_when=asyncio.FIRST_COMPLETED)
     core = None

@@ -36,6 +36,9 @@ class EngineConfig:
     speculative_method: str = from_setting("speculative.method")  # none | ngram | mtp (engine/speculative/)
     speculative_num_tokens: int = from_setting("speculative.num_tokens")  # k: drafted tokens per step
     speculative_disable_batch_size: int = from_setting("speculative.disable_batch_size")  # -1: by model
+    lora_enabled: bool = from_setting("lora.enabled")  # the model's linears get adapter slots (engine/lora/)
+    lora_max_adapters: int = from_setting("lora.max_adapters")
+    lora_max_rank: int = from_setting("lora.max_rank")
     tierstore_address: str = from_setting("tierstore.address")  # unix:/path or host:port; empty: device-only reuse
     tierstore_secret_file: str = from_setting("tierstore.secret_file")  # the shared secret of a TCP tierstore
     spill_window_pages: int = from_setting("engine.spill_window_pages")  # a live sequence's pages moved per step

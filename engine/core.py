@@ -23,9 +23,12 @@ import xxhash
 from engine.builder import build_parts
 from engine.config import EngineConfig
 from engine.engine_stats import gather_stats
-from engine.inbox import AbortRequest, AddRequest, Inbox, TakeSnapshot
+from engine.inbox import AbortRequest, AddRequest, ChangeAdapters, Inbox, TakeSnapshot
 from engine.kv.chain_hash import StateHash, Namespace, model_fingerprint, page_hashes
 from engine.kv.device_cache import namespace_dtype
+from engine.lora.adapter import LoraAdapter
+from engine.lora.registry import AdapterRegistry, ServedAdapter
+from engine.lora.sites import LoraSites
 from engine.metrics import EngineMetrics
 from engine.model.loader import LoadedModel
 from engine.output_processor import Deltas, LiveRequest, OutputProcessor, RequestTotals, Sink
@@ -68,6 +71,11 @@ class EngineCore:
         self.tiers = self.residency.tiers
         self.max_model_len = parts.max_model_len
         self.runner = ModelRunner(loaded.model, self.cache)
+        self.adapters: AdapterRegistry | None = None  # LoRA adapters (lora.enabled): their slots in every linear
+        if config.lora_enabled:
+            sites = LoraSites.install(loaded.model, config.lora_max_adapters, config.lora_max_rank)
+            self.adapters = AdapterRegistry(sites)
+            self.runner.lora = sites
         self.sampling_defaults = SamplingDefaults.from_checkpoint(loaded.path)  # generation_config.json
         self.moves = self.residency.moves
         self.pacing = StepPacing(config.step_time_target_ms, config.prefill_chunk_tokens)
@@ -168,17 +176,45 @@ class EngineCore:
         for listener in self._listeners:  # a tuple replaced whole: read without the lock
             listener()
 
-    def namespace_hash(self, cache_salt: str) -> StateHash:
-        """h0 of the request's chain: the model's namespace, salted by the tenant's cache_salt."""
-        key = xxhash.xxh3_128_digest(cache_salt.encode("utf-8", "surrogatepass"))
+    def namespace_hash(self, cache_salt: str, adapter: bytes = b"") -> StateHash:
+        """h0 of the request's chain: the model's namespace, salted by the tenant's cache_salt, and the
+        LoRA adapter's digest when it runs with one."""
+        key = xxhash.xxh3_128_digest(adapter + cache_salt.encode("utf-8", "surrogatepass"))
         found = self._namespaces.get(key)
         if found is None:
             dtype = namespace_dtype(self.cache.kv.dtype, self.loaded.model.dtype)
             drafter = f"mtp{len(self.drafter.mtp.layers)}" if self.drafter is not None else ""
-            found = Namespace(self._fingerprint, dtype, self.config.page_size, cache_salt, drafter).digest()
+            found = Namespace(self._fingerprint, dtype, self.config.page_size, cache_salt, drafter, adapter).digest()
             if len(self._namespaces) < _MAX_NAMESPACES:
                 self._namespaces[key] = found
         return found
+
+    def change_adapters(self, change: Callable[[AdapterRegistry], ServedAdapter]) -> Future[ServedAdapter]:
+        """Run a load or an unload on the step thread, between steps (any thread); ValueError when this
+        engine serves no adapters."""
+        registry = self.adapters
+        if registry is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with --lora or lora.enabled=true")
+        future: Future[ServedAdapter] = Future()
+        if self._thread is None or not self._thread.is_alive():  # a synchronous driver
+            future.set_result(change(registry))
+            return future
+        self._inbox.put(ChangeAdapters(lambda: change(registry), future))
+        return future
+
+    def load_adapter(self, name: str, adapter: LoraAdapter) -> Future[ServedAdapter]:
+        """Serve `adapter` (read by engine/lora/adapter.py off this thread) as model `name`."""
+        if not name:
+            raise ValueError("an adapter needs a name")
+        return self.change_adapters(lambda registry: registry.add(name, adapter, self._slot_in_use))
+
+    def unload_adapter(self, name: str) -> Future[ServedAdapter]:
+        return self.change_adapters(lambda registry: registry.remove(name))
+
+    def _slot_in_use(self, slot: int) -> bool:
+        """Whether a live request (queued or running) was admitted with the adapter in `slot` (step thread)."""
+        with self._lock:
+            return any(live.request.adapter_slot == slot for live in self._live.values())
 
     def stats(self) -> EngineStats:
         return gather_stats(self.scheduler, self.residency, self.reuse.counters, self.totals)
@@ -237,6 +273,11 @@ class EngineCore:
                 self._add(message.request)
             elif isinstance(message, AbortRequest):
                 self._cancel(message.request_id)
+            elif isinstance(message, ChangeAdapters):
+                try:
+                    message.future.set_result(message.change())
+                except Exception as exc:  # a name taken or unknown, no slot free: the caller's answer
+                    message.future.set_exception(exc)
             elif message.future.set_running_or_notify_cancel():  # TakeSnapshot; False: the caller gave up
                 try:
                     message.future.set_result(self.snapshot())
@@ -253,13 +294,17 @@ class EngineCore:
         live = self._live.get(request.request_id)
         if live is None:  # aborted before it reached the engine thread
             return
+        adapter = request.adapter
+        if adapter is not None and (self.adapters is None or not self.adapters.current(adapter)):
+            self._fail(request.request_id, f"the adapter {adapter.name!r} was unloaded before the request started")
+            return
         guide = request.guided.new_guide() if request.guided is not None else None
         base = RequestSampler(request.params, request.prompt_ids, self.loaded.model.device, guide=guide)
         first = self._new_seq(request, 0, base)
         first.hold_forks([self._new_seq(request, i, base.fork(i)) for i in range(1, request.params.n)])
         # The namespace names state below the device too (a live sequence moved down); page
         # hashes only serve reuse.
-        namespace = self.namespace_hash(request.cache_salt)
+        namespace = self.namespace_hash(request.cache_salt, b"" if adapter is None else adapter.digest)
         reuses = request.lookup and self.config.reuse_prompt
         hashes = page_hashes(namespace, request.prompt_ids, self.config.page_size) if reuses else []
         for seq in (first, *first.unforked):

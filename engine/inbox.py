@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.request import EngineRequest
 
@@ -34,7 +35,15 @@ class TakeSnapshot:
     future: Future[EngineSnapshot]  # set on the step thread with a copy of the stats and retained states
 
 
-InboxMessage = AddRequest | AbortRequest | TakeSnapshot
+@dataclass(frozen=True, slots=True)
+class ChangeAdapters:
+    """Load or unload a LoRA adapter (engine/lora/registry.py): its slots' weights are read by a step."""
+
+    change: Callable[[], Any]
+    future: Future[Any]  # set on the step thread with what `change` returned, or its exception
+
+
+InboxMessage = AddRequest | AbortRequest | TakeSnapshot | ChangeAdapters
 
 
 class Inbox:

@@ -15,6 +15,7 @@ from opentelemetry.context import Context
 from engine.facts import RequestClass, ReuseReport
 from engine.guided.matcher import CompiledGuide
 from engine.kv.chain_hash import StateHash
+from engine.lora.registry import ServedAdapter
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import RequestSampler
 from engine.text.detokenizer import TextStream
@@ -65,6 +66,13 @@ class EngineRequest:
     trace_context: Context | None = field(default=None, compare=False, repr=False)
     # Its grammar (guided decoding), compiled before it was queued; None: unconstrained.
     guided: CompiledGuide | None = field(default=None, compare=False, repr=False)
+    # The LoRA adapter it runs with (the request's `model` named it); None: the base model.
+    adapter: ServedAdapter | None = field(default=None, compare=False)
+
+    @property
+    def adapter_slot(self) -> int:
+        """Its adapter's slot in the LoRA sites (engine/lora/sites.py); -1: the base model."""
+        return -1 if self.adapter is None else self.adapter.slot
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -3,12 +3,13 @@ returns the logits each sequence asked for."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.kv.device_cache import DeviceCache
+from engine.lora.sites import LoraSites
 from engine.model.batch import ForwardBatch, LogitsWanted, SequenceChunk
 from engine.model.kept_decodes import KeptDecodes
 from engine.model.decoder import CausalLM
@@ -49,6 +50,19 @@ class ModelRunner:
         self.keep_hidden = False
         self.hidden: torch.Tensor | None = None
         self.rows: list[ComputedRows] = []
+        self.lora: LoraSites | None = None  # the adapters' slots in the linears (lora.enabled)
+
+    def _forward(self, batch: ForwardBatch, row_slots: Callable[[], list[int]]) -> torch.Tensor:
+        """The model's forward pass; with LoRA sites, each row runs with its sequence's adapter
+        (`row_slots`: the rows' slots, -1 for the base model, asked only where adapters are served)."""
+        lora = self.lora
+        if lora is None:
+            return self.model(batch, self.cache, self.keep_hidden)
+        lora.begin(row_slots(), self.model.device)
+        try:
+            return self.model(batch, self.cache, self.keep_hidden)
+        finally:
+            lora.end()
 
     def run(self, chunks: Sequence[ScheduledChunk]) -> StepLogits:
         self.kept.forget()  # a step off the decode road: the next decode batch is built from the sequences
@@ -76,7 +90,7 @@ class ModelRunner:
                                        self.page_size, self.model.device)
         else:
             batch = ForwardBatch.build([*map(self._spec, chunks[:lead]), *specs], self.page_size, self.model.device)
-        logits = self.model(batch, self.cache, self.keep_hidden)  # [R, V]
+        logits = self._forward(batch, lambda: self._chunk_slots(chunks, batch))  # [R, V]
         if self.keep_hidden:
             self.hidden = self.model.hidden
             self.rows = [ComputedRows(item.seq, view.offset, view.start, view.length)
@@ -104,6 +118,14 @@ class ModelRunner:
                 )
             )
         return step
+
+    @staticmethod
+    def _chunk_slots(chunks: Sequence[ScheduledChunk], batch: ForwardBatch) -> list[int]:
+        """Each row's adapter slot: its sequence's (the batch's views are the chunks', in order)."""
+        slots = [-1] * batch.input_ids.shape[0]
+        for item, view in zip(chunks, batch.seqs):
+            slots[view.offset:view.offset + view.length] = [item.seq.request.adapter_slot] * view.length
+        return slots
 
     def _claimed(self, seq: EngineSequence) -> ChunkLogits:
         """A sequence that claimed a state with its next-token row: the logits, and past them the MTP
@@ -141,7 +163,7 @@ class ModelRunner:
         else:
             batch = kept.build(seqs, [s.token_ids[-1] for s in seqs], [s.num_computed for s in seqs],
                                [s.page_table for s in seqs], [s.slot for s in seqs])
-        logits = self.model(batch, self.cache, self.keep_hidden)
+        logits = self._forward(batch, lambda: [seq.request.adapter_slot for seq in seqs])
         if self.keep_hidden:
             self.hidden = self.model.hidden
             self.rows = [ComputedRows(seq, i, seq.num_computed, 1) for i, seq in enumerate(seqs)]

@@ -22,6 +22,8 @@ from engine.proto_convert import (commit_policy, guided_spec, lookup_enabled, re
                                   update_messages)
 from engine.call_status import Abort, submit
 from engine.core import EngineCore
+from engine.lora import calls as adapter_calls
+from engine.lora.registry import ServedAdapter
 from engine.guided import CompiledGuide, GuidedCompiler, GuidedSpec, ModelFormats, ReasoningTokens, infer_formats
 from engine.outputs import RequestUpdate
 from engine.prompt import RenderedPrompt, check_input_size, render_input
@@ -77,10 +79,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         could never all be queued; before it, each holds a task and a prompt render)."""
         return self._core.config.max_queue if self._core is not None else DEFAULT_MAX_OPEN_CALLS
 
-    def _check_model(self, model: str) -> None:
-        if model and model != self.model_id:
-            raise Abort(grpc.StatusCode.NOT_FOUND,
-                         f"model {model!r} is not served here; this engine serves {self.model_id!r}")
+    def _check_model(self, model: str) -> ServedAdapter | None:
+        """The LoRA adapter `model` names (None: the base model); NOT_FOUND when this engine serves no such model."""
+        return adapter_calls.named_adapter(self.core, self.model_id, model)
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[engine_pb2.GenerateResponse]:
@@ -137,7 +138,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def engine_request(self, request: engine_pb2.GenerateRequest) -> EngineRequest:
         """The request as the core takes it: prompt rendered, sampling checked, guide compiled (else `Abort`)."""
         core = self.core
-        self._check_model(request.model)
+        adapter = self._check_model(request.model)
         try:
             prompt = await self._render(core, request)
             params = sampling_params(request.sampling, core.sampling_defaults, core.max_model_len - len(prompt.token_ids))
@@ -157,6 +158,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 speculative=not request.HasField("speculative") or request.speculative,
                 trace_context=capture_context(),  # this RPC's SERVER span: the parent of the engine's spans
                 guided=guided,
+                adapter=adapter,
             )
         except ValueError as exc:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
@@ -210,16 +212,45 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         except Abort as exc:
             await context.abort(exc.code, exc.message)
             raise
-        cfg = core.loaded.config
+        adapters = [] if core.adapters is None else core.adapters.served()
+        cards = [self._card(core), *(self._card(core, adapter) for adapter in adapters)]
+        return engine_pb2.ListModelsResponse(models=cards,
+                                             engine_id=self.responses.engine_id if self.responses is not None else "",
+                                             session_socket=self.session_socket)
+
+    def _card(self, core: EngineCore, adapter: ServedAdapter | None = None) -> engine_pb2.ModelCard:
+        """The base model's card, or a LoRA adapter's (its base as `parent`)."""
         card = engine_pb2.ModelCard(
             id=self.model_id, max_model_len=core.max_model_len, owned_by="ignis", created=self.created,
-            architecture=cfg.architecture, page_size=core.config.page_size,
+            architecture=core.loaded.config.architecture, page_size=core.config.page_size,
             dtype=str(core.loaded.model.dtype).removeprefix("torch."),
             tool_call_parser=self.formats(core).tool_call, reasoning_parser=self.formats(core).reasoning,
         )
-        return engine_pb2.ListModelsResponse(models=[card],
-                                             engine_id=self.responses.engine_id if self.responses is not None else "",
-                                             session_socket=self.session_socket)
+        if adapter is not None:
+            card.id, card.created, card.parent, card.root = adapter.name, adapter.created, self.model_id, adapter.path
+        return card
+
+    async def LoadAdapter(self, request: engine_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext
+                          ) -> engine_pb2.LoadAdapterResponse:
+        try:
+            core = self.core
+            served = await adapter_calls.load(core, self.model_id, request.name, request.path, self._prompts)
+        except Abort as exc:
+            await context.abort(exc.code, exc.message)
+            raise
+        log.info("serving LoRA adapter %s (rank %d, slot %d) from %s", served.name, served.rank, served.slot,
+                 served.path)
+        return engine_pb2.LoadAdapterResponse(card=self._card(core, served))
+
+    async def UnloadAdapter(self, request: engine_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext
+                            ) -> engine_pb2.UnloadAdapterResponse:
+        try:
+            served = await adapter_calls.unload(self.core, request.name)
+        except Abort as exc:
+            await context.abort(exc.code, exc.message)
+            raise
+        log.info("no longer serving LoRA adapter %s", served.name)
+        return engine_pb2.UnloadAdapterResponse()
 
     async def GetStats(self, request: engine_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
                        ) -> engine_pb2.GetStatsResponse:

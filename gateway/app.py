@@ -20,6 +20,7 @@ from gateway.engines import EnginePool
 from gateway.errors import UnexpectedErrors, handle_http_exception
 from gateway.metrics import GatewayMetrics, MetricsMiddleware, RouteLabels
 from gateway.origins import OriginsMiddleware
+from gateway.routes.adapters import load_lora_adapter, unload_lora_adapter
 from gateway.routes.chat import chat_completions
 from gateway.routes.completions import completions
 from gateway.routes.health import health
@@ -71,6 +72,8 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", not_served, methods=["POST"]),
         Route("/v1/embeddings", not_served, methods=["POST"]),

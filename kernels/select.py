@@ -108,6 +108,9 @@ class Kernels:
     # The CPU's linear layer at a decode step's row counts (kernels/cpu/linear_rows.py), which
     # engine/model/linear_calibration.py may choose over oneDNN per row count; None: oneDNN runs.
     linear_rows: Callable[..., torch.Tensor] | None = None
+    # The batched LoRA product (kernels/triton_lora.py, kernels/lora.py's signature) on CUDA; None
+    # elsewhere: engine/lora runs it in torch.
+    lora_delta: Callable[..., torch.Tensor] | None = None
 
 
 def torch_kernels() -> Kernels:
@@ -141,13 +144,13 @@ def cpu_kernels() -> Kernels:
 
 def triton_kernels() -> Kernels:
     """The Triton kernels; raises ImportError without Triton."""
-    from kernels import (triton_causal_conv, triton_fp8_gemm, triton_gated_delta, triton_moe_gemm,
+    from kernels import (triton_causal_conv, triton_fp8_gemm, triton_gated_delta, triton_lora, triton_moe_gemm,
                          triton_paged_attention, triton_state_copy)
 
     return Kernels("triton", triton_paged_attention.paged_attention, triton_paged_attention.paged_decode_attention,
                    triton_gated_delta.chunk_gated_delta_rule, triton_gated_delta.gated_delta_decode_step_,
                    triton_causal_conv.causal_conv1d, triton_state_copy.copy_rows_, triton_fp8_gemm.fp8_block_linear,
-                   moe_experts=triton_moe_gemm.moe_experts)
+                   moe_experts=triton_moe_gemm.moe_experts, lora_delta=triton_lora.lora_delta)
 
 
 @functools.cache

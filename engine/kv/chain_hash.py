@@ -5,8 +5,8 @@
     a state ending at n is named h_{n/P} when n is page-aligned, else xxh3_128(h_{n//P} || tail tokens)
 
 The namespace covers everything that makes state incompatible: model identity
-(config and weights), KV dtype, page size, and the tenant's cache_salt. (No LoRA
-adapters are served; when they are, the adapter's identity joins the namespace.)
+(config and weights), KV dtype, page size, the tenant's cache_salt, and the LoRA
+adapter the state was computed with (its digest: engine/lora/adapter.py).
 """
 
 from __future__ import annotations
@@ -32,12 +32,15 @@ class Namespace:
     page_size: int
     cache_salt: str = ""
     drafter: str = ""  # what else a page holds ("mtp1": the MTP layer's K/V); "" keeps the roots as they were
+    adapter: bytes = b""  # the LoRA adapter's digest; b"": the base model (its roots as they were)
 
     def digest(self) -> StateHash:
         """h0, the root of every chain in this namespace."""
         fields: list[object] = [self.model_fingerprint.hex(), self.kv_dtype, self.page_size, self.cache_salt]
         if self.drafter:
             fields.append(self.drafter)
+        if self.adapter:
+            fields.append({"lora": self.adapter.hex()})  # an object: never equal to a drafter's string
         payload = json.dumps(fields, ensure_ascii=False).encode("utf-8", "surrogatepass")
         return StateHash(xxhash.xxh3_128_digest(payload))
 

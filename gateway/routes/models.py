@@ -12,7 +12,10 @@ from ignis.v1 import engine_pb2
 
 
 def model_object(card: engine_pb2.ModelCard) -> JSONObject:
+    """vLLM's fields: `parent` is a LoRA adapter's base model (null for a base model), `root` where the
+    adapter was read from (a base model's own id)."""
     return {"id": card.id, "object": "model", "created": card.created, "owned_by": card.owned_by or "ignis",
+            "root": card.root or card.id, "parent": card.parent or None,
             "max_model_len": card.max_model_len, "architecture": card.architecture, "dtype": card.dtype,
             "page_size": card.page_size}
 

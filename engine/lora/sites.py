@@ -1,0 +1,190 @@
+"""Where adapters change the model: every adaptable linear's resident LoRA weights, and the
+batched product that adds each row's own adapter to the linear's output.
+
+Each site (a linear an adapter may target) keeps the resident adapters stacked by slot:
+A [S, R, in] and B [out, S, R] (B times the scaling), rank padded to `lora.max_rank` with zeros,
+and zeros in every slot whose adapter leaves the linear alone. A step's rows carry their slot
+(-1: the base model), so one forward serves requests of several adapters and the base together:
+
+- on CUDA the Triton kernel (kernels/triton_lora.py): each row reads its own slot's A and B;
+- elsewhere two GEMMs over the first n slots side by side, n one past the highest slot in the
+  step: v = x @ A[:n]^T [T, n*R], each row's columns of other slots zeroed, delta = v @ B[:, :n]^T.
+  The work is that of one rank-n*R LoRA whatever the mix of adapters, with no loop per adapter
+  (the zeroed columns cost n*R instead of R per row: small beside the linear's own weights). A
+  step whose rows all have one adapter runs that adapter's rank-r pair alone.
+
+The product runs as a forward hook on the linear's module (or on the FusedLinears that runs a
+group of them, engine/model/cpu_linear.py), so the base linear runs as it did, on whatever path
+it was given, and the checkpoint's parameter names stay as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from engine.lora.adapter import LinearShape, LoraAdapter
+from kernels.select import kernels_for
+
+# The linears an adapter may change, by the name their module has in its layer (PEFT's target_modules).
+ADAPTABLE = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                       "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj"})
+
+
+@dataclass(slots=True)
+class LoraStep:
+    """The rows of one forward pass and their adapter slots."""
+
+    slots: torch.Tensor  # [T] int64 on the model's device, -1: the base model
+    used: frozenset[int]  # the slots some row has
+    single: int | None  # the one slot every row has, if so
+    width: int  # one past the highest slot used
+    rank: int  # R, the padded rank
+    _mask: torch.Tensor | None = None
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """[T, width*R]: 1 where a column belongs to the row's own slot."""
+        if self._mask is None or self._mask.dtype != dtype:
+            owner = torch.arange(self.width, device=self.slots.device).repeat_interleave(self.rank)
+            self._mask = (owner[None, :] == self.slots[:, None]).to(dtype)
+        return self._mask
+
+
+@dataclass(slots=True)
+class LoraSite:
+    """One adaptable linear's resident adapters."""
+
+    name: str
+    a: torch.Tensor  # [S, R, in]
+    b: torch.Tensor  # [out, S, R]
+    ranks: list[int]  # per slot: its adapter's rank here (0: the adapter leaves this linear alone)
+
+    def delta(self, x: torch.Tensor, step: LoraStep) -> torch.Tensor | None:
+        """What the step's adapters add to this linear's output for rows x [T, in]; None: nothing."""
+        if not any(self.ranks[s] for s in step.used):
+            return None
+        if step.single is not None:
+            s, r = step.single, self.ranks[step.single]
+            return (x @ self.a[s, :r].to(x.dtype).T) @ self.b[:, s, :r].to(x.dtype).T
+        n = step.width
+        on_device = kernels_for(x.device).lora_delta
+        if on_device is not None:
+            return on_device(x, self.a[:n], self.b[:, :n], step.slots)
+        v = x @ self.a[:n].reshape(n * step.rank, -1).to(x.dtype).T
+        v = v * step.mask(v.dtype)
+        return v @ self.b[:, :n].reshape(self.b.shape[0], n * step.rank).to(x.dtype).T
+
+
+@dataclass
+class LoraSites:
+    """Every adaptable linear of a model, the adapters resident in its slots, and the step running."""
+
+    sites: dict[str, LoraSite]
+    max_rank: int
+    step: LoraStep | None = None
+    slot_adapters: list[LoraAdapter | None] = field(default_factory=list)
+
+    @classmethod
+    def install(cls, model: nn.Module, slots: int, max_rank: int) -> LoraSites:
+        """Sites for every adaptable linear of `model`, each with `slots` empty slots, and the hooks
+        that add the step's adapters to their outputs."""
+        linears = adaptable_linears(model)
+        param = next(model.parameters())
+        # the compute dtype (lm_head's): an fp8 checkpoint's linears hold fp8 weights, its activations are not fp8
+        dtype = getattr(model, "dtype", param.dtype)
+        if not dtype.is_floating_point or dtype.itemsize < 2:
+            dtype = torch.float32
+        sites = {name: LoraSite(name, torch.zeros(slots, max_rank, shape.in_features, dtype=dtype, device=param.device),
+                                torch.zeros(shape.out_features, slots, max_rank, dtype=dtype, device=param.device),
+                                [0] * slots)
+                 for name, (_, shape) in linears.items()}
+        self = cls(sites, max_rank, slot_adapters=[None] * slots)
+        self._hook(model)
+        return self
+
+    @property
+    def targets(self) -> dict[str, LinearShape]:
+        return {name: LinearShape(site.a.shape[2], site.b.shape[0]) for name, site in self.sites.items()}
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slot_adapters)
+
+    def place(self, slot: int, adapter: LoraAdapter) -> None:
+        """Write `adapter` into `slot` (between steps: a step reads these tensors)."""
+        for name, site in self.sites.items():
+            site.a[slot].zero_()
+            site.b[:, slot].zero_()
+            site.ranks[slot] = 0
+            linear = adapter.linears.get(name)
+            if linear is None:
+                continue
+            r = linear.rank
+            site.a[slot, :r].copy_(linear.a)
+            site.b[:, slot, :r].copy_(linear.b)
+            site.ranks[slot] = r
+        self.slot_adapters[slot] = adapter
+
+    def begin(self, row_slots: Sequence[int], device: torch.device) -> None:
+        """The next forward's rows have these slots (-1: the base model)."""
+        used = frozenset(row_slots) - {-1}
+        if not used:
+            self.step = None
+            return
+        single = next(iter(used)) if len(used) == 1 and -1 not in row_slots else None
+        self.step = LoraStep(torch.tensor(row_slots, dtype=torch.int64, device=device), used, single,
+                             max(used) + 1, self.max_rank)
+
+    def end(self) -> None:
+        self.step = None
+
+    def _hook(self, model: nn.Module) -> None:
+        hooked: set[int] = set()
+        prefix = {id(module): name for name, module in model.named_modules()}
+        for module in list(model.modules()):
+            base = prefix[id(module)]
+            for attribute, names in getattr(module, "fusible_linears", {}).items():
+                fused = getattr(module, attribute, None)
+                members = [self.sites.get(f"{base}.{name}") for name in names]
+                if isinstance(fused, nn.Module) and any(members):
+                    fused.register_forward_hook(self._group_hook(members))
+                    hooked.update(id(getattr(module, name)) for name in names)
+        for name, module in model.named_modules():
+            if name in self.sites and id(module) not in hooked:
+                module.register_forward_hook(self._linear_hook(self.sites[name]))
+
+    def _linear_hook(self, site: LoraSite) -> Callable[..., torch.Tensor | None]:
+        def hook(_module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor | None:
+            step = self.step
+            if step is None:
+                return None
+            delta = site.delta(args[0], step)
+            return None if delta is None else out + delta.to(out.dtype)
+        return hook
+
+    def _group_hook(self, members: list[LoraSite | None]) -> Callable[..., tuple[torch.Tensor, ...] | None]:
+        def hook(_module: nn.Module, args: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...]
+                 ) -> tuple[torch.Tensor, ...] | None:
+            step = self.step
+            if step is None:
+                return None
+            x = args[0]
+            changed = []
+            for out, site in zip(outs, members):
+                delta = None if site is None else site.delta(x, step)
+                changed.append(out if delta is None else out + delta.to(out.dtype))
+            return tuple(changed)
+        return hook
+
+
+def adaptable_linears(model: nn.Module) -> dict[str, tuple[nn.Module, LinearShape]]:
+    """The model's linears an adapter may change, by module path, with their shapes (whatever path
+    runs them: nn.Linear, oneDNN's, fp8's; each keeps in_features and out_features)."""
+    found: dict[str, tuple[nn.Module, LinearShape]] = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ADAPTABLE and hasattr(module, "in_features") and hasattr(module, "out_features"):
+            found[name] = (module, LinearShape(int(module.in_features), int(module.out_features)))
+    return found
