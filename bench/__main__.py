@@ -18,6 +18,7 @@ SUITES: list[tuple[list[str], bool]] = [
     (["bench.throughput", "--kind", "hybrid"], True),
     (["bench.reuse"], True),
     (["bench.structured"], True),
+    (["bench.lora"], True),  # decode at batch 8 with 1, 4 and 8 distinct adapters vs the base alone; load time
     (["bench.speculative"], True),  # drafts verified in one forward vs plain decoding, dense and hybrid, batch 1 and 8  # decode with a json_schema grammar vs unconstrained, batch 1 and 8
     (["bench.responses"], False),  # a 20-turn tool-call loop: full resend vs previous_response_id vs WebSocket
     (["bench.tiers"], False),

@@ -63,6 +63,9 @@ SECTIONS: list[tuple[str, list[str], str]] = [
     ("Speculative decoding", ["speculative"],
      "Decode tokens/s with drafts verified in one forward vs plain decoding, by acceptance. "
      "`python -m bench.speculative`"),
+    ("LoRA adapters", ["lora"],
+     "Decode tokens/s at batch 8 whose rows run 1, 4 or 8 distinct rank-16 adapters against the base model in an "
+     "engine with LoRA off, and an adapter's load time. `python -m bench.lora`"),
     ("Structured outputs", ["structured"],
      "Decode tokens/s with a json_schema grammar vs the same requests unconstrained. `python -m bench.structured`"),
     ("Routing across engines", ["scale"],

@@ -49,13 +49,17 @@ class FinishedRequest:
     finish_reason: FinishReason  # the first choice's (ERROR: the request failed)
     duration_ms: float  # arrival to the last update
     moves: int = 0  # times its sequences were moved down a tier to make room and resumed, all choices
+    adapter: str = ""  # the LoRA adapter it ran with (its name); "": the base model
 
     def event_fields(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "class": self.request_class.label, "prompt_tokens": self.prompt_tokens,
-                "cached_tokens": self.cached_tokens, "tier": self.tier.value, "kind": self.kind.value,
-                "ttft_ms": round(self.ttft_ms, 3), "tokens_out": self.tokens_out,
-                "finish_reason": self.finish_reason.value, "duration_ms": round(self.duration_ms, 3),
-                "moves": self.moves}
+        fields = {"request_id": self.request_id, "class": self.request_class.label, "prompt_tokens": self.prompt_tokens,
+                  "cached_tokens": self.cached_tokens, "tier": self.tier.value, "kind": self.kind.value,
+                  "ttft_ms": round(self.ttft_ms, 3), "tokens_out": self.tokens_out,
+                  "finish_reason": self.finish_reason.value, "duration_ms": round(self.duration_ms, 3),
+                  "moves": self.moves}
+        if self.adapter:
+            fields["adapter"] = self.adapter
+        return fields
 
 
 @dataclass(slots=True, eq=False)  # compared and hashed by identity: a sequence points to its last one

@@ -249,7 +249,8 @@ class OutputProcessor:
             prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens, tier=usage.reuse.tier,
             kind=usage.reuse.kind, ttft_ms=usage.time_to_first_token_ms, tokens_out=usage.completion_tokens,
             finish_reason=finish_reason, duration_ms=(time.monotonic() - live.request.arrival) * 1000,
-            moves=sum(seq.moves for seq in live.seqs))
+            moves=sum(seq.moves for seq in live.seqs),
+            adapter="" if live.request.adapter is None else live.request.adapter.name)
         log_event(events, "ignis.request.done", **done.event_fields())
         self.recent.append((time.time(), done))
         self.metrics.on_done(done)

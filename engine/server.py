@@ -22,7 +22,7 @@ from engine.proto_convert import (commit_policy, guided_spec, lookup_enabled, re
                                   update_messages)
 from engine.call_status import Abort, submit
 from engine.core import EngineCore
-from engine.lora import calls as adapter_calls
+from engine import adapter_calls
 from engine.lora.registry import ServedAdapter
 from engine.guided import CompiledGuide, GuidedCompiler, GuidedSpec, ModelFormats, ReasoningTokens, infer_formats
 from engine.outputs import RequestUpdate

@@ -108,9 +108,10 @@ class Kernels:
     # The CPU's linear layer at a decode step's row counts (kernels/cpu/linear_rows.py), which
     # engine/model/linear_calibration.py may choose over oneDNN per row count; None: oneDNN runs.
     linear_rows: Callable[..., torch.Tensor] | None = None
-    # The batched LoRA product (kernels/triton_lora.py, kernels/lora.py's signature) on CUDA; None
-    # elsewhere: engine/lora runs it in torch.
-    lora_delta: Callable[..., torch.Tensor] | None = None
+    # The batched LoRA product (kernels/lora.py's signature): on CUDA kernels/triton_lora.py, on the CPU
+    # kernels/cpu/lora_rows.c (kernels/cpu/lora_rows.py: fp32 with b the view bt.permute(2, 0, 1) of a
+    # contiguous bt [S, R, out], else it returns None); None (or a None result): engine/lora runs it in torch.
+    lora_delta: Callable[..., torch.Tensor | None] | None = None
 
 
 def torch_kernels() -> Kernels:
@@ -127,8 +128,8 @@ def cpu_kernels() -> Kernels:
     if os.environ.get("IGNIS_CPU_KERNELS", "native") == "reference":
         log.info("IGNIS_CPU_KERNELS=reference: the CPU runs the torch reference kernels")
         return references
-    from kernels.cpu import (argmax, causal_conv, gdn_decode, linear_rows, moe_experts, paged_decode, rms_norm,
-                             rope_cache)
+    from kernels.cpu import (argmax, causal_conv, gdn_decode, linear_rows, lora_rows, moe_experts, paged_decode,
+                             rms_norm, rope_cache)
 
     decode = paged_decode.load()
     if decode is None:
@@ -138,7 +139,7 @@ def cpu_kernels() -> Kernels:
                                gdn_decode_fused=gdn_decode.load(), rms_norm=rms_norm.load(),
                                rope_and_cache=rope_cache.load(), argmax_rows=argmax.load(),
                                argmax_rows_capped=argmax.load_capped(), moe_experts=moe_experts.load(),
-                               linear_rows=linear_rows.load(),
+                               linear_rows=linear_rows.load(), lora_delta=lora_rows.load(),
                                causal_conv1d=causal_conv.load() or references.causal_conv1d)
 
 

@@ -17,7 +17,7 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 GDN = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
 
 
-def make_adapter(base: Path, out: Path, rank: int, targets: list[str], seed: int, alpha: float | None = None,
+def make_adapter(base: Path, out: Path, rank: int, targets: list[str], seed: int, alpha: int | None = None,
                  rslora: bool = False, std: float = 0.05) -> Path:
     """A random LoRA adapter over checkpoint `base`, saved by PEFT's save_pretrained into `out`: both A and
     B random (PEFT's own init leaves B zero, an adapter that changes nothing)."""
@@ -34,7 +34,7 @@ def make_adapter(base: Path, out: Path, rank: int, targets: list[str], seed: int
             if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
     with peft_quiet():
-        peft_model.save_pretrained(out)
+        peft_model.save_pretrained(str(out))
     return out
 
 

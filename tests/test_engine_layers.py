@@ -14,11 +14,11 @@ ENGINE = Path(__file__).resolve().parent.parent / "engine"
 
 # Lowest first: a unit may import the ones above it in this list, never those below.
 LAYERS = [
-    "cpu_host", "facts", "config", "kv", "sampling", "text", "guided", "model",
+    "cpu_host", "facts", "config", "kv", "sampling", "text", "guided", "model", "lora",
     "request", "speculative", "outputs", "prompt", "proto_convert",
     "tiers", "residency", "cache", "tracing", "steady_decodes", "step_pacing", "scheduler", "runner", "metrics", "output_processor", "step_sampling", "verify_step", "engine_stats", "state_listing",
     "responses_store",
-    "builder", "offline", "inbox", "core", "call_status", "session", "server", "session_socket", "__main__",
+    "builder", "offline", "inbox", "core", "call_status", "adapter_calls", "session", "server", "session_socket", "__main__",
 ]
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,9 +37,9 @@ MODELS = {
 }
 
 
-def engine(model: tuple[LoadedModel, Tokenizer], slots: int = 4, max_rank: int = 16, **config: object) -> EngineCore:
+def engine(model: tuple[LoadedModel, Tokenizer], slots: int = 4, max_rank: int = 16, **config: Any) -> EngineCore:
     loaded, tokenizer = model
-    return EngineCore(loaded, tokenizer, EngineConfig(  # type: ignore[arg-type]
+    return EngineCore(loaded, tokenizer, EngineConfig(
         page_size=16, kv_cache_bytes=8 * MiB, max_num_seqs=8, lora_enabled=True, lora_max_adapters=slots,
         lora_max_rank=max_rank, **config))
 
@@ -130,7 +132,7 @@ class Conversations:
     """A started core with adapters, driven one request at a time from the test thread."""
 
     def __init__(self, model: tuple[LoadedModel, Tokenizer], adapters: dict[str, Path], reuse: bool = True,
-                 **config: object) -> None:
+                 **config: Any) -> None:
         self.core = engine(model, reuse_prompt=reuse, retained_interactive_ttl=0.0, **config)
         self.served = {name: serve(self.core, name, path) for name, path in adapters.items()}
         self.core.start()
@@ -235,7 +237,7 @@ def test_spilled_adapter_state_comes_back_only_to_its_adapter(tiny_model_dir: Pa
 
 
 def test_bad_adapters_are_refused_saying_why(tiny_model_dir: Path, tiny_adapters: list[Path], tmp_path: Path,
-                                            checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+                                            checkpoint_dir: Callable[[str], Path]) -> None:
     loaded = load_model(tiny_model_dir)
     from engine.lora.sites import adaptable_linears
 

@@ -6,7 +6,7 @@ a bad adapter is a 400 that disturbs nothing."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -60,9 +60,10 @@ def complete(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = 2
 def test_models_lists_adapters_with_their_base(client: openai.OpenAI, adapters: list[Path]) -> None:
     models = {m.id: m for m in client.models.list().data}
     assert set(models) == {BASE, "a0", "a1"}
-    assert models["a0"].model_extra["parent"] == BASE and models["a0"].model_extra["root"] == str(adapters[0])
-    assert models[BASE].model_extra["parent"] is None
-    assert client.models.retrieve("a1").model_extra["parent"] == BASE
+    extra = {name: model.model_extra or {} for name, model in models.items()}
+    assert extra["a0"]["parent"] == BASE and extra["a0"]["root"] == str(adapters[0])
+    assert extra[BASE]["parent"] is None
+    assert (client.models.retrieve("a1").model_extra or {})["parent"] == BASE
 
 
 def test_the_model_field_chooses_the_adapter(client: openai.OpenAI) -> None:
@@ -131,7 +132,8 @@ def test_streams_finish_as_alone_while_adapters_load_and_unload(client: openai.O
 
 def test_bad_adapter_calls_are_clear_errors_and_serving_goes_on(client: openai.OpenAI, gateway: RunningService,
                                                                  adapters: list[Path], tmp_path: Path,
-                                                                 tiny_model_dir: Path) -> None:
+                                                                 tiny_model_dir: Path,
+                                                                 checkpoint_dir: Callable[[str], Path]) -> None:
     def refused(path: str, body: dict[str, str], status: int, key: str | None = KEY) -> str:
         reply = admin(gateway, path, body, key)
         assert reply.status_code == status, reply.text
@@ -141,6 +143,11 @@ def test_bad_adapter_calls_are_clear_errors_and_serving_goes_on(client: openai.O
 
     assert "no adapter_config.json" in refused("load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path)}, 400)
     big = make_adapter(tiny_model_dir, tmp_path / "big", 32, ["q_proj"], seed=1)
+    other = make_adapter(checkpoint_dir("Qwen3ForCausalLM"), tmp_path / "other", 4, ["q_proj"], seed=2)
+    assert "another base model" in refused("load_lora_adapter", {"lora_name": "x", "lora_path": str(other)}, 400)
+    head = make_adapter(checkpoint_dir("Qwen3ForCausalLM"), tmp_path / "head", 4, ["lm_head"], seed=3)
+    assert "'lm_head' is not one ignis adapts" in refused("load_lora_adapter",
+                                                          {"lora_name": "x", "lora_path": str(head)}, 400)
     assert "over lora.max_rank=16" in refused("load_lora_adapter", {"lora_name": "x", "lora_path": str(big)}, 400)
     assert "already loaded" in refused("load_lora_adapter", {"lora_name": "a0", "lora_path": str(adapters[0])}, 400)
     assert "base model" in refused("load_lora_adapter", {"lora_name": BASE, "lora_path": str(adapters[0])}, 400)

@@ -167,7 +167,8 @@ def test_services_have_the_expected_methods() -> None:
     engine = engine_pb2.DESCRIPTOR.services_by_name["Engine"]
     assert engine.full_name == "ignis.v1.Engine"
     assert [m.name for m in engine.methods] == ["Generate", "GenerateSession", "Tokenize", "ListModels", "GetStats",
-                                                "ListState", "PutResponse", "GetResponse", "DeleteResponse"]
+                                                "ListState", "PutResponse", "GetResponse", "DeleteResponse",
+                                                "LoadAdapter", "UnloadAdapter"]
     assert engine.methods_by_name["Generate"].server_streaming
     session = engine.methods_by_name["GenerateSession"]
     assert session.client_streaming and session.server_streaming

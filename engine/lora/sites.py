@@ -2,16 +2,17 @@
 batched product that adds each row's own adapter to the linear's output.
 
 Each site (a linear an adapter may target) keeps the resident adapters stacked by slot:
-A [S, R, in] and B [out, S, R] (B times the scaling), rank padded to `lora.max_rank` with zeros,
-and zeros in every slot whose adapter leaves the linear alone. A step's rows carry their slot
-(-1: the base model), so one forward serves requests of several adapters and the base together:
+A [S, R, in] and B transposed, Bt [S, R, out] (times the scaling), rank padded to `lora.max_rank`
+with zeros, and zeros in every slot whose adapter leaves the linear alone. A step's rows carry their
+slot (-1: the base model), so one forward serves requests of several adapters and the base together,
+each row reading only its own adapter's weights:
 
-- on CUDA the Triton kernel (kernels/triton_lora.py): each row reads its own slot's A and B;
-- elsewhere two GEMMs over the first n slots side by side, n one past the highest slot in the
-  step: v = x @ A[:n]^T [T, n*R], each row's columns of other slots zeroed, delta = v @ B[:, :n]^T.
-  The work is that of one rank-n*R LoRA whatever the mix of adapters, with no loop per adapter
-  (the zeroed columns cost n*R instead of R per row: small beside the linear's own weights). A
-  step whose rows all have one adapter runs that adapter's rank-r pair alone.
+- on CUDA the Triton kernel (kernels/triton_lora.py), on the CPU the C kernel
+  (kernels/cpu/lora_rows.c): one call per linear, each row its slot's A then Bt;
+- elsewhere (or where the C kernel is not built) torch: a step whose rows all have one adapter runs
+  that adapter's rank-r pair; a mix runs two GEMMs over the first n slots side by side (n one past
+  the highest slot in the step): v = x @ A[:n]^T [T, n*R], each row's columns of other slots
+  zeroed, delta = v @ Bt[:n] — one rank-n*R product whatever the mix, no loop per adapter.
 
 The product runs as a forward hook on the linear's module (or on the FusedLinears that runs a
 group of them, engine/model/cpu_linear.py), so the base linear runs as it did, on whatever path
@@ -59,23 +60,30 @@ class LoraSite:
 
     name: str
     a: torch.Tensor  # [S, R, in]
-    b: torch.Tensor  # [out, S, R]
+    bt: torch.Tensor  # [S, R, out]: B transposed, times the scaling
     ranks: list[int]  # per slot: its adapter's rank here (0: the adapter leaves this linear alone)
+    # The first n slots' views, made once per n (the storage is written in place: they stay valid).
+    _views: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def delta(self, x: torch.Tensor, step: LoraStep) -> torch.Tensor | None:
         """What the step's adapters add to this linear's output for rows x [T, in]; None: nothing."""
         if not any(self.ranks[s] for s in step.used):
             return None
+        n = step.width
+        views = self._views.get(n)
+        if views is None:  # b as [out, S, R]: the kernels' layout names B untransposed
+            views = self._views[n] = (self.a[:n], self.bt[:n].permute(2, 0, 1))
+        kernel = kernels_for(x.device).lora_delta
+        if kernel is not None:
+            found = kernel(x, views[0], views[1], step.slots)
+            if found is not None:
+                return found
         if step.single is not None:
             s, r = step.single, self.ranks[step.single]
-            return (x @ self.a[s, :r].to(x.dtype).T) @ self.b[:, s, :r].to(x.dtype).T
-        n = step.width
-        on_device = kernels_for(x.device).lora_delta
-        if on_device is not None:
-            return on_device(x, self.a[:n], self.b[:, :n], step.slots)
+            return (x @ self.a[s, :r].to(x.dtype).T) @ self.bt[s, :r].to(x.dtype)
         v = x @ self.a[:n].reshape(n * step.rank, -1).to(x.dtype).T
         v = v * step.mask(v.dtype)
-        return v @ self.b[:, :n].reshape(self.b.shape[0], n * step.rank).to(x.dtype).T
+        return v @ self.bt[:n].reshape(n * step.rank, -1).to(x.dtype)
 
 
 @dataclass
@@ -98,7 +106,7 @@ class LoraSites:
         if not dtype.is_floating_point or dtype.itemsize < 2:
             dtype = torch.float32
         sites = {name: LoraSite(name, torch.zeros(slots, max_rank, shape.in_features, dtype=dtype, device=param.device),
-                                torch.zeros(shape.out_features, slots, max_rank, dtype=dtype, device=param.device),
+                                torch.zeros(slots, max_rank, shape.out_features, dtype=dtype, device=param.device),
                                 [0] * slots)
                  for name, (_, shape) in linears.items()}
         self = cls(sites, max_rank, slot_adapters=[None] * slots)
@@ -107,7 +115,7 @@ class LoraSites:
 
     @property
     def targets(self) -> dict[str, LinearShape]:
-        return {name: LinearShape(site.a.shape[2], site.b.shape[0]) for name, site in self.sites.items()}
+        return {name: LinearShape(site.a.shape[2], site.bt.shape[2]) for name, site in self.sites.items()}
 
     @property
     def num_slots(self) -> int:
@@ -117,14 +125,14 @@ class LoraSites:
         """Write `adapter` into `slot` (between steps: a step reads these tensors)."""
         for name, site in self.sites.items():
             site.a[slot].zero_()
-            site.b[:, slot].zero_()
+            site.bt[slot].zero_()
             site.ranks[slot] = 0
             linear = adapter.linears.get(name)
             if linear is None:
                 continue
             r = linear.rank
             site.a[slot, :r].copy_(linear.a)
-            site.b[:, slot, :r].copy_(linear.b)
+            site.bt[slot, :r].copy_(linear.b.T)
             site.ranks[slot] = r
         self.slot_adapters[slot] = adapter
 
