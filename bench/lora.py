@@ -8,8 +8,9 @@ gate/up/down, the GDN projections), written in PEFT's format (adapter_config.jso
 adapter_model.safetensors under PEFT's tensor names) and cached. The baseline is the same checkpoint in
 an engine with LoRA off (no slots, no hooks); "base, LoRA on" is base-model requests in the engine that
 serves the adapters (what serving adapters costs the requests that use none). Each configuration
-alternates with the baseline in pairs; its ratio is the median over the pairs. Decode tok/s excludes
-the prefill (t(N) - t(1), as bench/throughput.py). Load time: reading the folder and checking it
+alternates with the baseline in pairs; its ratio is the median over the pairs. Decode tok/s: --decode
+steps timed once every row has its first token, each step decoding every row (both engines driven
+on one thread). Load time: reading the folder and checking it
 against the model (engine/lora/adapter.py), then placing it in its slot of every linear.
 Target: >= 0.8x the base with 8 adapters of rank 16 at batch 8.
 """
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from bench.drive import random_prompt, run
+from bench.drive import random_prompt
 from bench.geometry import ensure_geometry
 from bench.table import RESULTS, markdown, save
 from engine.config import EngineConfig
@@ -36,12 +37,14 @@ from engine.lora.adapter import LinearShape, read_adapter
 from engine.lora.registry import ServedAdapter
 from engine.model.loader import load_model
 from engine.model.openmp import on_own_thread
+from engine.outputs import RequestUpdate
 from engine.model.tiny import default_cache_dir
 from engine.request import EngineRequest
 from engine.sampling.params import SamplingParams
 from engine.text.tokenizer import Tokenizer
 
 PROMPT = 64
+SLACK = 16  # tokens past the timed steps: rows start decoding a step or two apart
 ADAPTERS = 8
 
 
@@ -72,18 +75,40 @@ def requests(batch: int, adapters: list[ServedAdapter | None], tokens: int, tag:
             for i in range(batch)]
 
 
-def timed(core: EngineCore, batch: int, adapters: list[ServedAdapter | None], tokens: int, tag: str
-          ) -> tuple[float, list[list[int]]]:
-    start = time.perf_counter()
-    out = run(core, *requests(batch, adapters, tokens, tag))
-    return time.perf_counter() - start, [t for t, _ in out]
-
-
 def decode_rate(core: EngineCore, batch: int, adapters: list[ServedAdapter | None], decode: int, tag: str
                 ) -> tuple[float, list[list[int]]]:
-    t_n, outs = timed(core, batch, adapters, decode, tag)
-    t_1, _ = timed(core, batch, adapters, 1, f"{tag}-first")
-    return batch * (decode - 1) / max(t_n - t_1, 1e-9), outs
+    """Decode tok/s of `batch` rows once each has its first token: `decode` steps, each decoding every row,
+    timed alone (the core driven on this thread, as bench/profile.py does: both engines' steps on one
+    thread, so one OpenMP team, which two step threads would not be). Returns it and each row's tokens."""
+    updates: dict[str, list[RequestUpdate]] = {}
+    for request in requests(batch, adapters, decode + SLACK, tag):  # none ends inside the timed steps
+        updates[request.request_id] = []
+        core.submit(request, updates[request.request_id].append)
+
+    def generated(rid: str) -> list[int]:
+        if any(u.error for u in updates[rid]):
+            raise RuntimeError(f"request {rid} failed: {[u.error for u in updates[rid] if u.error]}")
+        return [t for u in updates[rid] for d in u.deltas for t in d.token_ids]
+
+    while any(not generated(rid) for rid in updates):
+        core.drain_inbox()
+        core.step()
+    before = core.totals.generated_tokens
+    start = time.perf_counter()
+    for _ in range(decode):
+        core.step()
+    wall = time.perf_counter() - start
+    if core.totals.generated_tokens - before != batch * decode:
+        raise RuntimeError(f"not every row decoded in each of the {decode} timed steps "
+                           f"({core.totals.generated_tokens - before} tokens)")
+    outputs = [generated(rid)[:decode] for rid in updates]
+    for rid in updates:
+        core.abort(rid)
+    while core.scheduler.has_work() or any(not u or not u[-1].done for u in updates.values()):
+        core.drain_inbox()
+        if core.scheduler.has_work():
+            core.step()
+    return batch * decode / wall, outputs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,10 +135,9 @@ def main(argv: list[str] | None = None) -> int:
             loaded = on_own_thread(lambda: load_model(path, onednn_linears=True))
             return on_own_thread(lambda: EngineCore(loaded, tokenizer, EngineConfig(
                 page_size=16, kv_cache_bytes=1 << 30, max_num_seqs=args.batch, prefill_chunk_tokens=4096,
-                reuse_prompt=False, lora_enabled=lora, lora_max_adapters=ADAPTERS, lora_max_rank=args.rank)))
+                step_time_target_ms=float("inf"), reuse_prompt=False, lora_enabled=lora, lora_max_adapters=ADAPTERS, lora_max_rank=args.rank)))
 
         plain = core_for(False)
-        plain.start()
         lora = core_for(True)
         assert lora.adapters is not None
         targets = lora.adapters.sites.targets
@@ -121,16 +145,16 @@ def main(argv: list[str] | None = None) -> int:
         served: list[ServedAdapter | None] = []
         for i in range(ADAPTERS):
             adapter_path = write_adapter(folder / f"a{i}", targets, args.rank, seed=i)
+            # as the engine reads one, on a thread that ends with it (engine/model/openmp.py)
             start = time.perf_counter()
-            adapter = read_adapter(adapter_path, targets, args.rank)
+            adapter = on_own_thread(lambda: read_adapter(adapter_path, targets, args.rank))
             read = time.perf_counter() - start
-            served.append(lora.load_adapter(f"a{i}", adapter).result())
+            served.append(on_own_thread(lambda: lora.load_adapter(f"a{i}", adapter).result()))
             loads.append({"kind": kind, "read_s": read, "total_s": time.perf_counter() - start,
                           "mib": (adapter_path / "adapter_model.safetensors").stat().st_size / 2**20})
-        lora.start()
         try:
-            timed(plain, args.batch, [None], 4, "warm")
-            timed(lora, args.batch, served, 4, "warm-l")
+            decode_rate(plain, args.batch, [None], 4, "warm")
+            decode_rate(lora, args.batch, served, 4, "warm-l")
             configs: list[tuple[str, int, list[ServedAdapter | None]]] = [
                 ("base, LoRA on", args.batch, [None]), ("1 adapter", args.batch, served[:1]),
                 ("4 adapters", args.batch, served[:4]), ("8 adapters", args.batch, served[:8]),

@@ -124,6 +124,7 @@ def check_kernel(target: Target, case: Lora) -> torch.Tensor:
     """The kernel's result on target's device, asserted against the reference (on the CPU)."""
     assert target.ops.lora_delta is not None
     got = target.ops.lora_delta(*case.to(target.device))
+    assert got is not None  # the Triton kernel takes every layout
     dtype = case.x.dtype
     assert got.shape == (case.x.shape[0], case.b.shape[0]) and got.dtype == dtype
     assert got.device.type == target.device.type
@@ -151,9 +152,11 @@ def test_the_kernel_takes_the_operands_the_engine_passes(target: Target) -> None
     check_kernel(target, strided)
     assert target.ops.lora_delta is not None
     empty = target.ops.lora_delta(*case._replace(x=case.x[:0], slots=case.slots[:0]).to(target.device))
+    assert empty is not None
     assert empty.shape == (0, 72) and empty.dtype == torch.float16
     none = case._replace(a=case.a[:0], b=case.b[:, :0], slots=torch.full((9,), -1))
     got = target.ops.lora_delta(*none.to(target.device))
+    assert got is not None
     assert torch.equal(got.cpu(), torch.zeros(9, 72, dtype=torch.float16))
 
 

@@ -41,6 +41,7 @@ class LoraStep:
 
     slots: torch.Tensor  # [T] int64 on the model's device, -1: the base model
     used: frozenset[int]  # the slots some row has
+    bits: int  # the same, bit s for slot s
     single: int | None  # the one slot every row has, if so
     width: int  # one past the highest slot used
     rank: int  # R, the padded rank
@@ -62,20 +63,22 @@ class LoraSite:
     a: torch.Tensor  # [S, R, in]
     bt: torch.Tensor  # [S, R, out]: B transposed, times the scaling
     ranks: list[int]  # per slot: its adapter's rank here (0: the adapter leaves this linear alone)
+    kernel: Callable[..., torch.Tensor | None] | None = None  # the device's batched product (kernels/select.py)
+    bits: int = 0  # bit s: slot s's adapter changes this linear
     # The first n slots' views, made once per n (the storage is written in place: they stay valid).
     _views: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def delta(self, x: torch.Tensor, step: LoraStep) -> torch.Tensor | None:
-        """What the step's adapters add to this linear's output for rows x [T, in]; None: nothing."""
-        if not any(self.ranks[s] for s in step.used):
+        """What the step's adapters add to this linear's output for rows x [T, in]; None: nothing.
+        A hook calls it for every adapted linear of every forward: kept to attribute reads."""
+        if not self.bits & step.bits:
             return None
         n = step.width
         views = self._views.get(n)
         if views is None:  # b as [out, S, R]: the kernels' layout names B untransposed
             views = self._views[n] = (self.a[:n], self.bt[:n].permute(2, 0, 1))
-        kernel = kernels_for(x.device).lora_delta
-        if kernel is not None:
-            found = kernel(x, views[0], views[1], step.slots)
+        if self.kernel is not None:
+            found = self.kernel(x, views[0], views[1], step.slots)
             if found is not None:
                 return found
         if step.single is not None:
@@ -105,9 +108,10 @@ class LoraSites:
         dtype = getattr(model, "dtype", param.dtype)
         if not dtype.is_floating_point or dtype.itemsize < 2:
             dtype = torch.float32
+        kernel = kernels_for(param.device).lora_delta
         sites = {name: LoraSite(name, torch.zeros(slots, max_rank, shape.in_features, dtype=dtype, device=param.device),
                                 torch.zeros(slots, max_rank, shape.out_features, dtype=dtype, device=param.device),
-                                [0] * slots)
+                                [0] * slots, kernel)
                  for name, (_, shape) in linears.items()}
         self = cls(sites, max_rank, slot_adapters=[None] * slots)
         self._hook(model)
@@ -127,6 +131,7 @@ class LoraSites:
             site.a[slot].zero_()
             site.bt[slot].zero_()
             site.ranks[slot] = 0
+            site.bits &= ~(1 << slot)
             linear = adapter.linears.get(name)
             if linear is None:
                 continue
@@ -134,6 +139,7 @@ class LoraSites:
             site.a[slot, :r].copy_(linear.a)
             site.bt[slot, :r].copy_(linear.b.T)
             site.ranks[slot] = r
+            site.bits |= 1 << slot
         self.slot_adapters[slot] = adapter
 
     def begin(self, row_slots: Sequence[int], device: torch.device) -> None:
@@ -143,8 +149,8 @@ class LoraSites:
             self.step = None
             return
         single = next(iter(used)) if len(used) == 1 and -1 not in row_slots else None
-        self.step = LoraStep(torch.tensor(row_slots, dtype=torch.int64, device=device), used, single,
-                             max(used) + 1, self.max_rank)
+        self.step = LoraStep(torch.tensor(row_slots, dtype=torch.int64, device=device), used,
+                             sum(1 << s for s in used), single, max(used) + 1, self.max_rank)
 
     def end(self) -> None:
         self.step = None
@@ -170,7 +176,7 @@ class LoraSites:
             if step is None:
                 return None
             delta = site.delta(args[0], step)
-            return None if delta is None else out + delta.to(out.dtype)
+            return None if delta is None else out.add_(delta)  # the linear's own fresh output
         return hook
 
     def _group_hook(self, members: list[LoraSite | None]) -> Callable[..., tuple[torch.Tensor, ...] | None]:
@@ -183,7 +189,7 @@ class LoraSites:
             changed = []
             for out, site in zip(outs, members):
                 delta = None if site is None else site.delta(x, step)
-                changed.append(out if delta is None else out + delta.to(out.dtype))
+                changed.append(out if delta is None else out.add_(delta))  # views of the call's fresh output
             return tuple(changed)
         return hook
 
