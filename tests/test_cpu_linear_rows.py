@@ -6,20 +6,16 @@ strided rows; the same on a portable build (what an AVX2-only CPU compiles), bui
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpu_kernels import built_kernel
+from cpu_kernels import build_for, built_kernel
 from kernels.cpu import linear_rows
 from kernels.cpu.linear_rows import RowWeights, reference
 
-KERNELS = Path(linear_rows.__file__).resolve().parent
 # fp32 sums over `in` in another order than float64's: ~1e-6 relative to the dot products' size.
 TOLERANCE = 1e-4
 # bf16: the outputs are rounded to bf16 on both sides; an fp32 sum next to a rounding boundary may land
@@ -40,13 +36,7 @@ BUILDS = {"avx2": ["-march=x86-64-v3"],  # an AVX2-only CPU: the AVX2 form
 @pytest.fixture(scope="module", params=sorted(BUILDS))
 def portable(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> linear_rows.LinearRows:
     """The kernel as another CPU's `make kernels` builds it (gcc here, for each of BUILDS)."""
-    if shutil.which("gcc") is None:
-        pytest.skip("no gcc")
-    out = tmp_path_factory.mktemp(request.param) / "libignis_cpu.so"
-    built = subprocess.run(["gcc", "-O3", *BUILDS[request.param], "-fopenmp", "-shared", "-fPIC", "-o", str(out),
-                            str(KERNELS / "linear_rows.c")], capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr[-2000:]
-    fn = linear_rows.load(out)
+    fn = linear_rows.load(build_for("linear_rows.c", BUILDS[request.param], tmp_path_factory.mktemp(request.param)))
     assert fn is not None
     return fn
 

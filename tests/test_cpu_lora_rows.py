@@ -12,21 +12,17 @@ reference's bmm: ~1e-6 relative at deltas ~1, so 1e-5.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
 
-from cpu_kernels import built_kernel
+from cpu_kernels import build_for, built_kernel
 from kernels import select
 from kernels.cpu import lora_rows
 from kernels.cpu.lora_rows import LoraDelta
 from kernels.lora import lora_delta_reference
 
-KERNELS = Path(lora_rows.__file__).resolve().parent
 TOL = 1e-5
 
 
@@ -41,13 +37,7 @@ BUILDS = {"avx2": ["-march=x86-64-v3"], "portable": ["-march=x86-64"]}
 @pytest.fixture(scope="module", params=sorted(BUILDS))
 def portable(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LoraDelta:
     """The kernel as another CPU's `make kernels` builds it (gcc here, for each of BUILDS)."""
-    if shutil.which("gcc") is None:
-        pytest.skip("no gcc")
-    out = tmp_path_factory.mktemp(request.param) / "libignis_cpu.so"
-    built = subprocess.run(["gcc", "-O3", *BUILDS[request.param], "-fopenmp", "-shared", "-fPIC", "-o", str(out),
-                            str(KERNELS / "lora_rows.c")], capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr[-2000:]
-    fn = lora_rows.load(out)
+    fn = lora_rows.load(build_for("lora_rows.c", BUILDS[request.param], tmp_path_factory.mktemp(request.param)))
     assert fn is not None
     return fn
 
