@@ -42,6 +42,7 @@ async def load_lora_adapter(request: Request) -> Response:
         raise _first_error(replies, "lora_path")
     for engine, reply in loaded:
         engine.models[reply.card.id] = reply.card
+    _log_refusals(replies, f"load LoRA adapter {name!r}")
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -56,6 +57,7 @@ async def unload_lora_adapter(request: Request) -> Response:
         raise _first_error(replies, "lora_name")
     for engine in unloaded:
         engine.models.pop(name, None)
+    _log_refusals(replies, f"unload LoRA adapter {name!r}")
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
@@ -71,6 +73,13 @@ async def _ask_all(engines: list[EngineClient], call: Callable[[EngineClient], A
     """Every engine's answer, or its error."""
     answers = await asyncio.gather(*(call(e) for e in engines), return_exceptions=True)
     return list(zip(engines, answers))
+
+
+def _log_refusals(replies: list[tuple[EngineClient, object]], what: str) -> None:
+    """The engines that did not follow where others did: the pool now differs between them."""
+    for engine, reply in replies:
+        if isinstance(reply, grpc.aio.AioRpcError):
+            log.warning("engine %s did not %s: %s: %s", engine.address, what, reply.code().name, reply.details())
 
 
 def _first_error(replies: list[tuple[EngineClient, object]], param: str) -> OpenAIError:
