@@ -118,6 +118,14 @@ def test_models(client: openai.OpenAI) -> None:
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-17")
+    assert models.data[0].model_extra["parent"] is None  # a base model (a LoRA adapter names its base)
+
+
+def test_adapter_loads_on_an_engine_without_lora_are_clear_400s(gateway: RunningService) -> None:
+    url = f"http://127.0.0.1:{gateway.port}/v1"
+    error = assert_error(httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"}), 400)
+    assert "serves no LoRA adapters" in error["message"] and error["param"] is None
+    assert_error(httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "x"}), 404, param="lora_name")
 
 
 def test_chat_greedy_equals_the_engine_and_reports_usage(client: openai.OpenAI,

@@ -98,6 +98,8 @@ def _first_error(replies: list[tuple[EngineClient, object]], param: str) -> Open
     code, details = err.code(), err.details() or ""
     if code == grpc.StatusCode.NOT_FOUND:
         return OpenAIError(404, details, param="lora_name", code="lora_not_found")
-    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION):
+    if code == grpc.StatusCode.FAILED_PRECONDITION:  # no engine serves adapters: no field is at fault
+        return invalid(details)
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS):
         return invalid(details, param="lora_name" if code == grpc.StatusCode.ALREADY_EXISTS else param)
     return from_grpc(err)
