@@ -77,10 +77,11 @@ def read_adapter(path: str | Path, targets: dict[str, LinearShape], max_rank: in
     config = _read_config(folder)
     tensors = _read_weights(folder)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    others = [key for key in tensors if _KEY.match(key) is None]
+    others: list[str] = []
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None:
+            others.append(key)
             continue
         module = _module_name(match["module"])
         if module not in targets:

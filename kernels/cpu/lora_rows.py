@@ -47,31 +47,13 @@ def _takes(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tenso
     return over_bt and x.stride(1) == 1 and a.is_contiguous() and slots.is_contiguous()
 
 
-# The weights a caller passed before and C took, by their layout: engine/lora/sites.py passes the same views
-# of each linear's slots every step, and the full checks cost more than the C work of a decode row.
-_TAKEN: set[tuple[Any, ...]] = set()
-_TAKEN_MAX = 4096  # distinct (linear, slot count) views: far more than a model's linears times its slots
-
-
-def _weights_key(a: torch.Tensor, b: torch.Tensor) -> tuple[Any, ...]:
-    return (a.data_ptr(), a.dtype, a.shape, a.stride(), b.data_ptr(), b.dtype, b.shape, b.stride(), a.device, b.device)
-
-
 def _run(fn: Callable[..., int], x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
          slots: torch.Tensor) -> torch.Tensor | None:
     """x [T, in] through each row's adapter (a [S, R, in], b [out, S, R], slots [T], -1 = none) ->
     a new contiguous fp32 delta [T, out], or None where C does not take the operands."""
-    key = _weights_key(a, b)
-    if key in _TAKEN and x.dtype == torch.float32 and x.is_cpu and x.ndim == 2 and x.shape[1] == a.shape[2] \
-            and x.stride(1) == 1 and slots.dtype == torch.int64 and slots.is_cpu and slots.shape == x.shape[:1] \
-            and slots.is_contiguous():
-        pass  # the weights were checked when first seen; x and slots just now
-    else:
-        lora.check_operands(x, a, b, slots)
-        if not _takes(x, a, b, slots):
-            return None
-        if len(_TAKEN) < _TAKEN_MAX:
-            _TAKEN.add(key)
+    lora.check_operands(x, a, b, slots)
+    if not _takes(x, a, b, slots):
+        return None
     (rows, hidden), (num_slots, rank), n_out = x.shape, a.shape[:2], b.shape[0]
     y = torch.empty(rows, n_out, dtype=torch.float32)
     if rows == 0:
