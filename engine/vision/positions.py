@@ -1,0 +1,137 @@
+"""M-RoPE for prompts with images (Qwen3.5): each token's (t, h, w) positions, and the rotary cos/sin they give.
+
+Text advances all three rows together by one per token. An image of grid (t, h, w) patches is a run of
+t*(h/m)*(w/m) placeholder tokens (m: spatial_merge_size) at (s + frame, s + row, s + column) on the merged
+grid, s being the position the image starts at; the text after it continues from s + max(h, w)/m. So after
+a prompt the positions trail the token index by a fixed `rope_delta` (<= 0), which decoding adds to every
+later token's index on all three rows.
+
+The same as transformers' `Qwen3_5Model.get_rope_index` (models/qwen3_5/modeling_qwen3_5.py) for one
+sequence, which finds image spans as runs of image tokens (its `mm_token_type_ids`); text alone gives three
+equal rows 0..L-1, so a text-only request keeps today's positions.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.model.config import ModelConfig
+from engine.model.layers import Rotary
+
+DEFAULT_MROPE_SECTION = (11, 11, 10)  # transformers' default when the config names none
+
+
+@dataclass(frozen=True, slots=True)
+class MRopePositions:
+    positions: torch.Tensor  # [3, L] int64: rows t, h, w
+    rope_delta: int  # max position + 1 - L: a token at index i >= L sits at i + rope_delta on every row
+
+
+def mrope_positions(token_ids: Sequence[int], image_grids: Sequence[tuple[int, int, int]], *, image_token_id: int,
+                    spatial_merge_size: int, vision_start_token_id: int | None = None) -> MRopePositions:
+    """Positions of a prompt whose images (grids (t, h, w) in patches, in prompt order) are runs of
+    `image_token_id`. Each run must hold exactly its image's placeholder count, and, where
+    `vision_start_token_id` is given, follow that token: else a ValueError (the prompt and the images
+    disagree, e.g. a user typed the placeholder token)."""
+    m = spatial_merge_size
+    grids = list(image_grids)
+    parts: list[torch.Tensor] = []
+    start = 0  # the position the next part starts at
+    image = 0
+    index = 0
+    for is_image, run in itertools.groupby(token_ids, lambda token: token == image_token_id):
+        length = sum(1 for _ in run)
+        if not is_image:
+            parts.append(torch.arange(start, start + length, dtype=torch.int64).expand(3, -1))
+            start += length
+        else:
+            if image == len(grids):
+                raise ValueError(f"the image placeholder run at token {index} has no image: "
+                                 f"{len(grids)} image(s) given")
+            t, h, w = grids[image]
+            if h % m or w % m:
+                raise ValueError(f"image {image}'s grid {(t, h, w)} is not a multiple of spatial_merge_size {m}")
+            if length != t * (h // m) * (w // m):
+                raise ValueError(f"image {image}'s placeholder run at token {index} has {length} tokens but its grid "
+                                 f"{(t, h, w)} needs {t * (h // m) * (w // m)}")
+            if vision_start_token_id is not None and (index == 0 or token_ids[index - 1] != vision_start_token_id):
+                raise ValueError(f"image {image}'s placeholder run at token {index} does not follow the vision "
+                                 f"start token {vision_start_token_id}")
+            parts.append(_image_positions(start, t, h // m, w // m))
+            start += max(h, w) // m
+            image += 1
+        index += length
+    if image != len(grids):
+        raise ValueError(f"{len(grids)} image(s) given but the prompt has {image} placeholder run(s)")
+    if not parts:
+        return MRopePositions(torch.zeros(3, 0, dtype=torch.int64), 0)
+    positions = torch.cat(parts, dim=1)
+    return MRopePositions(positions, int(positions.max()) + 1 - positions.shape[1])
+
+
+def _image_positions(start: int, t: int, h: int, w: int) -> torch.Tensor:
+    # [3, t*h*w] over the merged grid, frame-major then row-major (the merger's token order)
+    frames, rows, cols = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+    return torch.stack([frames, rows, cols]).reshape(3, -1) + start
+
+
+def positions_after_prompt(first_index: int, count: int, rope_delta: int) -> torch.Tensor:
+    """[3, count] positions of tokens `first_index`.. after a prompt (decoded or appended text)."""
+    return torch.arange(first_index + rope_delta, first_index + rope_delta + count, dtype=torch.int64).expand(3, -1)
+
+
+def mrope_section_of(text_config: Mapping[str, Any]) -> tuple[int, int, int]:
+    """The text config's `mrope_section` (rope_parameters or the older rope_scaling). Qwen3.5 interleaves
+    the three axes over the rotary frequencies; transformers ignores `mrope_interleaved`, so a config
+    saying false is refused rather than run differently from what it says."""
+    params = text_config.get("rope_parameters") or text_config.get("rope_scaling") or {}
+    if params.get("mrope_interleaved") is False:
+        raise ValueError("text_config: mrope_interleaved is false; only Qwen3.5's interleaved M-RoPE is supported")
+    section = tuple(int(s) for s in params.get("mrope_section", DEFAULT_MROPE_SECTION))
+    if len(section) != 3:
+        raise ValueError(f"text_config: mrope_section {list(section)} must have 3 entries (t, h, w)")
+    return section[0], section[1], section[2]
+
+
+class MRope:
+    """Rotary cos/sin for [3, T] M-RoPE positions, [T, rotary_dim] in the half-rotation layout that
+    `engine.model.layers.Rotary.apply` takes. Frequency i follows axis h where i % 3 == 1 and
+    i < 3*section[1], axis w where i % 3 == 2 and i < 3*section[2], else t (interleaved M-RoPE).
+    For three equal rows it equals `Rotary.cos_sin` of that row."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, mrope_section: Sequence[int]) -> None:
+        n = inv_freq.shape[0]
+        t, h, w = mrope_section
+        if t + h + w != n or 3 * h - 2 >= n or 3 * w - 1 >= n:
+            raise ValueError(f"mrope_section {list(mrope_section)} does not fit {n} rotary frequencies "
+                             "(it must sum to them, h and w interleaved within them)")
+        self.inv_freq = inv_freq
+        self.attention_scaling = attention_scaling
+        self.section = (t, h, w)
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, device: torch.device) -> MRope:
+        """The text model's frequencies (as ignis' Rotary computes them) and its config's mrope_section."""
+        rotary = Rotary(config, device)
+        text = config.raw.get("text_config") or config.raw
+        return cls(rotary.inv_freq, rotary.attention_scaling, mrope_section_of(text))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [3, T] -> cos, sin: [T, rotary_dim]
+        freqs = positions.float()[..., None] * self.inv_freq  # [3, T, F]
+        cos = self._interleave(freqs.cos() * self.attention_scaling)
+        sin = self._interleave(freqs.sin() * self.attention_scaling)
+        return cos.to(dtype), sin.to(dtype)
+
+    def _interleave(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [3, T, F] -> [T, 2F]: the t row, with the h and w rows' own frequencies put in
+        _, h, w = self.section
+        out = x[0].clone()
+        out[..., 1:3 * h:3] = x[1, ..., 1:3 * h:3]
+        out[..., 2:3 * w:3] = x[2, ..., 2:3 * w:3]
+        return torch.cat([out, out], dim=-1)
