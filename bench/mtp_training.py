@@ -216,8 +216,9 @@ def _stated_config(base: Path, directory: Path) -> None:
     """config.json as published checkpoints with an MTP layer have it: `mtp_num_hidden_layers` stated
     (llama.cpp's converter keeps the layer only when it is)."""
     config = json.loads((base / "config.json").read_text())
-    if json.loads((directory / "config.json").read_text()).get("mtp_num_hidden_layers") == 1 \
-            and not (directory / "config.json").is_symlink():
+    stated = directory / "config.json"  # none yet in a directory being built
+    if stated.is_file() and not stated.is_symlink() \
+            and json.loads(stated.read_text()).get("mtp_num_hidden_layers") == 1:
         return
     config["mtp_num_hidden_layers"] = 1
     (directory / "config.json").unlink(missing_ok=True)

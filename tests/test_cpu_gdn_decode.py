@@ -136,8 +136,39 @@ def test_a_hybrid_model_decodes_the_same_through_the_kernel(checkpoint_dir: Call
         calls.append(1)
         return kernel(*args)
     monkeypatch.setattr(layer, "kernels_for", lambda device: dataclasses.replace(table, gdn_decode_fused=counted))
-    fused = run_chunks(loaded, make_cache(loaded), ids, [30] + [1] * 10, pages)
+    # Decodes, then short continuations (a verify's shape), stepped through the recurrence.
+    sizes = [22] + [1] * 8 + [4, 6]
+    fused = run_chunks(loaded, make_cache(loaded), ids, sizes, pages)
     assert len(calls) == 10 * len(loaded.config.state_shape().linear_layers)  # every decode, every GDN layer
     monkeypatch.setattr(layer, "kernels_for", lambda device: dataclasses.replace(table, gdn_decode_fused=None))
-    references = run_chunks(loaded, make_cache(loaded), ids, [30] + [1] * 10, pages)
+    references = run_chunks(loaded, make_cache(loaded), ids, sizes, pages)
     assert (fused - references).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("tokens", [[1], [5], [1, 5, 3], [2, 1, 7, 1]])
+def test_several_tokens_a_sequence_step_in_order(kernel: gdn_decode.FusedDecode, tokens: list[int]) -> None:
+    """Sequences bringing several tokens in one call equal the same tokens one call a position (the
+    one-token step is checked against the references above)."""
+    g = torch.Generator().manual_seed(len(tokens) * 10 + sum(tokens))
+    hk, hv, dk, dv, taps, layers = 2, 4, 32, 16, 3, 2
+    channels, rows, batch = 2 * hk * dk + hv * dv, sum(tokens), len(tokens)
+    conv_pool = torch.randn(batch + 2, layers, channels, taps, generator=g)
+    state_pool = torch.randn(batch + 2, layers, hv, dk, dv, generator=g) * 0.1
+    slots = torch.randperm(batch + 2, generator=g)[:batch].tolist()
+    x, z = torch.randn(rows, channels, generator=g), torch.randn(rows, hv, dv, generator=g)
+    a, b = torch.randn(rows, hv, generator=g), torch.randn(rows, hv, generator=g)
+    a_log, dt_bias, norm_w = torch.randn(hv, generator=g), torch.randn(hv, generator=g), torch.randn(dv, generator=g)
+    weight = torch.randn(channels, taps + 1, generator=g) * 0.5
+    conv_ref, state_ref = conv_pool.clone(), state_pool.clone()
+    got = kernel(x, a, b, z, a_log, dt_bias, norm_w, 1e-6, weight, conv_pool, state_pool, 1, slots, hk, dk, dv,
+                 None, tokens)
+    starts = [sum(tokens[:i]) for i in range(batch)]
+    want = torch.empty_like(got)
+    for i in range(max(tokens)):
+        at = [j for j in range(batch) if tokens[j] > i]
+        r = torch.tensor([starts[j] + i for j in at])
+        want[r] = kernel(x[r], a[r], b[r], z[r], a_log, dt_bias, norm_w, 1e-6, weight, conv_ref, state_ref, 1,
+                         [slots[j] for j in at], hk, dk, dv)
+    assert (got - want).abs().max().item() < TOLERANCE * max(1.0, want.abs().max().item())
+    assert torch.equal(conv_pool, conv_ref)
+    assert (state_pool - state_ref).abs().max().item() < TOLERANCE

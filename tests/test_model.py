@@ -12,6 +12,7 @@ from checkpoints import ARCHITECTURES, load_hf
 from engine.kv.device_cache import CacheGeometry, DeviceCache
 from engine.model.batch import CPU_PADDED_DECODE_MAX_CONTEXT, ForwardBatch, LogitsWanted, SequenceChunk
 from engine.model.cpu_linear import OneDnnLinear, PackedLinear
+from engine.model.gated_deltanet import STEPPED_CHUNK_TOKENS
 from engine.model.loader import LoadedModel, load_model
 from engine.offline import greedy_generate
 from kernels.select import kernels_for
@@ -101,13 +102,19 @@ def test_chunked_prefill_and_decode_agree(arch: str, checkpoint_dir: Callable[[s
     whole = run_chunks(loaded, make_cache(loaded), ids, [100], pages)
     chunked = run_chunks(loaded, make_cache(loaded), ids, [37, 63], pages)
     stepwise = run_chunks(loaded, make_cache(loaded), ids, [60] + [1] * 40, pages)
+    # Continuations of at most STEPPED_CHUNK_TOKENS step through the recurrence (a verify's shape).
+    short = run_chunks(loaded, make_cache(loaded), ids, [100 - 8 - STEPPED_CHUNK_TOKENS, 5, 3, STEPPED_CHUNK_TOKENS], pages)
     # The routed-expert sum runs over a different number of rows per step (gemm vs gemv
     # order), which lifts fp32 noise from ~2e-6 to ~1e-5 at one position of this prompt.
     # The chunked gated delta rule's chunk grid follows where each prefill starts, and it
     # accumulates in fp32: 3.7e-5 measured for Qwen3.5 (kernels/gated_delta.py says why not fp64).
-    tolerance = 2e-5 if arch.endswith("-moe") else GDN_CUT_TOLERANCE if arch == "Qwen3_5ForCausalLM" else 1e-5
+    # A short continuation steps through the recurrence where a chunk runs the chunked form: another
+    # order of the same fp32 sums (3.1e-5 measured for Qwen3.5-MoE).
+    hybrid = bool(loaded.config.state_shape().linear_layers)
+    tolerance = GDN_CUT_TOLERANCE if hybrid else 2e-5 if arch.endswith("-moe") else 1e-5
     assert (whole - chunked).abs().max().item() < tolerance
     assert (whole - stepwise).abs().max().item() < tolerance
+    assert (whole - short).abs().max().item() < tolerance
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
