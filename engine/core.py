@@ -83,7 +83,7 @@ class EngineCore:
         if batch_limit < 0:  # auto: measured (docs/architecture.md "Speculative decoding")
             batch_limit = 1 if loaded.config.state_shape().has_recurrent_state else 0
         self.speculator = Speculator(config.speculative_method, config.speculative_num_tokens, self.max_model_len,
-                                     batch_limit)
+                                     batch_limit, measured_pause=config.speculative_measured_pause)
         self.scheduler = Scheduler(
             SchedulerLimits(config.page_size, config.max_num_seqs, config.prefill_chunk_tokens),
             self.pages, self.slots, reuse=self.reuse, fork_copy=self.runner.fork_state,
@@ -347,8 +347,12 @@ class EngineCore:
         if plan.decodes_only:
             seqs = plan.decode_seqs
             self._decoded(seqs, self.runner.run_decodes(seqs, plan.steady))
+            if self.speculator.on:
+                self.speculator.observe_step(0, time.perf_counter() - started)
             return
         self._run_chunks(plan)
+        if self.speculator.on and not plan.prefill_tokens:  # what drafting costs (engine/speculative/)
+            self.speculator.observe_step(sum(1 for chunk in plan.chunks if chunk.draft), time.perf_counter() - started)
         if plan.prefill_tokens:
             if self.loaded.model.device.type == "cuda":  # a chunk that samples nothing left its work queued
                 torch.cuda.synchronize(self.loaded.model.device)

@@ -312,9 +312,8 @@ class Scheduler:
     def _drafts(self) -> dict[EngineSequence, tuple[int, ...]]:
         """This step's drafts of the running sequences past their first token (asked once a step each)."""
         assert self.speculator is not None
-        self.speculator.running = len(self.running)
         drafts: dict[EngineSequence, tuple[int, ...]] = {}
-        if self.speculator.batch_too_large:
+        if not self.speculator.begin_step(len(self.running)):
             return drafts
         for seq in self.running:
             if seq.num_computed >= seq.num_prompt:  # a decode (the speculator asks for a first token too)

@@ -14,7 +14,7 @@ ENGINE = Path(__file__).resolve().parent.parent / "engine"
 
 # Lowest first: a unit may import the ones above it in this list, never those below.
 LAYERS = [
-    "cpu_host", "facts", "config", "kv", "sampling", "text", "guided", "model", "lora",
+    "cpu_host", "facts", "config", "kv", "sampling", "text", "guided", "model", "vision", "lora",
     "request", "speculative", "outputs", "prompt", "proto_convert",
     "tiers", "residency", "cache", "tracing", "steady_decodes", "step_pacing", "scheduler", "runner", "metrics", "output_processor", "step_sampling", "verify_step", "engine_stats", "state_listing",
     "responses_store",

@@ -213,3 +213,30 @@ def test_grouped_experts_equal_the_per_expert_loop(tokens: int, dtype: torch.dty
         tolerance = 1e-6 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(experts.grouped(x, ids, weights), experts.per_expert(x, ids, weights),
                                    atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
+@pytest.mark.parametrize("onednn", [False, True])
+def test_write_kv_leaves_the_cache_as_forward_does(arch: str, onednn: bool, checkpoint_dir: Callable[[str], Path]
+                                                   ) -> None:
+    """An attention layer's K/V alone (the MTP window where no draft reads the layer's output) equals
+    what its whole forward writes: a prefill chunk and a decode batch, q/k norms and a gated q."""
+    loaded = load_model(checkpoint_dir(arch), onednn_linears=onednn)
+    model = loaded.model
+    index = next(i for i, layer in enumerate(model.model.layers) if not layer.is_linear)
+    layer = model.model.layers[index]
+    _, _, pages, _, decodes = prefilled_decode_batch(loaded, (9, 21, 33))
+    prefill = ForwardBatch.build([SequenceChunk(make_prompt(40, seed=5), 0, [pages, pages + 1, pages + 2], 7)],
+                                 PAGE, CPU)
+    for batch in (prefill, decodes):
+        x = torch.randn(batch.input_ids.shape[0], loaded.config.hidden_size, generator=torch.Generator().manual_seed(1))
+        caches = make_cache(loaded, pages=pages + 3), make_cache(loaded, pages=pages + 3)
+        assert model.rotary is not None
+        cos_sin = model.rotary.cos_sin(batch.positions, x.dtype)
+        with torch.inference_mode():
+            layer(x, batch, caches[0], model.rotary, cos_sin)
+            layer.write_kv(x, batch, caches[1], model.rotary, cos_sin)
+        for kv in ("k_cache", "v_cache"):
+            whole, alone = (getattr(c, kv)(index) for c in caches)
+            assert whole.abs().sum() > 0
+            assert (whole - alone).abs().max().item() < 1e-5

@@ -33,7 +33,7 @@ from engine.request import EngineRequest, EngineSequence
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import RequestSampler, sample
 from engine.speculative.ngram import TokenHistory
-from engine.speculative.speculator import SpecState
+from engine.speculative.speculator import SpecState, StepCosts
 from engine.speculative.verify import verify_drafts
 from engine.text.tokenizer import Tokenizer
 
@@ -172,11 +172,13 @@ def collect(updates: list[list[RequestUpdate]]) -> Run:
 def engine_for(model: tuple[LoadedModel, Tokenizer], method: str = "ngram", k: int = 4, **config: object
                ) -> EngineCore:
     loaded, tokenizer = model
-    # Drafting in batches of every size: the verify machinery is what these tests check (the batch-size
-    # gate has a test of its own).
+    # Drafting in batches of every size, and by acceptance alone (the same drafts on every run, whatever
+    # this machine's load): the verify machinery is what these tests check (the batch-size limit and the
+    # measured pause have tests of their own).
     settings: dict[str, object] = {"page_size": P, "kv_cache_bytes": 8 * MiB, "max_num_seqs": 8,
                                    "speculative_method": method, "speculative_num_tokens": k,
-                                   "speculative_disable_batch_size": 0, **config}
+                                   "speculative_disable_batch_size": 0, "speculative_measured_pause": False,
+                                   **config}
     return EngineCore(loaded, tokenizer, EngineConfig(**settings))  # type: ignore[arg-type]
 
 
@@ -388,6 +390,56 @@ def test_drafting_pauses_where_it_does_not_pay(dense_chat_model_dir: Path) -> No
     assert core.speculator.totals.verifies <= 12  # of 119 decode steps (2, then 2 after each pause of 4, 8 ... 64)
 
 
+def test_step_costs_compare_tokens_a_second_with_and_without_drafts() -> None:
+    costs = StepCosts()
+    costs.observe(8, 8, 20, 0.3)  # no plain step measured at 8 yet: nothing to compare with
+    assert costs.drafting_pays(8) is None
+    costs.observe(8, 0, 8, 0.1)  # 80 tokens a second
+    assert costs.drafting_pays(8) is False  # 20 / 0.3 = 67
+    costs.observe(8, 8, 40, 0.3)  # moving average: (67 + 133) / 2 = 100
+    assert costs.drafting_pays(8) is True
+    assert costs.drafting_pays(1) is None
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_drafts_that_stand_but_cost_more_than_they_give_pause(dense_chat_model_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch, pays: bool) -> None:
+    """Every draft right: where a step with drafts measures more tokens a second than a plain one the
+    sequence drafts all along; where it measures fewer (set here, as if its verify cost 100 plain
+    steps), drafting pauses for 4, 8 .. 64 steps after each probe. The output is plain decoding's."""
+    model = (load_model(dense_chat_model_dir), Tokenizer.from_dir(dense_chat_model_dir))
+    vocab = model[0].config.vocab_size
+    request = greedy("r", prompts(vocab)[1], max_tokens=120)
+    want = plain_run(model, request)
+    core = engine_for(model, speculative_measured_pause=True)
+    core.speculator.drafter = drafter({request.prompt_ids: want.tokens[0]}, 0.0, vocab)
+    speculator = core.speculator
+    plain_step = 0.01
+    observe = speculator.observe_step
+
+    def as_if(drafting: int, seconds: float) -> None:  # the costs as stated, whatever this machine's load
+        tokens = speculator.running + speculator.kept_this_step
+        observe(drafting, plain_step if not drafting else tokens * plain_step * (0.5 if pays else 100))
+    monkeypatch.setattr(speculator, "observe_step", as_if)
+    speculator.costs = StepCosts(plain={1: plain_step})
+    got = run(core, request)
+    same_as_plain(got, want)
+    verifies = speculator.totals.verifies
+    assert (verifies >= 20) if pays else (verifies <= 6), verifies
+
+
+def test_step_costs_are_measured_while_drafting(dense_chat_model_dir: Path) -> None:
+    model = (load_model(dense_chat_model_dir), Tokenizer.from_dir(dense_chat_model_dir))
+    vocab = model[0].config.vocab_size
+    request = greedy("r", prompts(vocab)[1], max_tokens=60)
+    want = plain_run(model, request)
+    core = engine_for(model, speculative_measured_pause=True)
+    core.speculator.drafter = drafter({request.prompt_ids: want.tokens[0]}, 1.0, vocab)  # pauses: plain steps too
+    same_as_plain(run(core, request), want)
+    costs = core.speculator.costs
+    assert costs.plain.get(1, 0.0) > 0.0 and costs.drafting.get(1, 0.0) > 0.0
+
+
 def test_a_hybrid_that_rolls_back_holds_its_state_from_before_the_step(tiny_model_dir: Path) -> None:
     """After a verify that kept some drafts and not all, a hybrid sequence's computed count is back where
     the step began, its state slot holds that state (the spare copy), and the tokens that stood are
@@ -474,7 +526,8 @@ def test_a_sequence_moved_down_while_drafting_resumes_exactly(kind: str, tiny_mo
     finally:
         plain.close()
     store = start_tierstore(tmp_path / "ts", ["--kv-host-pool-bytes", str(32 * MiB), "--kv-disk-bytes", "0"])
-    driver = Driver(model, store.address, reuse_prompt=False, speculative_method="ngram", speculative_num_tokens=4)
+    driver = Driver(model, store.address, reuse_prompt=False, speculative_method="ngram", speculative_num_tokens=4,
+                    speculative_measured_pause=False)  # drafting until the move, whatever the load
     try:
         driver.core.speculator.drafter = drafter({prompt: want.tokens}, 0.4, model[1].config.vocab_size)
         driver.submit(make_request("r", prompt, max_tokens=30))

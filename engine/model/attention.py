@@ -90,6 +90,19 @@ class Attention(nn.Module):
             ).to(out.dtype)
         return self.o_proj(self._gated(out.reshape(t, -1), gate))
 
+    def write_kv(self, x: torch.Tensor, batch: ForwardBatch, cache: DeviceCache, rotary: Rotary,
+                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Only the rows' K/V into the cache, as forward writes them, for rows whose attention output
+        nobody reads (the MTP drafter's window where no draft is made from it): no q, no attention."""
+        t = x.shape[0]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "k_norm"):
+            k = self.k_norm(k)
+        k = rotary.apply(k, *cos_sin)
+        cache.k_cache(self.layer)[batch.kv_pages, batch.kv_offsets] = k.to(cache.k_cache(self.layer).dtype)
+        cache.v_cache(self.layer)[batch.kv_pages, batch.kv_offsets] = v.to(cache.v_cache(self.layer).dtype)
+
     def _decode(self, ops: Kernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 gather: DecodeGather) -> torch.Tensor:
         """Single-token decodes' attention, q [B, H, D]: over their page tables where the kernel reads them

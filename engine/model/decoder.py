@@ -50,6 +50,13 @@ class DecoderLayer(nn.Module):
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def write_kv(self, x: torch.Tensor, batch: ForwardBatch, cache: DeviceCache, rotary: Rotary,
+                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Only what forward leaves in the cache (an attention layer's K/V), its output unread."""
+        if self.is_linear:
+            raise ValueError("a linear-attention layer's state is its output's: run forward")
+        self.self_attn.write_kv(self.input_layernorm(x), batch, cache, rotary, cos_sin)
+
 
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:

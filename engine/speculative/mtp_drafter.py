@@ -20,7 +20,9 @@ gives the logits of token j+2 through the target's `lm_head` (engine/model/mtp.p
   step's window run writes the real values over them.
 
 Every running sequence's window is kept, drafting or not (a request with `speculative: false`, a
-pause, penalties), so every state this engine captures carries it. Not carried: the target's hidden
+pause, penalties), so every state this engine captures carries it; a forward from which no draft is
+made writes only the layer's K/V (no attention, MLP or head: what a sequence that does not draft
+pays for its window). Not carried: the target's hidden
 state at a state's last position (a claimant whose whole prompt was held with its logits samples its
 first token without a forward, so it drafts from its second); the layer's K/V at a state's last
 position is the one its writer computed from the token the writer had next. A sequence whose first
@@ -36,7 +38,7 @@ import torch
 
 from engine.kv.device_cache import DeviceCache
 from engine.model.batch import ForwardBatch, LogitsWanted, SequenceChunk
-from engine.model.decoder import CausalLM
+from engine.model.decoder import CausalLM, DecoderLayer
 from engine.model.mtp import MtpPredictor
 from engine.request import EngineSequence, SeqStatus
 from engine.speculative.speculator import SpecState
@@ -186,6 +188,12 @@ class MtpDrafter:
             x = mtp.fuse(model.model.embed_tokens(batch.input_ids), hidden)
             assert model.rotary is not None
             cos_sin = model.rotary.cos_sin(batch.positions, x.dtype)
+            if not any(run.room for run in runs):  # the window only: its K/V, not the layer's output
+                layer = mtp.layers[0]
+                assert isinstance(layer, DecoderLayer)
+                layer.write_kv(x, batch, self.cache, model.rotary, cos_sin)
+                empty = x[:0]
+                return empty, empty.float()
             x = mtp.layers[0](x, batch, self.cache, model.rotary, cos_sin)
             out = mtp.norm(x[rows])
             return out, model.lm_head(out).float()

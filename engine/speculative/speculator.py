@@ -5,11 +5,18 @@ request allows it (`ignis.speculative`, on by default) and its sampling reads no
 before each position but their count: requests with penalties or a grammar are decoded one token a
 step (their processing would have to be redone token by token inside a verify; not built).
 
-Drafting does not always pay: a verify forward of k+1 tokens costs more than a decode of one, and a
-draft that is rejected at once buys nothing. After two verifies in a row that kept no draft, a
-sequence stops drafting for a pause that doubles each time (4, 8 ... 64 steps); after a pause one
-verify probes, and a miss pauses it again. A draft that stands resets it all, so at acceptance near
-zero a sequence spends almost every step as a plain decode.
+Drafting does not always pay: a verify forward of k+1 tokens costs more than a decode of one, a
+draft that is rejected at once buys nothing, and at a larger batch a step with any verify in it
+leaves the steady decode path for every sequence. Two checks:
+- per sequence: after two verifies in a row that kept no draft, a sequence stops drafting for a
+  pause that doubles each time (4, 8 ... 64 steps); after a pause one verify probes, and a miss
+  pauses it again; a kept draft resets it, so at acceptance near zero a sequence spends almost
+  every step as a plain decode;
+- per step: what steps give is measured (`StepCosts`, by the number of sequences: the seconds of a
+  step without drafts, the tokens a second of a step with them, kept drafts counted). When steps
+  with drafts yield fewer tokens a second than plain steps, no sequence drafts for a pause that
+  doubles the same way, then one step probes with every sequence that would draft. Before both
+  are measured at a batch size, steps draft.
 """
 
 from __future__ import annotations
@@ -23,6 +30,33 @@ from engine.speculative.ngram import TokenHistory
 MISSES_BEFORE_PAUSE = 2  # verifies in a row that kept nothing before drafting pauses
 FIRST_PAUSE = 4  # steps
 LONGEST_PAUSE = 64  # steps
+AVERAGE_WEIGHT = 0.5  # of the newest observation in a moving average (a step's seconds, its tokens a second)
+
+
+def _moving(average: float | None, value: float) -> float:
+    return value if average is None else average + AVERAGE_WEIGHT * (value - average)
+
+
+@dataclass(slots=True)
+class StepCosts:
+    """What steps give, measured, by the number of sequences in them (moving averages): the seconds of
+    a step without drafts, and the tokens a second of a step with drafts (its sequences' tokens plus
+    the drafts its verifies kept). Steps that run prompt tokens are not counted."""
+
+    plain: dict[int, float] = field(default_factory=dict)
+    drafting: dict[int, float] = field(default_factory=dict)
+
+    def observe(self, sequences: int, drafting: int, tokens: int, seconds: float) -> None:
+        if drafting == 0:
+            self.plain[sequences] = _moving(self.plain.get(sequences), seconds)
+        elif seconds > 0:
+            self.drafting[sequences] = _moving(self.drafting.get(sequences), tokens / seconds)
+
+    def drafting_pays(self, sequences: int) -> bool | None:
+        """Whether steps with drafts yield more tokens a second than plain steps of as many sequences;
+        None until both are measured."""
+        plain, rate = self.plain.get(sequences), self.drafting.get(sequences)
+        return None if plain is None or rate is None or plain <= 0 else rate >= sequences / plain
 
 
 @dataclass(slots=True)
@@ -67,8 +101,10 @@ METHODS = ("none", "ngram", "mtp")
 
 
 class Speculator:
-    def __init__(self, method: str, num_tokens: int, max_model_len: int, batch_limit: int = 0) -> None:
-        """`batch_limit`: no drafting in a step with more sequences running (0: no limit)."""
+    def __init__(self, method: str, num_tokens: int, max_model_len: int, batch_limit: int = 0,
+                 measured_pause: bool = True) -> None:
+        """`batch_limit`: no drafting in a step with more sequences running (0: no limit);
+        `measured_pause`: pause drafting where steps with drafts measure fewer tokens a second."""
         if method not in METHODS:
             raise ValueError(f"speculative.method={method!r}: use one of {', '.join(METHODS)}")
         self.method = method
@@ -78,6 +114,34 @@ class Speculator:
         self.max_model_len = max_model_len
         self.drafter: Drafter = NgramDrafter()
         self.totals = SpecTotals()
+        self.costs = StepCosts()
+        self.measured_pause = measured_pause
+        self.kept_this_step = 0  # drafts the step's verifies kept (its tokens past one a sequence)
+        self.paused_steps = 0  # steps left in which no sequence drafts (drafting did not pay)
+        self.pauses = 0  # such pauses in a row (each doubles the next)
+
+    def begin_step(self, running: int) -> bool:
+        """A step of `running` sequences is being planned: whether any of them may draft."""
+        self.running = running
+        self.kept_this_step = 0
+        if self.paused_steps > 0:
+            self.paused_steps -= 1
+            return False
+        return not self.batch_too_large
+
+    def observe_step(self, drafting: int, seconds: float) -> None:
+        """A step without prompt tokens took `seconds`; `drafting` of its sequences verified drafts.
+        A step with drafts that yields fewer tokens a second than plain steps pauses drafting for
+        every sequence (4, 8 .. 64 steps; the step after a pause probes)."""
+        if not self.running:
+            return
+        self.costs.observe(self.running, drafting, self.running + self.kept_this_step, seconds)
+        pays = self.costs.drafting_pays(self.running) if drafting and self.measured_pause else None
+        if pays is False:
+            self.paused_steps = min(FIRST_PAUSE * 2 ** self.pauses, LONGEST_PAUSE)
+            self.pauses += 1
+        elif pays:
+            self.pauses = 0
 
     @property
     def on(self) -> bool:
@@ -96,7 +160,7 @@ class Speculator:
         """How many tokens `seq` drafts next step if a draft is there (0: it will not draft); for a
         drafter that drafts after a step for the next one (MTP)."""
         room = seq.request.params.length_limit(seq.num_prompt, self.max_model_len) - len(seq.token_ids) - 1
-        if room <= 0 or seq.num_output == 0 or not _draftable(seq) or self.batch_too_large:
+        if room <= 0 or seq.num_output == 0 or not _draftable(seq) or self.batch_too_large or self.paused_steps > 0:
             return 0
         state: SpecState | None = seq.speculation
         if state is None:
@@ -127,6 +191,7 @@ class Speculator:
         state: SpecState = seq.speculation
         state.draft_tokens += drafted
         state.accepted_tokens += accepted
+        self.kept_this_step += accepted
         if accepted:
             state.misses = state.pauses = 0
             return
