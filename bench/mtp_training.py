@@ -221,8 +221,8 @@ def _stated_config(base: Path, directory: Path) -> None:
             and json.loads(stated.read_text()).get("mtp_num_hidden_layers") == 1:
         return
     config["mtp_num_hidden_layers"] = 1
-    (directory / "config.json").unlink(missing_ok=True)
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    stated.unlink(missing_ok=True)
+    stated.write_text(json.dumps(config, indent=2))
 
 
 def _fill(base: Path, building: Path, tensors: dict[str, torch.Tensor], summary: Summary) -> None:

@@ -347,12 +347,11 @@ class EngineCore:
         if plan.decodes_only:
             seqs = plan.decode_seqs
             self._decoded(seqs, self.runner.run_decodes(seqs, plan.steady))
-            if self.speculator.on:
-                self.speculator.observe_step(0, time.perf_counter() - started)
-            return
-        self._run_chunks(plan)
+        else:
+            self._run_chunks(plan)
         if self.speculator.on and not plan.prefill_tokens:  # what drafting costs (engine/speculative/)
-            self.speculator.observe_step(sum(1 for chunk in plan.chunks if chunk.draft), time.perf_counter() - started)
+            drafting = 0 if plan.decodes_only else sum(1 for chunk in plan.chunks if chunk.draft)
+            self.speculator.observe_step(drafting, time.perf_counter() - started)
         if plan.prefill_tokens:
             if self.loaded.model.device.type == "cuda":  # a chunk that samples nothing left its work queued
                 torch.cuda.synchronize(self.loaded.model.device)

@@ -70,9 +70,7 @@ class Attention(nn.Module):
             q = rotated
         else:
             q = rotary.apply(q, cos, sin)
-            k = rotary.apply(k, cos, sin)
-            k_cache[batch.kv_pages, batch.kv_offsets] = k.to(k_cache.dtype)
-            v_cache[batch.kv_pages, batch.kv_offsets] = v.to(v_cache.dtype)
+            _store(k_cache, v_cache, rotary.apply(k, cos, sin), v, batch)
 
         gather = batch.decode
         # All single-token decodes in one call (K/V may be in another dtype, engine.kv_dtype: the kernels
@@ -99,9 +97,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "k_norm"):
             k = self.k_norm(k)
-        k = rotary.apply(k, *cos_sin)
-        cache.k_cache(self.layer)[batch.kv_pages, batch.kv_offsets] = k.to(cache.k_cache(self.layer).dtype)
-        cache.v_cache(self.layer)[batch.kv_pages, batch.kv_offsets] = v.to(cache.v_cache(self.layer).dtype)
+        _store(cache.k_cache(self.layer), cache.v_cache(self.layer), rotary.apply(k, *cos_sin), v, batch)
 
     def _decode(self, ops: Kernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 gather: DecodeGather) -> torch.Tensor:
@@ -117,3 +113,9 @@ class Attention(nn.Module):
     def _gated(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """The attention output [T, H*D] through its output gate (gated attention: Qwen3.5/Next)."""
         return out if gate is None else out * torch.sigmoid(gate)
+
+
+def _store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> None:
+    """The rows' rotated K and V into their pages' slots (in the cache's dtype)."""
+    k_cache[batch.kv_pages, batch.kv_offsets] = k.to(k_cache.dtype)
+    v_cache[batch.kv_pages, batch.kv_offsets] = v.to(v_cache.dtype)

@@ -92,7 +92,8 @@ class GatedDeltaNet(nn.Module):
 
         if batch.decodes:
             self._decode(ops, batch, batch.decodes, mixed, z, b, a, weight, cache, li, normed)
-        steps = ops.gdn_decode_fused is not None and gdn_decode.supports(cache.conv, cache.recurrent, self.dk, self.dv)
+        steps = bool(batch.others) and ops.gdn_decode_fused is not None \
+            and gdn_decode.supports(cache.conv, cache.recurrent, self.dk, self.dv)  # not per decode-only step
         stepped = []
         for seq in batch.others:
             if steps and 0 < seq.start and seq.length <= STEPPED_CHUNK_TOKENS:

@@ -71,18 +71,28 @@ class Rotary:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] -> cos, sin: [T, rotary_dim]
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+        return cos_sin_of(positions.float()[:, None] * self.inv_freq[None, :], self.attention_scaling, dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, H, D]; cos/sin: [T, R]
         r = self.rotary_dim
         rot, keep = x[..., :r], x[..., r:]
-        half = r // 2
-        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+        out = rotate_half(rot, cos, sin)
         return torch.cat([out, keep], dim=-1) if keep.shape[-1] else out
+
+
+def cos_sin_of(angles: torch.Tensor, scaling: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Angles [T, F] -> cos, sin [T, 2F] in the half-rotation layout (each frequency twice), scaled."""
+    emb = torch.cat([angles, angles], dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, R] rotated by cos/sin [T, R] in the half-rotation layout (the second half of each head's
+    dims paired with the first)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 def _inv_freq(config: ModelConfig, dim: int) -> tuple[torch.Tensor, float]:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from engine.model.config import ModelConfig
-from engine.model.layers import Rotary
+from engine.model.layers import Rotary, cos_sin_of
 
 DEFAULT_MROPE_SECTION = (11, 11, 10)  # transformers' default when the config names none
 
@@ -123,15 +123,12 @@ class MRope:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [3, T] -> cos, sin: [T, rotary_dim]
-        freqs = positions.float()[..., None] * self.inv_freq  # [3, T, F]
-        cos = self._interleave(freqs.cos() * self.attention_scaling)
-        sin = self._interleave(freqs.sin() * self.attention_scaling)
-        return cos.to(dtype), sin.to(dtype)
+        return cos_sin_of(self._interleave(positions.float()[..., None] * self.inv_freq), self.attention_scaling, dtype)
 
-    def _interleave(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [3, T, F] -> [T, 2F]: the t row, with the h and w rows' own frequencies put in
+    def _interleave(self, angles: torch.Tensor) -> torch.Tensor:
+        # angles: [3, T, F] -> [T, F]: the t row's, with the h and w rows' own frequencies put in
         _, h, w = self.section
-        out = x[0].clone()
-        out[..., 1:3 * h:3] = x[1, ..., 1:3 * h:3]
-        out[..., 2:3 * w:3] = x[2, ..., 2:3 * w:3]
-        return torch.cat([out, out], dim=-1)
+        out = angles[0].clone()
+        out[..., 1:3 * h:3] = angles[1, ..., 1:3 * h:3]
+        out[..., 2:3 * w:3] = angles[2, ..., 2:3 * w:3]
+        return out

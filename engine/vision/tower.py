@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.errors import check_tensors
+from engine.model.layers import rotate_half
 
 PREFIXES = ("model.visual.", "visual.")  # how checkpoints name the tower's tensors
 _DERIVED = ("rotary_pos_emb.inv_freq",)  # recomputed from the config if a checkpoint carries it
@@ -264,10 +265,7 @@ class _Attention(nn.Module):
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [N, H, hd]; cos/sin: [N, hd]; in fp32 whatever the tower's dtype, as transformers does
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+    return rotate_half(x.float(), cos, sin).to(x.dtype)
 
 
 class _Mlp(nn.Module):
