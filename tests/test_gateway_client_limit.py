@@ -8,6 +8,7 @@ here waits on a clock: each step polls the gateway's own gauge of open connectio
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -144,14 +145,12 @@ def test_websockets_count_and_give_their_room_back(gateway: RunningService) -> N
     with other_client(gateway) as other:
         wait_for(other, OPEN, 1)
         for _ in range(2):  # twice: what the sockets held is given back when they close
-            sockets = [websockets.sync.client.connect(url, open_timeout=60) for _ in range(3)]
-            try:
+            with contextlib.ExitStack() as sockets:  # websockets 17 wants its connections as context managers
+                for _ in range(3):
+                    sockets.enter_context(websockets.sync.client.connect(url, open_timeout=60))
                 wait_for(other, OPEN, 4)
                 with connect(gateway, HOLDER) as extra:
                     assert read_until_closed(extra).startswith(b"HTTP/1.1 429 ")
-            finally:
-                for ws in sockets:
-                    ws.close()
             wait_for(other, OPEN, 1)
         assert metric(other, PER_CLIENT) == 2
         with httpx.Client(base_url=f"http://{gateway.address}", timeout=60) as holder:
