@@ -201,6 +201,8 @@ class ReuseSettings(_Section):
         300.0, parse_float, minimum=0, doc="seconds an interactive state, once claimed, stays protected from eviction"
     )
     kv_host_pool_bytes: int = setting(GiB, parse_size, minimum=0, doc="size of the KV-RAM arena (bytes)")
+    encoder_cache_bytes: int = setting(256 * MiB, parse_size, minimum=0, doc="the vision tower's outputs kept on "
+                                       "the device by image digest, least recently used out (bytes); 0 keeps none")
 
 
 @dataclass(slots=True)

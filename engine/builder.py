@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.cache.page_reuse import PageReuse
 from engine.cache.retained import RetainedStateReuse
@@ -28,6 +29,10 @@ from engine.tiers.client import TierClient
 from engine.tiers.codec import StateCodec
 from engine.tiers.integrity import IntegrityKey
 from engine.tiers.link import TierLink
+
+if TYPE_CHECKING:
+    from engine.vision.encoder import ImageEncoder
+    from engine.vision.media import VisionInput
 
 log = logging.getLogger("ignis.engine")
 
@@ -106,6 +111,25 @@ def build_parts(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         num_slots, num_slots * shape.state_bytes_per_slot(dtype) / 2**20, max_model_len,
     )
     return EngineParts(cache, pages, SlotPool(live_slots) if recurrent else None, reuse, residency, max_model_len)
+
+
+def build_vision(loaded: LoadedModel, config: EngineConfig) -> tuple[VisionInput, ImageEncoder] | None:
+    """A checkpoint with a vision tower: what takes its images (processor, special tokens) and the tower
+    with its output cache; None for a text-only one."""
+    weights = loaded.side_weights.get("vision tower")
+    if weights is None:
+        return None
+    # Imported here: the image processor comes with transformers, which a text-only engine never loads.
+    from engine.vision.encoder import ImageEncoder
+    from engine.vision.media import VisionInput
+    from engine.vision.tower import VisionTower
+    raw = loaded.config.raw
+    tower = VisionTower.from_weights(raw.get("vision_config") or {}, weights, device=loaded.model.device,
+                                     dtype=loaded.model.dtype)
+    vision = VisionInput.of_checkpoint(loaded.path, raw)
+    log.info("vision tower: %d blocks; images %d..%d pixels; encoder cache %.0f MiB", tower.config.depth,
+             vision.settings.min_pixels, vision.settings.max_pixels, config.encoder_cache_bytes / 2**20)
+    return vision, ImageEncoder(tower, config.encoder_cache_bytes, loaded.model.dtype)
 
 
 def next_row_size(loaded: LoadedModel, config: EngineConfig) -> int:

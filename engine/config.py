@@ -29,6 +29,7 @@ class EngineConfig:
     max_queue: int = from_setting("engine.max_queue")
     max_model_len: int = from_setting("engine.max_model_len")  # 0: from the model config (and the cache's capacity)
     reuse_prompt: bool = from_setting("reuse.prompt")
+    encoder_cache_bytes: int = from_setting("reuse.encoder_cache_bytes")  # the vision tower's outputs, by image
     retained_device: int = from_setting("reuse.retained_device")  # retained slots (hybrid); kept prompt ends (dense)
     retained_host: int = from_setting("reuse.retained_host")  # retained-state slots in one host block
     retained_host_tokens: int = from_setting("reuse.retained_host_tokens")  # the longest a host slot holds; 0: context

@@ -16,15 +16,16 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
 
-from engine.builder import build_parts
+from engine.builder import build_parts, build_vision
 from engine.config import EngineConfig
 from engine.engine_stats import gather_stats
 from engine.inbox import AbortRequest, AddRequest, ChangeAdapters, Inbox, TakeSnapshot
-from engine.kv.chain_hash import StateHash, Namespace, model_fingerprint, page_hashes
+from engine.kv.chain_hash import MEDIA_KEY_BASE, StateHash, Namespace, model_fingerprint, page_hashes
 from engine.kv.device_cache import namespace_dtype
 from engine.lora.adapter import LoraAdapter
 from engine.lora.registry import AdapterRegistry, ServedAdapter
@@ -46,6 +47,9 @@ from engine.step_pacing import StepPacing
 from engine.step_sampling import StepSampling
 from engine.text.detokenizer import TextStream
 from engine.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.vision.media import VisionInput
 
 log = logging.getLogger("ignis.engine")
 
@@ -71,6 +75,10 @@ class EngineCore:
         self.tiers = self.residency.tiers
         self.max_model_len = parts.max_model_len
         self.runner = ModelRunner(loaded.model, self.cache)
+        vision = build_vision(loaded, config)
+        self.vision: VisionInput | None = None  # None: the model takes no images
+        if vision is not None:
+            self.vision, self.runner.encoder = vision
         self.adapters: AdapterRegistry | None = None  # LoRA adapters (lora.enabled): their slots in every linear
         if config.lora_enabled:
             sites = LoraSites.install(loaded.model, config.lora_max_adapters, config.lora_max_rank)
@@ -93,7 +101,8 @@ class EngineCore:
         self._namespaces: dict[bytes, StateHash] = {}
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(loaded.config.eos_token_ids)
         self.totals = RequestTotals()
-        self.metrics = EngineMetrics(self.stats, lambda: self.tiers)
+        self.metrics = EngineMetrics(self.stats, lambda: self.tiers,
+                                     self.runner.encoder.counts if self.runner.encoder is not None else None)
         self.outputs = OutputProcessor(self.scheduler, self.reuse, self.eos_ids, self.max_model_len,
                                        self.metrics, self.totals)
         self._live: dict[str, LiveRequest] = {}
@@ -138,6 +147,8 @@ class EngineCore:
         n = len(request.prompt_ids)
         vocab = self.loaded.config.vocab_size
         bad = next((t for t in request.prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None and request.media is not None and bad >= MEDIA_KEY_BASE:  # its images' key ids
+            bad = next((t for t in request.media.model_ids(request.prompt_ids) if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         wanted = request.params.max_tokens or 0  # none: the rest of the context, whatever it is
@@ -299,7 +310,8 @@ class EngineCore:
             self._fail(request.request_id, f"the adapter {adapter.name!r} was unloaded before the request started")
             return
         guide = request.guided.new_guide() if request.guided is not None else None
-        base = RequestSampler(request.params, request.prompt_ids, self.loaded.model.device, guide=guide)
+        prompt = request.prompt_ids if request.media is None else request.media.model_ids(request.prompt_ids)
+        base = RequestSampler(request.params, prompt, self.loaded.model.device, guide=guide)
         first = self._new_seq(request, 0, base)
         first.hold_forks([self._new_seq(request, i, base.fork(i)) for i in range(1, request.params.n)])
         # The namespace names state below the device too (a live sequence moved down); page

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import is_
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -28,6 +28,9 @@ from engine.outputs import EngineStats
 from engine.facts import RequestClass, ReuseKind, ReuseTier
 from engine.request import EngineSequence, FinishReason
 from engine.tiers.link import TierLink
+
+if TYPE_CHECKING:
+    from engine.vision.encoder import EncoderCounts
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
@@ -50,6 +53,8 @@ class FinishedRequest:
     duration_ms: float  # arrival to the last update
     moves: int = 0  # times its sequences were moved down a tier to make room and resumed, all choices
     adapter: str = ""  # the LoRA adapter it ran with (its name); "": the base model
+    images: int = 0  # images in its prompt
+    images_reused: int = 0  # of those, the ones the vision tower did not run for
 
     def event_fields(self) -> dict[str, Any]:
         fields = {"request_id": self.request_id, "class": self.request_class.label, "prompt_tokens": self.prompt_tokens,
@@ -59,6 +64,9 @@ class FinishedRequest:
                   "moves": self.moves}
         if self.adapter:
             fields["adapter"] = self.adapter
+        if self.images:
+            fields["images"] = self.images
+            fields["images_reused"] = self.images_reused
         return fields
 
 
@@ -75,7 +83,8 @@ class _Round:
 class EngineMetrics:
     """The engine's registry: observed latencies plus an `EngineCollector` over its counters."""
 
-    def __init__(self, stats: Callable[[], EngineStats], tiers: Callable[[], TierLink | None]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], tiers: Callable[[], TierLink | None],
+                 encoder: EncoderCounts | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         ttft = Histogram("ignis_time_to_first_token_seconds", "Arrival at the engine to the first generated token",
@@ -103,7 +112,7 @@ class EngineMetrics:
         self._window_gaps = Counter("ignis_spec_window_gaps", "Sequences whose MTP drafter window lacked a position "
                                     "its state did not carry (the drafter catches up from the first it computes)",
                                     registry=r)
-        r.register(EngineCollector(stats, tiers))
+        r.register(EngineCollector(stats, tiers, encoder))
         self._round: _Round | None = None  # engine thread only
         self._finished: dict[tuple[RequestClass, FinishReason], Any] = {}  # ignis_requests children by (class, reason)
 
@@ -185,9 +194,11 @@ def observe_times(histogram: Any, amount: float, times: int) -> None:
 class EngineCollector(Collector):
     """Gauges and totals read from EngineStats and the tier link at scrape time (HTTP thread)."""
 
-    def __init__(self, stats: Callable[[], EngineStats], tiers: Callable[[], TierLink | None]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], tiers: Callable[[], TierLink | None],
+                 encoder: EncoderCounts | None = None) -> None:
         self._stats = stats
         self._tiers = tiers
+        self._encoder = encoder  # the vision tower's counts (a model that takes images)
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -255,6 +266,12 @@ class EngineCollector(Collector):
              s.retained_host_slots_total, s.retained_host_slots_used),
         ):
             yield labelled_gauge(name, doc, "kind", {"total": total, "used": used})
+        encoder = self._encoder
+        if encoder is not None:
+            yield CounterMetricFamily("ignis_encoder_cache_hits", "Images whose vision tower output came from the "
+                                      "encoder cache", value=encoder.hits)
+            yield CounterMetricFamily("ignis_encoder_cache_misses", "Images the vision tower ran for",
+                                      value=encoder.misses)
         link = self._tiers()
         if link is not None:
             yield from _tier_metrics(link)

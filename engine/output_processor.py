@@ -229,6 +229,8 @@ class OutputProcessor:
         ttft = (first - live.request.arrival) * 1000 if first else 0.0
         head = live.seqs[0] if live.seqs else None
         drafted = [drafted_counts(s) for s in live.seqs]
+        media = live.request.media
+        images = len(media.spans) if media is not None else 0
         return Usage(
             prompt_tokens=len(live.request.prompt_ids),
             completion_tokens=sum(s.num_output for s in live.seqs),
@@ -237,6 +239,8 @@ class OutputProcessor:
             reuse=head.reuse if head else ReuseReport(),
             draft_tokens=sum(d for d, _ in drafted),
             accepted_tokens=sum(a for _, a in drafted),
+            images=images,
+            images_reused=max(0, images - (head.images_encoded if head else 0)),
         )
 
     def request_done(self, live: LiveRequest, usage: Usage, finish_reason: FinishReason) -> None:
@@ -250,7 +254,8 @@ class OutputProcessor:
             kind=usage.reuse.kind, ttft_ms=usage.time_to_first_token_ms, tokens_out=usage.completion_tokens,
             finish_reason=finish_reason, duration_ms=(time.monotonic() - live.request.arrival) * 1000,
             moves=sum(seq.moves for seq in live.seqs),
-            adapter="" if live.request.adapter is None else live.request.adapter.name)
+            adapter="" if live.request.adapter is None else live.request.adapter.name,
+            images=usage.images, images_reused=usage.images_reused)
         log_event(events, "ignis.request.done", **done.event_fields())
         self.recent.append((time.time(), done))
         self.metrics.on_done(done)

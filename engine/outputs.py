@@ -34,6 +34,8 @@ class Usage:
     reuse: ReuseReport = ReuseReport()
     draft_tokens: int = 0  # speculative decoding: drafted and verified, all choices
     accepted_tokens: int = 0  # of those, kept
+    images: int = 0  # images in the prompt
+    images_reused: int = 0  # of those, the ones the vision tower did not run for (state reused, or encoder cache)
 
 
 @dataclass(slots=True)  # not frozen: made per request every step, and a frozen init costs 4x; never changed

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from common.stable_head import stable_head_length
 from common.template_kwargs import RESERVED_TEMPLATE_KWARGS
@@ -12,12 +12,19 @@ from engine.request import context_length_message
 from engine.text.tokenizer import Tokenizer
 from ignis.v1 import engine_pb2
 
+if TYPE_CHECKING:
+    from engine.vision.media import PromptMedia, VisionInput
+
 
 @dataclass(frozen=True, slots=True)
 class RenderedPrompt:
     token_ids: tuple[int, ...]
     text: str | None  # the rendered prompt, when there was text
     head_tokens: int = 0  # length of the stable head (common/stable_head.py), when it is a token prefix of the prompt
+    media: PromptMedia | None = None  # its images: their spans in token_ids hold key ids (engine/vision/media.py)
+
+
+IMAGE_INDEX = "ignis_image"  # an image part's index among the request's images (the template ignores it)
 
 
 def _json_field(raw: str, name: str, expect: type) -> Any:
@@ -34,17 +41,29 @@ def _json_field(raw: str, name: str, expect: type) -> Any:
     return value
 
 
-def chat_messages(chat: engine_pb2.ChatInput) -> list[dict[str, Any]]:
+def chat_messages(chat: engine_pb2.ChatInput, images: list[bytes] | None = None) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them. An image part becomes {"type": "image"} (the form
+    Qwen's templates render as the image placeholder) and its bytes go to `images`; without `images`
+    (a model that takes none) an image part is a ValueError."""
     messages: list[dict[str, Any]] = []
     for i, msg in enumerate(chat.messages):
         if msg.role not in ("system", "developer", "user", "assistant", "tool"):
             raise ValueError(f"messages[{i}].role {msg.role!r} is not one of system, developer, user, assistant, tool")
         item: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role}
         if msg.content_parts:
-            for part in msg.content_parts:
-                if part.type != "text":
-                    raise ValueError(f"messages[{i}]: content part type {part.type!r} is not supported")
-            item["content"] = [{"type": "text", "text": p.text} for p in msg.content_parts]
+            parts: list[dict[str, Any]] = []
+            for j, part in enumerate(msg.content_parts):
+                if part.type == "text":
+                    parts.append({"type": "text", "text": part.text})
+                elif part.type == "image" and images is not None:
+                    parts.append({"type": "image", IMAGE_INDEX: len(images)})
+                    images.append(part.image_data)
+                elif part.type == "image":
+                    raise ValueError(f"messages[{i}].content[{j}]: this model does not take images (its checkpoint "
+                                     "has no vision tower)")
+                else:
+                    raise ValueError(f"messages[{i}].content[{j}]: content part type {part.type!r} is not supported")
+            item["content"] = parts
         elif msg.HasField("content"):
             item["content"] = msg.content
         else:
@@ -65,9 +84,11 @@ def chat_messages(chat: engine_pb2.ChatInput) -> list[dict[str, Any]]:
     return messages
 
 
-def render_chat(tokenizer: Tokenizer, chat: engine_pb2.ChatInput, budget: int | None = None) -> RenderedPrompt:
+def render_chat(tokenizer: Tokenizer, chat: engine_pb2.ChatInput, budget: int | None = None,
+                vision: VisionInput | None = None) -> RenderedPrompt:
     """The chat's prompt. With `chat.truncate` and a `budget` (the most prompt tokens the context
-    leaves), the oldest turns after the system head are dropped until the prompt fits."""
+    leaves), the oldest turns after the system head are dropped until the prompt fits. With `vision`
+    (a model that takes images), each image's placeholder is widened to its span (engine/vision/media.py)."""
     if not chat.messages:
         raise ValueError("messages must not be empty")
     if chat.continue_final_message:
@@ -78,7 +99,8 @@ def render_chat(tokenizer: Tokenizer, chat: engine_pb2.ChatInput, budget: int | 
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields do")
     add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    messages = chat_messages(chat)
+    images: list[bytes] | None = [] if vision is not None else None
+    messages = chat_messages(chat, images)
 
     def render(kept: list[dict[str, Any]]) -> tuple[str, tuple[int, ...]]:
         text, ids = tokenizer.render_chat(kept, tools, add_generation_prompt, kwargs)
@@ -87,7 +109,17 @@ def render_chat(tokenizer: Tokenizer, chat: engine_pb2.ChatInput, budget: int | 
     text, ids = render(messages)
     if chat.truncate and budget is not None and len(ids) > budget:
         messages, text, ids = _drop_oldest_turns(messages, budget, render)
-    return RenderedPrompt(ids, text, _head_tokens(tokenizer, messages, tools, kwargs, ids))
+    head = _head_tokens(tokenizer, messages, tools, kwargs, ids)
+    if not images:
+        return RenderedPrompt(ids, text, head)
+    assert vision is not None
+    from engine.vision.media import prepare_prompt  # the image processor: only for a model that takes images
+    kept = [images[part[IMAGE_INDEX]] for m in messages if isinstance(m["content"], list)
+            for part in m["content"] if part["type"] == "image"]
+    widened, media = prepare_prompt(ids, kept, vision)
+    # The stable head's state is shared only where no image came before its end (a placeholder widens).
+    first_image = media.spans[0].start if media.spans else len(widened)
+    return RenderedPrompt(widened, text, head if head <= first_image else 0, media)
 
 
 def _drop_oldest_turns(messages: list[dict[str, Any]], budget: int,
@@ -177,13 +209,13 @@ def prompt_budget(request: engine_pb2.GenerateRequest | engine_pb2.TokenizeReque
 
 
 def render_input(tokenizer: Tokenizer, request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest,
-                 max_model_len: int | None = None) -> RenderedPrompt:
+                 max_model_len: int | None = None, vision: VisionInput | None = None) -> RenderedPrompt:
     which = request.WhichOneof("input")
     add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
     if which == "chat":
         budget = prompt_budget(request, max_model_len) if max_model_len is not None else None
         try:
-            return render_chat(tokenizer, request.chat, budget)
+            return render_chat(tokenizer, request.chat, budget, vision)
         except PromptTooLong as exc:
             assert max_model_len is not None  # only a budget truncates
             why = ", even with truncation keeping only the system messages and the latest turn"

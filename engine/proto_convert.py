@@ -172,7 +172,8 @@ def fill_update_messages(tokenizer: Tokenizer, update: RequestUpdate, prompt_ids
         out[-1].usage.CopyFrom(engine_pb2.Usage(
             prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
             cached_tokens=u.cached_tokens, time_to_first_token_ms=u.time_to_first_token_ms,
-            draft_tokens=u.draft_tokens, accepted_tokens=u.accepted_tokens,
+            draft_tokens=u.draft_tokens, accepted_tokens=u.accepted_tokens, images=u.images,
+            images_reused=u.images_reused,
             reuse=engine_pb2.ReuseInfo(tier=reuse_tier_pb(u.reuse.tier), kind=reuse_kind_pb(u.reuse.kind),
                                        reused_tokens=u.reuse.reused_tokens),
         ))

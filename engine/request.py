@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from opentelemetry.context import Context
@@ -19,6 +20,9 @@ from engine.lora.registry import ServedAdapter
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import RequestSampler
 from engine.text.detokenizer import TextStream
+
+if TYPE_CHECKING:  # engine.vision imports the image processor, which a text-only engine never loads
+    from engine.vision.media import PromptMedia
 
 
 def context_length_message(max_model_len: int, prompt_tokens: int, completion_tokens: int, why: str = "") -> str:
@@ -68,6 +72,8 @@ class EngineRequest:
     guided: CompiledGuide | None = field(default=None, compare=False, repr=False)
     # The LoRA adapter it runs with (the request's `model` named it); None: the base model.
     adapter: ServedAdapter | None = field(default=None, compare=False)
+    # Its images (engine/vision/media.py): their spans in prompt_ids hold key ids, not token ids.
+    media: PromptMedia | None = field(default=None, compare=False, repr=False)
 
     @property
     def adapter_slot(self) -> int:
@@ -131,6 +137,10 @@ class EngineSequence:
         self.stream = stream
         self.token_ids: list[int] = list(request.prompt_ids)
         self.num_prompt = len(request.prompt_ids)
+        # Added to a position past the prompt for its rotary angle: M-RoPE's offset after images, else 0.
+        self.rope_shift = request.media.rope_delta if request.media is not None else 0
+        self.image_embeds: dict[bytes, torch.Tensor] = {}  # its images' tower outputs while its prompt computes
+        self.images_encoded = 0  # images of its prompt the vision tower ran for (not reused, not cached)
         self.num_computed = 0  # tokens whose KV/state is in the cache
         self.page_table: list[int] = []
         self.slot: int | None = None
@@ -316,3 +326,8 @@ class EngineSequence:
         self.times.finished = time.monotonic()
         self.finish_reason = reason
         self.stop_reason = stop
+
+def rope_shifts(seqs: Sequence[EngineSequence]) -> list[int] | None:
+    """Each decode's rotary shift (M-RoPE after a prompt with images), None where all are 0."""
+    shifts = [seq.rope_shift for seq in seqs]
+    return shifts if any(shifts) else None

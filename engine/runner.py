@@ -5,17 +5,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.kv.device_cache import DeviceCache
 from engine.lora.sites import LoraSites
-from engine.model.batch import ForwardBatch, LogitsWanted, SequenceChunk
+from engine.model.batch import ChunkMedia, ForwardBatch, LogitsWanted, SequenceChunk
 from engine.model.kept_decodes import KeptDecodes
 from engine.model.decoder import CausalLM
-from engine.request import EngineSequence
+from engine.request import EngineSequence, rope_shifts
 from engine.scheduler import ScheduledChunk
 from engine.speculative.mtp_drafter import ComputedRows
+
+if TYPE_CHECKING:  # engine.vision imports the image processor, which a text-only engine never loads
+    from engine.vision.encoder import ImageEncoder
+    from engine.vision.preprocess import PreparedImage
 
 
 @dataclass(slots=True)  # not frozen: made per sequence every step, and a frozen init costs 4x
@@ -51,6 +56,7 @@ class ModelRunner:
         self.hidden: torch.Tensor | None = None
         self.rows: list[ComputedRows] = []
         self.lora: LoraSites | None = None  # the adapters' slots in the linears (lora.enabled)
+        self.encoder: ImageEncoder | None = None  # the vision tower and its cache (a checkpoint with one)
 
     def _forward(self, batch: ForwardBatch, row_slots: Callable[[], list[int]]) -> torch.Tensor:
         """The model's forward pass; with LoRA sites, each row runs with its sequence's adapter
@@ -87,7 +93,7 @@ class ModelRunner:
             # The decodes as the decode road lists them, the rest as chunks (ForwardBatch.mixed).
             batch = ForwardBatch.mixed([s.token_ids[-1] for s in decodes], [s.num_computed for s in decodes],
                                        [s.page_table for s in decodes], [s.slot for s in decodes], specs,
-                                       self.page_size, self.model.device)
+                                       self.page_size, self.model.device, rope_shifts(decodes))
         else:
             batch = ForwardBatch.build([*map(self._spec, chunks[:lead]), *specs], self.page_size, self.model.device)
         logits = self._forward(batch, lambda: self._chunk_slots(chunks, batch))  # [R, V]
@@ -135,13 +141,13 @@ class ModelRunner:
             return ChunkLogits(seq, 0, row[:vocab], None, drafter_hidden=row[vocab:])
         return ChunkLogits(seq, 0, row, None)
 
-    @staticmethod
-    def _spec(item: ScheduledChunk) -> SequenceChunk:
+    def _spec(self, item: ScheduledChunk) -> SequenceChunk:
         """A scheduled chunk as the forward batch takes it."""
         seq, n = item.seq, item.num_tokens
         if item.draft:  # the pending tokens, then the draft; logits at the last pending one and each draft
-            return SequenceChunk([*seq.token_ids[seq.num_computed:], *item.draft], seq.num_computed, seq.page_table,
-                                 seq.slot, LogitsWanted.TAIL, len(item.draft) + 1)
+            ids = [*seq.token_ids[seq.num_computed:], *item.draft]
+            return SequenceChunk(ids, seq.num_computed, seq.page_table, seq.slot, LogitsWanted.TAIL,
+                                 len(item.draft) + 1, seq.rope_shift, self._media(seq, len(ids)))
         completes = seq.num_computed + n == len(seq.token_ids)
         wants_prompt = seq.request.echo and seq.request.params.logprobs and seq.num_computed < seq.num_prompt
         return SequenceChunk(
@@ -150,7 +156,35 @@ class ModelRunner:
             page_table=seq.page_table,
             state_slot=seq.slot,
             logits=LogitsWanted.ALL if wants_prompt else (LogitsWanted.LAST if completes else LogitsWanted.NONE),
+            shift=seq.rope_shift,
+            media=self._media(seq, n),
         )
+
+    def _media(self, seq: EngineSequence, n: int) -> ChunkMedia | None:
+        """Positions and image embeddings of a chunk of `n` tokens from `seq.num_computed` that reaches
+        into a prompt with images (past the prompt, its shift is all it needs)."""
+        media = seq.request.media
+        if media is None or seq.num_computed >= seq.num_prompt:
+            return None
+        encoder = self.encoder
+        if encoder is None:
+            raise RuntimeError("a prompt with images on an engine without a vision tower (this is a bug)")
+        held = seq.image_embeds  # an image its chunks cut is encoded (or taken from the cache) once
+
+        def encode(image: PreparedImage) -> torch.Tensor:
+            key = bytes(image.digest)
+            out = held.get(key)
+            if out is None:
+                out, ran = encoder.embeddings(image)
+                held[key] = out
+                seq.images_encoded += ran
+            return out
+
+        start = seq.num_computed
+        chunk = media.chunk(start, start + n, encode)
+        if start + n >= seq.num_prompt:
+            held.clear()  # its prompt is computed: the rows are in its state now
+        return chunk
 
     def run_decodes(self, seqs: list[EngineSequence], steady: bool = False) -> torch.Tensor:
         """The decode road: each sequence decodes its one pending token and wants its next-token logits.
@@ -162,7 +196,7 @@ class ModelRunner:
             batch = kept.advance([s.token_ids[-1] for s in seqs], lambda i: seqs[i].page_table)
         else:
             batch = kept.build(seqs, [s.token_ids[-1] for s in seqs], [s.num_computed for s in seqs],
-                               [s.page_table for s in seqs], [s.slot for s in seqs])
+                               [s.page_table for s in seqs], [s.slot for s in seqs], rope_shifts(seqs))
         logits = self._forward(batch, lambda: [seq.request.adapter_slot for seq in seqs])
         if self.keep_hidden:
             self.hidden = self.model.hidden

@@ -133,7 +133,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         stall every stream and the health service on the event loop."""
         check_input_size(request, core.max_model_len)
         return await asyncio.get_running_loop().run_in_executor(self._prompts, render_input, core.tokenizer, request,
-                                                                core.max_model_len)
+                                                                core.max_model_len, core.vision)
 
     async def engine_request(self, request: engine_pb2.GenerateRequest) -> EngineRequest:
         """The request as the core takes it: prompt rendered, sampling checked, guide compiled (else `Abort`)."""
@@ -159,6 +159,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 trace_context=capture_context(),  # this RPC's SERVER span: the parent of the engine's spans
                 guided=guided,
                 adapter=adapter,
+                media=prompt.media,
             )
         except ValueError as exc:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None

@@ -36,12 +36,15 @@ class Usage:
     reasoning_tokens: int = 0  # counted by the gateway's reasoning parser (gateway/reasoning.py)
     draft_tokens: int = 0  # speculative decoding: drafted and verified
     accepted_tokens: int = 0  # of those, kept
+    images: int = 0  # images in the prompt
+    images_reused: int = 0  # of those, the ones the vision tower did not run for
 
     @classmethod
     def from_proto(cls, u: engine_pb2.Usage) -> Usage:
         return cls(u.prompt_tokens, u.completion_tokens, u.cached_tokens,
                    _TIERS.get(u.reuse.tier, "none"), _KINDS.get(u.reuse.kind, "none"), u.reuse.reused_tokens,
-                   u.time_to_first_token_ms, draft_tokens=u.draft_tokens, accepted_tokens=u.accepted_tokens)
+                   u.time_to_first_token_ms, draft_tokens=u.draft_tokens, accepted_tokens=u.accepted_tokens,
+                   images=u.images, images_reused=u.images_reused)
 
     @classmethod
     def total(cls, parts: Iterable[Usage]) -> Usage:
@@ -54,7 +57,8 @@ class Usage:
                    sum(u.cached_tokens for u in items), best.tier, best.kind,
                    sum(u.reused_tokens for u in items), max(u.time_to_first_token_ms for u in items),
                    draft_tokens=sum(u.draft_tokens for u in items),
-                   accepted_tokens=sum(u.accepted_tokens for u in items))
+                   accepted_tokens=sum(u.accepted_tokens for u in items),
+                   images=sum(u.images for u in items), images_reused=sum(u.images_reused for u in items))
 
     def openai(self) -> JSONObject:
         return {
@@ -79,6 +83,8 @@ class Usage:
                               "time_to_first_token_ms": round(self.time_to_first_token_ms, 3)}
         if self.draft_tokens:  # a request speculative decoding drafted for
             report["speculative"] = {"draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens}
+        if self.images:  # a prompt with images
+            report["images"] = {"count": self.images, "reused": self.images_reused}
         return report
 
 

@@ -19,9 +19,9 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from engine.model.config import parse_config
-from engine.model.layers import Rotary
+from engine.model.layers import MRope, Rotary, mrope_section_of
 from engine.model.loader import load_model
-from engine.vision.positions import MRope, mrope_positions, mrope_section_of, positions_after_prompt
+from engine.vision.positions import mrope_positions, positions_after_prompt
 from engine.vision.preprocess import (ProcessorSettings, decode_image, load_processor_settings,
                                       preprocess_images)
 from engine.vision.tower import VisionConfig, VisionTower
@@ -51,8 +51,9 @@ class Tiny:
     weights: dict[str, torch.Tensor]  # the checkpoint's vision tensors, as named on disk
 
 
-def make_tiny_vlm(directory: Path, seed: int = 0) -> Tiny:
-    config = tf.Qwen3_5Config(text_config=TEXT, vision_config=VISION, image_token_id=IMAGE, video_token_id=VIDEO,
+def make_tiny_vlm(directory: Path, seed: int = 0, text: dict[str, Any] | None = None) -> Tiny:
+    """`text`: settings over TEXT's (e.g. another `layer_types`)."""
+    config = tf.Qwen3_5Config(text_config={**TEXT, **(text or {})}, vision_config=VISION, image_token_id=IMAGE, video_token_id=VIDEO,
                               vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
     torch.manual_seed(seed)
     model = tf.Qwen3_5ForConditionalGeneration(config).eval()

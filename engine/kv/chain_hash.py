@@ -1,12 +1,13 @@
 """The reuse key: a hash chain over tokens, 16-byte xxh3-128 at every page boundary.
 
     h0  = xxh3_128(namespace)
-    h_i = xxh3_128(h_{i-1} || tokens of page i as little-endian uint32 || media digests)
+    h_i = xxh3_128(h_{i-1} || tokens of page i as little-endian uint32)
     a state ending at n is named h_{n/P} when n is page-aligned, else xxh3_128(h_{n//P} || tail tokens)
 
 The namespace covers everything that makes state incompatible: model identity
 (config and weights), KV dtype, page size, the tenant's cache_salt, and the LoRA
-adapter the state was computed with (its digest: engine/lora/adapter.py).
+adapter the state was computed with (its digest: engine/lora/adapter.py). An image is in
+the chain through its span's key ids, drawn from its digest (engine/vision/media.py).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def model_fingerprint(config_fields: dict[str, object], weights_digest: bytes) -
 
 
 _UINT32 = next(code for code in "IL" if array(code).itemsize == 4)
+# Ids at or above this are an image's key ids (engine/vision/media.py): its content in the chain, in place of
+# its placeholder tokens. No vocabulary reaches them.
+MEDIA_KEY_BASE = 1 << 31
 
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
@@ -65,8 +69,8 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def chain(parent: StateHash, page_tokens: bytes, media: bytes = b"") -> StateHash:
-    return StateHash(xxhash.xxh3_128_digest(parent + page_tokens + media))
+def chain(parent: StateHash, page_tokens: bytes) -> StateHash:
+    return StateHash(xxhash.xxh3_128_digest(parent + page_tokens))
 
 
 # The chain in one C call (kernels/cpu/chain_hash.c); None without the built library.

@@ -7,6 +7,7 @@ pages hold it, and (hybrid models) which state slot carries its recurrent state.
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections import abc
 from collections.abc import Callable
@@ -20,11 +21,23 @@ from kernels.paged_attention import positional
 from kernels.select import kernels_for
 
 
+
 class LogitsWanted(Enum):
     NONE = "none"  # a middle chunk of a long prefill
     LAST = "last"  # the next-token distribution
     ALL = "all"  # every position (prompt logprobs, tests)
     TAIL = "tail"  # the last `tail` positions (a verify of drafted tokens: the pending token's and each draft's)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMedia:
+    """A chunk's rows of a sequence whose prompt has images, as its forward pass needs them (made by
+    engine/vision/media.py)."""
+
+    positions: Sequence[int]  # each row's rotary position (M-RoPE's t row; a text row's three are equal)
+    rope_rows: Sequence[int]  # rows (from the chunk's first) at image tokens, whose h and w positions differ
+    rope_positions: torch.Tensor  # [3, len(rope_rows)] int64
+    embeds: tuple[tuple[int, torch.Tensor], ...]  # (first row, [n, hidden] vision tower output) for image rows
 
 
 @dataclass(slots=True)  # not frozen: made per sequence every step, and a frozen init costs 4x
@@ -37,6 +50,8 @@ class SequenceChunk:
     state_slot: int | None = None  # recurrent-state slot (hybrid models)
     logits: LogitsWanted = LogitsWanted.LAST
     tail: int = 0  # LogitsWanted.TAIL: how many
+    shift: int = 0  # added to each row's index for its rotary position (M-RoPE past a prompt with images)
+    media: ChunkMedia | None = None  # a prompt with images: the rows' positions and their image embeddings
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -144,6 +159,21 @@ class DecodeGather:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchMedia:
+    """The rows of a step that hold image tokens: their embeddings and their 3-D M-RoPE positions."""
+
+    rows: torch.Tensor  # [M] rows of the flat run
+    embeds: torch.Tensor  # [M, hidden]
+    positions: torch.Tensor  # [3, M]
+
+    @classmethod
+    def of(cls, rows: list[int], embeds: list[torch.Tensor], positions: list[torch.Tensor],
+           device: torch.device) -> BatchMedia:
+        return cls(int64_tensor(rows, device), torch.cat(embeds).to(device),
+                   torch.cat(positions, dim=1).to(device))
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -157,6 +187,7 @@ class ForwardBatch:
     decode: DecodeGather | None = None  # set when two or more decodes run as one padded call (_pad_decodes)
     decodes_only: bool = False  # every sequence decodes one token and wants its logits: row i is sequence i's
     decode_slots: tuple[int | None, ...] = ()  # each decode's state slot, in order (read once a layer)
+    media: BatchMedia | None = None  # rows at image tokens (prompts with images)
 
     @property
     def num_tokens(self) -> int:
@@ -164,24 +195,28 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, chunks: Sequence[SequenceChunk], page_size: int, device: torch.device) -> "ForwardBatch":
-        if all(c.start > 0 and len(c.token_ids) == 1 and c.logits is LogitsWanted.LAST for c in chunks):
+        if all(c.start > 0 and len(c.token_ids) == 1 and c.logits is LogitsWanted.LAST and c.media is None
+               for c in chunks):
             return cls._decodes_only(chunks, page_size, device)
         return cls._any(chunks, page_size, device)
 
     @classmethod
     def _decodes_only(cls, chunks: Sequence[SequenceChunk], page_size: int, device: torch.device) -> "ForwardBatch":
+        shifts = [c.shift for c in chunks]
         return cls.for_decodes(
             [c.token_ids[0] for c in chunks], [c.start for c in chunks], [c.page_table for c in chunks],
-            [c.state_slot for c in chunks], page_size, device)
+            [c.state_slot for c in chunks], page_size, device, shifts if any(shifts) else None)
 
     @classmethod
     def for_decodes(cls, tokens: list[int], starts: list[int], tables: Sequence[Sequence[int]],
-                    slots: list[int | None], page_size: int, device: torch.device) -> "ForwardBatch":
+                    slots: list[int | None], page_size: int, device: torch.device,
+                    shifts: Sequence[int] | None = None) -> "ForwardBatch":
         """A step of single-token decodes only (the steady state): sequence i decodes `tokens[i]` at
         position `starts[i]` (> 0) over its page table, and wants its logits. The batch `_any` builds
         (tests/test_forward_batch.py), from two host-to-device copies and a few torch calls instead of
-        work per sequence (engine/model/kept_decodes.py moves one on to the next step)."""
-        views, padded, values = _decode_rows(tokens, starts, tables, slots, page_size, device)
+        work per sequence (engine/model/kept_decodes.py moves one on to the next step). `shifts`: added
+        to each one's position for its rotary angle (M-RoPE after images), None for none."""
+        views, padded, values = _decode_rows(tokens, starts, tables, slots, page_size, device, shifts)
         return decode_only_batch(int64_tensor(values, device).view(5, len(tokens)), views, padded, page_size, device)
 
     @classmethod
@@ -206,11 +241,13 @@ class ForwardBatch:
             others=others,
             decode=decode,
             decode_slots=tuple(s.state_slot for s in decodes),
+            media=r.batch_media(device),
         )
 
     @classmethod
     def mixed(cls, tokens: list[int], starts: list[int], tables: Sequence[Sequence[int]], slots: list[int | None],
-              rest: Sequence[SequenceChunk], page_size: int, device: torch.device) -> "ForwardBatch":
+              rest: Sequence[SequenceChunk], page_size: int, device: torch.device,
+              shifts: Sequence[int] | None = None) -> "ForwardBatch":
         """A step of single-token decodes first (sequence i decodes `tokens[i]` at `starts[i]` > 0 and wants
         its logits), then the chunks of `rest`, none of them a single-token decode past position 0: the
         batch `_any` builds from the decodes' chunks and `rest` (tests/test_forward_batch.py), without a
@@ -219,7 +256,7 @@ class ForwardBatch:
         r = _ChunkRows.of(rest, page_size, count)
         if r.decoding:
             raise ValueError("mixed(): a single-token decode among the rest belongs with the decodes or in _any")
-        views, padded, values = _decode_rows(tokens, starts, tables, slots, page_size, device)
+        views, padded, values = _decode_rows(tokens, starts, tables, slots, page_size, device, shifts)
         ids, positions, kv_pages, kv_offsets, lengths = (values[k * count:(k + 1) * count] for k in range(5))
         others = tuple(_seq_views(r.views, r.tables, r.flat, device))
         decode = None
@@ -238,6 +275,7 @@ class ForwardBatch:
             others=others,
             decode=decode,
             decode_slots=views.slots,
+            media=r.batch_media(device),
         )
 
 
@@ -255,6 +293,21 @@ class _ChunkRows:
     tables: list[Sequence[int]]  # the pages each sequence's positions need
     flat: array  # every sequence's page table, one after another
     decoding: list[int]  # indices of the single-token decodes
+    media: list[tuple[int, ChunkMedia]] | None = None  # (first row, media) of the chunks with images
+
+    def batch_media(self, device: torch.device) -> BatchMedia | None:
+        """The step's image rows, when a chunk has any."""
+        if not self.media:
+            return None
+        rows: list[int] = []
+        embeds: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        for at, media in self.media:
+            if media.rope_rows:
+                rows.extend(at + row for row in media.rope_rows)
+                embeds.extend(e for _, e in media.embeds)
+                positions.append(media.rope_positions)
+        return BatchMedia.of(rows, embeds, positions, device) if rows else None
 
     @classmethod
     def of(cls, chunks: Sequence[SequenceChunk], page_size: int, base: int) -> _ChunkRows:
@@ -264,6 +317,7 @@ class _ChunkRows:
         tables: list[Sequence[int]] = []
         decoding: list[int] = []
         flat = array("q")
+        media: list[tuple[int, ChunkMedia]] | None = None
         for i, chunk in enumerate(chunks):
             table, start = chunk.page_table, chunk.start
             n = len(chunk.token_ids)
@@ -272,9 +326,12 @@ class _ChunkRows:
             if len(table) < needed:
                 raise ValueError(f"page table has {len(table)} pages but {end} tokens need {needed}")
             at = base + len(ids)
+            if chunk.media is not None:
+                media = media or []
+                media.append((at, chunk.media))
             if n == 1:  # a decode (most of a step's sequences): no range or generator for one position
                 ids.append(chunk.token_ids[0])
-                positions.append(start)
+                positions.append(chunk.media.positions[0] if chunk.media is not None else start + chunk.shift)
                 pages.append(table[start // page_size])
                 offsets.append(start % page_size)
                 if start > 0:
@@ -282,7 +339,10 @@ class _ChunkRows:
             else:
                 ids.extend(chunk.token_ids)
                 pos = range(start, end)
-                positions.extend(pos)
+                if chunk.media is not None:
+                    positions.extend(chunk.media.positions)
+                else:
+                    positions.extend(range(start + chunk.shift, end + chunk.shift) if chunk.shift else pos)
                 pages.extend(table[p // page_size] for p in pos)
                 offsets.extend(p % page_size for p in pos)
             if chunk.logits is LogitsWanted.LAST:
@@ -300,7 +360,7 @@ class _ChunkRows:
             needed_table = table if len(table) == needed else table[:needed]  # no copy when it is all needed
             tables.append(needed_table)
             flat.extend(needed_table)
-        return cls(ids, positions, pages, offsets, rows, counts, views, tables, flat, decoding)
+        return cls(ids, positions, pages, offsets, rows, counts, views, tables, flat, decoding, media)
 
 
 class _Joined(_LazyViews):
@@ -320,23 +380,25 @@ class _Joined(_LazyViews):
 
 
 def _decode_rows(tokens: list[int], starts: list[int], tables: Sequence[Sequence[int]], slots: list[int | None],
-                 page_size: int, device: torch.device) -> tuple[DecodeViews, torch.Tensor, array]:
+                 page_size: int, device: torch.device, shifts: Sequence[int] | None = None
+                 ) -> tuple[DecodeViews, torch.Tensor, array]:
     """Single-token decodes' part of a batch: their views, their page tables padded to [B, W], and the host
     buffer of their rows (decode_values). Raises ValueError for a table shorter than its need."""
     needed = [start // page_size + 1 for start in starts]
     padded = pad_tables(tables, needed, max(needed), device)
     last_pages = [table[n - 1] for table, n in zip(tables, needed)]  # pad_tables checked their lengths
-    values, _ = decode_values(tokens, starts, last_pages, [start % page_size for start in starts])
+    values, _ = decode_values(tokens, starts, last_pages, [start % page_size for start in starts], shifts)
     return DecodeViews(starts, needed, tuple(slots), padded, padded.shape[1]), padded, values
 
 
 def decode_values(tokens: Sequence[int], starts: Sequence[int], last_pages: Sequence[int],
-                  offsets: Sequence[int]) -> tuple[array, list[int]]:
-    """What a decode batch needs from the host, in one buffer for one copy: the ids, positions, the pages
-    and offsets the new K/V go to, and the context lengths (returned too: the next step's positions)."""
+                  offsets: Sequence[int], shifts: Sequence[int] | None = None) -> tuple[array, list[int]]:
+    """What a decode batch needs from the host, in one buffer for one copy: the ids, positions (each start
+    plus its shift, where there are shifts), the pages and offsets the new K/V go to, and the context
+    lengths (returned too: the next step's starts)."""
     lengths = [start + 1 for start in starts]
     values = array("q", tokens)
-    values.extend(starts)
+    values.extend(starts if shifts is None else map(operator.add, starts, shifts))
     values.extend(last_pages)
     values.extend(offsets)
     values.extend(lengths)

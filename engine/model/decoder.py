@@ -11,10 +11,10 @@ from torch import nn
 
 from engine.kv.device_cache import DeviceCache
 from engine.model.attention import Attention
-from engine.model.batch import ForwardBatch
+from engine.model.batch import BatchMedia, ForwardBatch
 from engine.model.config import LINEAR_ATTENTION, ModelConfig
 from engine.model.gated_deltanet import GatedDeltaNet
-from engine.model.layers import MLP, RMSNorm, Rotary, SparseMoE
+from engine.model.layers import MLP, MRope, RMSNorm, Rotary, SparseMoE
 
 
 class DecoderLayer(nn.Module):
@@ -75,6 +75,9 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: Rotary | None = None  # set by the loader once weights are on their device
+        # M-RoPE (a checkpoint with a vision tower): the angles of image rows, whose h and w positions differ
+        # from t. Text rows' three positions are equal, where M-RoPE is `rotary` itself.
+        self.mrope: MRope | None = None
         # The last forward's final normed hidden state of every row [T, H], when the caller asked for it
         # (an MTP drafter reads it: engine/speculative/mtp_drafter.py); its caller takes it at once.
         self.hidden: torch.Tensor | None = None
@@ -93,8 +96,12 @@ class CausalLM(nn.Module):
         hidden state is left in `hidden`."""
         if self.rotary is None:
             raise RuntimeError("model has no rotary tables: it was not built by the loader (this is a bug)")
-        x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
-        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        media = batch.media
+        if media is None:
+            x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+            cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        else:
+            x, cos_sin = self._with_images(batch, media)
         for layer in self.model.layers:
             x = layer(x, batch, cache, self.rotary, cos_sin)
         if keep_hidden:
@@ -106,3 +113,18 @@ class CausalLM(nn.Module):
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=x.device)
         x = self.model.norm(x[batch.logits_rows])
         return self.lm_head(x).float()
+
+    def _with_images(self, batch: ForwardBatch, media: BatchMedia
+                     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Embeddings and cos/sin of a step with image rows: theirs are the vision tower's output (their
+        ids are key ids, never embedded) and M-RoPE's angles."""
+        assert self.rotary is not None
+        if self.mrope is None:
+            raise RuntimeError("a step with image rows on a model without M-RoPE (this is a bug)")
+        x = self.model.embed_tokens(batch.input_ids.index_fill(0, media.rows, 0))
+        x[media.rows] = media.embeds.to(x.dtype)
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        image_cos, image_sin = self.mrope.cos_sin(media.positions, x.dtype)
+        cos[media.rows] = image_cos
+        sin[media.rows] = image_sin
+        return x, (cos, sin)

@@ -40,6 +40,7 @@ class KeptDecodes:
         self._needed: list[int] = []  # pages its positions need (its row of the tables)
         self._last_pages: list[int] = []  # the page of its position
         self._slots: tuple[int | None, ...] = ()
+        self._shifts: Sequence[int] | None = None  # each row's rotary shift (M-RoPE after images), None: none
         self._padded: torch.Tensor | None = None  # [B, W] int64 on the device
         self._host: array | None = None  # on the CPU, the buffer the last batch's rows are
         self._last: ForwardBatch | None = None  # the last batch, when its attention reads the tables
@@ -52,12 +53,13 @@ class KeptDecodes:
         self.owner, self._padded, self._host, self._last = None, None, None, None
 
     def build(self, owner: object, tokens: list[int], starts: list[int], tables: Sequence[Sequence[int]],
-              slots: list[int | None]) -> ForwardBatch:
+              slots: list[int | None], shifts: Sequence[int] | None = None) -> ForwardBatch:
         """ForwardBatch.for_decodes' batch, kept for `advance` (`owner`: what the next call names it by)."""
         page_size = self.page_size
         needed = [start // page_size + 1 for start in starts]
         padded = pad_tables(tables, needed, max(needed), self.device)
         self.owner, self._padded, self._slots, self._needed = owner, padded, tuple(slots), needed
+        self._shifts = shifts
         self._host, self._last = None, None
         self._last_pages = [table[n - 1] for table, n in zip(tables, needed)]
         self.builds += 1
@@ -115,7 +117,7 @@ class KeptDecodes:
         count = len(tokens)
         if count != len(starts):
             raise ValueError(f"{count} tokens for a batch of {len(starts)} sequences")
-        values, self._lengths = decode_values(tokens, starts, self._last_pages, offsets)
+        values, self._lengths = decode_values(tokens, starts, self._last_pages, offsets, self._shifts)
         padded, last = self._padded, self._last
         assert padded is not None
         # The views read positions and page counts when asked: the lists are this step's (the next makes new ones).

@@ -22,7 +22,7 @@ from engine.model.linear_calibration import LinearPlan, plan_linears
 from engine.model.decoder import CausalLM
 from engine.model.errors import CheckpointError, check_tensors
 from engine.model.fp8 import dequantize_all, fp8_gemm_absent, fp8_linear_weights, load_note, use_fp8_linears
-from engine.model.layers import Rotary
+from engine.model.layers import MRope, Rotary
 from engine.model.mtp import MtpPredictor, load_mtp
 from engine.model.safetensors_mmap import SafetensorsFile, open_checkpoint_weights
 from kernels.select import kernels_for
@@ -156,6 +156,8 @@ def load_model(checkpoint: str | Path, dtype: str = "auto", device: str | torch.
     mtp = load_mtp(side.pop("mtp", {}), config, dev, torch_dtype, str(path))
     _log_parts(path, config, len(expected), side, mtp)
     model.rotary = Rotary(config, dev)
+    if "vision tower" in side:  # images' tokens take M-RoPE's 3-D positions
+        model.mrope = MRope.for_model(config, dev)
     model.eval()
     packed = torch_dtype if weight_dtype == "auto" else WEIGHT_DTYPES.get(weight_dtype)
     if packed is None:

@@ -40,7 +40,7 @@ from engine.kv.device_cache import DeviceCache
 from engine.model.batch import ForwardBatch, LogitsWanted, SequenceChunk
 from engine.model.decoder import CausalLM, DecoderLayer
 from engine.model.mtp import MtpPredictor
-from engine.request import EngineSequence, SeqStatus
+from engine.request import EngineSequence, SeqStatus, rope_shifts
 from engine.speculative.speculator import SpecState
 
 
@@ -162,6 +162,11 @@ class MtpDrafter:
     def _run_of(self, r: ComputedRows, hidden: torch.Tensor, begin: int, end: int, room: int) -> _Run:
         start = r.start + begin
         tokens = r.seq.token_ids[start + 1:r.start + end + 1]
+        media = r.seq.request.media
+        if media is not None and start < r.seq.num_prompt:
+            # An image's key ids are no tokens: the drafter embeds the image token there. Its positions in the
+            # prompt are the 1-D ones, near enough for a draft (the target verifies every draft).
+            tokens = media.model_ids(tokens)
         return _Run(r.seq, start, list(tokens), hidden[r.offset + begin:r.offset + end], room)
 
     def _forward(self, runs: list[_Run]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +179,7 @@ class MtpDrafter:
             # drafting rows go on to the head.
             batch = ForwardBatch.for_decodes([run.tokens[0] for run in runs], [run.start for run in runs],
                                              [run.seq.page_table for run in runs], [None] * len(runs),
-                                             page_size, device)
+                                             page_size, device, rope_shifts([run.seq for run in runs]))
             drafting = [i for i, run in enumerate(runs) if run.room]
             rows = batch.logits_rows if len(drafting) == len(runs) else \
                 torch.tensor(drafting, dtype=torch.long, device=device)

@@ -9,8 +9,11 @@ a step costs microseconds even at 100k tokens of context.
 
 from __future__ import annotations
 
+import itertools
 from array import array
 from collections.abc import Sequence
+
+from engine.kv.chain_hash import MEDIA_KEY_BASE
 
 MAX_NGRAM = 4  # the longest suffix looked up (the most specific match is tried first)
 MIN_NGRAM = 2  # one token alone matches too often to predict anything
@@ -32,7 +35,7 @@ class TokenHistory:
             self._data.clear()
             have = 0
         if len(tokens) > have:
-            self._data += array("i", tokens[have:]).tobytes()
+            self._data += array("I", tokens[have:]).tobytes()  # unsigned: an image's key ids are >= 2^31
 
     def propose(self, k: int, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:
         """Up to `k` tokens continuing the latest earlier occurrence of the history's last n tokens (n from
@@ -47,6 +50,8 @@ class TokenHistory:
             while (at := data.rfind(suffix, 0, limit)) >= 0:
                 if at % 4 == 0:  # on a token boundary: a real match of n tokens
                     follow = at + 4 * n
-                    return array("i", data[follow:follow + 4 * k]).tolist()
+                    draft = array("I", data[follow:follow + 4 * k]).tolist()
+                    # an image's span is no tokens to draft: the draft ends where one begins
+                    return list(itertools.takewhile(lambda t: t < MEDIA_KEY_BASE, draft))
                 limit = at + 4 * n - 1  # straddles two tokens: look again for one starting before it
         return []

@@ -14,16 +14,10 @@ equal rows 0..L-1, so a text-only request keeps today's positions.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-
-from engine.model.config import ModelConfig
-from engine.model.layers import Rotary, cos_sin_of
-
-DEFAULT_MROPE_SECTION = (11, 11, 10)  # transformers' default when the config names none
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,52 +77,3 @@ def _image_positions(start: int, t: int, h: int, w: int) -> torch.Tensor:
 def positions_after_prompt(first_index: int, count: int, rope_delta: int) -> torch.Tensor:
     """[3, count] positions of tokens `first_index`.. after a prompt (decoded or appended text)."""
     return torch.arange(first_index + rope_delta, first_index + rope_delta + count, dtype=torch.int64).expand(3, -1)
-
-
-def mrope_section_of(text_config: Mapping[str, Any]) -> tuple[int, int, int]:
-    """The text config's `mrope_section` (rope_parameters or the older rope_scaling). Qwen3.5 interleaves
-    the three axes over the rotary frequencies; transformers ignores `mrope_interleaved`, so a config
-    saying false is refused rather than run differently from what it says."""
-    params = text_config.get("rope_parameters") or text_config.get("rope_scaling") or {}
-    if params.get("mrope_interleaved") is False:
-        raise ValueError("text_config: mrope_interleaved is false; only Qwen3.5's interleaved M-RoPE is supported")
-    section = tuple(int(s) for s in params.get("mrope_section", DEFAULT_MROPE_SECTION))
-    if len(section) != 3:
-        raise ValueError(f"text_config: mrope_section {list(section)} must have 3 entries (t, h, w)")
-    return section[0], section[1], section[2]
-
-
-class MRope:
-    """Rotary cos/sin for [3, T] M-RoPE positions, [T, rotary_dim] in the half-rotation layout that
-    `engine.model.layers.Rotary.apply` takes. Frequency i follows axis h where i % 3 == 1 and
-    i < 3*section[1], axis w where i % 3 == 2 and i < 3*section[2], else t (interleaved M-RoPE).
-    For three equal rows it equals `Rotary.cos_sin` of that row."""
-
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, mrope_section: Sequence[int]) -> None:
-        n = inv_freq.shape[0]
-        t, h, w = mrope_section
-        if t + h + w != n or 3 * h - 2 >= n or 3 * w - 1 >= n:
-            raise ValueError(f"mrope_section {list(mrope_section)} does not fit {n} rotary frequencies "
-                             "(it must sum to them, h and w interleaved within them)")
-        self.inv_freq = inv_freq
-        self.attention_scaling = attention_scaling
-        self.section = (t, h, w)
-
-    @classmethod
-    def for_model(cls, config: ModelConfig, device: torch.device) -> MRope:
-        """The text model's frequencies (as ignis' Rotary computes them) and its config's mrope_section."""
-        rotary = Rotary(config, device)
-        text = config.raw.get("text_config") or config.raw
-        return cls(rotary.inv_freq, rotary.attention_scaling, mrope_section_of(text))
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [3, T] -> cos, sin: [T, rotary_dim]
-        return cos_sin_of(self._interleave(positions.float()[..., None] * self.inv_freq), self.attention_scaling, dtype)
-
-    def _interleave(self, angles: torch.Tensor) -> torch.Tensor:
-        # angles: [3, T, F] -> [T, F]: the t row's, with the h and w rows' own frequencies put in
-        _, h, w = self.section
-        out = angles[0].clone()
-        out[..., 1:3 * h:3] = angles[1, ..., 1:3 * h:3]
-        out[..., 2:3 * w:3] = angles[2, ..., 2:3 * w:3]
-        return out
