@@ -28,6 +28,7 @@ from gateway.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_STREAM_BUFFER_
 from gateway.connection_faults import UvicornWarnings
 from gateway.event_loop import LOOPS, install, running_loop
 from gateway.http_protocol import HTTP_PARSERS, protocol_class
+from gateway.media import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES
 from gateway.session_socket import loopback_host
 from gateway.shutdown import Shutdown
 from gateway.state import GatewayState
@@ -156,6 +157,19 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
     parser.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1", "none"], default="",
                         help="split <think>...</think> into reasoning_content, for every model "
                              "(default: what each engine reads off its chat template)")
+    parser.add_argument("--allowed-media-domains", action="append", default=[], metavar="HOST",
+                        help="a host whose http(s) image URLs the gateway fetches for clients (repeatable; "
+                             "default: none: only data: URLs are read, the server fetches no URL for a client)")
+    parser.add_argument("--allowed-local-media-path", default="", metavar="DIR",
+                        help="a folder whose files clients may name as file:// image URLs (symlinks resolved, "
+                             "must stay inside it; default: none)")
+    parser.add_argument("--max-images-per-request", type=int, default=DEFAULT_MAX_IMAGES, metavar="N",
+                        help="images in one request at most; more is a 400 (0: images refused; default: 16)")
+    parser.add_argument("--max-image-bytes", type=_size, default=DEFAULT_MAX_IMAGE_BYTES,
+                        help="one image's encoded file at most, e.g. 20MiB; a larger one is a 400 (default: 20MiB)")
+    parser.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS, metavar="N",
+                        help="one image's width x height at most, read from its header before decoding; a larger "
+                             "one is a 400 (default: 33177600, 7680x4320)")
     parser.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds open requests have to finish on shutdown (SIGTERM/SIGINT); then streams end "
@@ -177,7 +191,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GatewayConfi
                                fault_log_interval=args.fault_log_interval, routing=args.routing,
                                load_bound=args.load_bound, engine_dns=args.engine_dns,
                                dns_refresh=args.dns_refresh, tool_call_parser=args.tool_call_parser,
-                               reasoning_parser=args.reasoning_parser, allowed_origins=args.allowed_origins)
+                               reasoning_parser=args.reasoning_parser, allowed_origins=args.allowed_origins,
+                               allowed_media_domains=args.allowed_media_domains,
+                               allowed_local_media_path=args.allowed_local_media_path,
+                               max_images_per_request=args.max_images_per_request,
+                               max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels)
     except ValueError as exc:
         parser.error(str(exc))
     if config.api_key is None and not loopback_host(args.host) and not args.allow_unauthenticated:

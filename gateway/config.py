@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from gateway.discovery import DnsName
+from gateway.media import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES, MediaPolicy
 from gateway.routing import RoutingRule
 
 UPSTREAMS = ("session", "grpc-session", "calls")
@@ -54,6 +55,13 @@ class GatewayConfig:
     # Browser origins allowed to call the API (CORS, preflight answered) and open a WebSocket; empty: no CORS
     # headers, and WebSockets from loopback pages only (gateway/origins.py).
     allowed_origins: list[str] = field(default_factory=list)
+    # Images in prompts (gateway/media.py): data URLs always; http(s) URLs only from these hosts, file://
+    # paths only under this folder ("": none), and the limits on them.
+    allowed_media_domains: list[str] = field(default_factory=list)
+    allowed_local_media_path: str = ""
+    max_images_per_request: int = DEFAULT_MAX_IMAGES
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __post_init__(self) -> None:
         if not self.engines and not self.engine_dns:
@@ -102,6 +110,7 @@ class GatewayConfig:
                              f"{self.max_connections_per_client}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be at least 1 KiB, got {self.max_request_bytes}")
+        self.media_policy()  # raises naming the media flag that is wrong
 
     @property
     def client_connection_limit(self) -> int:
@@ -112,6 +121,10 @@ class GatewayConfig:
 
     def routing_rule(self) -> RoutingRule:
         return RoutingRule(self.routing, self.load_bound)
+
+    def media_policy(self) -> MediaPolicy:
+        return MediaPolicy.of(self.allowed_media_domains, self.allowed_local_media_path,
+                              self.max_images_per_request, self.max_image_bytes, self.max_image_pixels)
 
     @property
     def public_paths(self) -> tuple[str, ...]:

@@ -130,7 +130,7 @@ def _context_param(details: str, prompt_param: str | None, max_tokens_param: str
 
 
 def _engine_param(details: str, max_tokens_param: str) -> str | None:
-    match = re.match(r"(?:messages\[\d+\]|[a-z_]+)", details)
+    match = re.match(r"(?:messages\[\d+\](?:\.content\[\d+\])?|[a-z_]+)", details)
     if match is None:
         return None
     word = match.group(0)

@@ -23,6 +23,7 @@ from typing import Any
 
 from gateway.body import Fields
 from gateway.errors import invalid
+from gateway.image_parts import ImageSource
 from gateway.messages import ROLES, content_parts
 from gateway.responses_tools import ResponsesTools, flat_name, responses_tools
 from ignis.v1 import engine_pb2
@@ -44,15 +45,16 @@ def input_items(body: Fields) -> list[Any]:
     raise invalid("'input' must be a string or an array of input items", param="input")
 
 
-def responses_chat(body: Fields, prior: list[Any] | None = None,
+def responses_chat(body: Fields, images: list[ImageSource], prior: list[Any] | None = None,
                    tools: ResponsesTools | None = None) -> engine_pb2.ChatInput:
+    """The chat; its image parts' sources (the stored conversation's too) are appended to `images`."""
     chat = engine_pb2.ChatInput()
     instructions = body.string("instructions")
     if instructions:
         chat.messages.append(engine_pb2.ChatMessage(role="system", content=instructions))
     if prior:
-        _items(prior, chat, "previous_response_id")
-    _items(input_items(body), chat)
+        _items(prior, chat, images, "previous_response_id")
+    _items(input_items(body), chat, images)
     if not any(m.role != "system" for m in chat.messages):
         raise invalid("'input' must not be empty", param="input")
     tools = tools if tools is not None else responses_tools(body)
@@ -75,7 +77,7 @@ def responses_chat(body: Fields, prior: list[Any] | None = None,
     return chat
 
 
-def _items(items: list[Any], chat: engine_pb2.ChatInput, where: str = "input") -> None:
+def _items(items: list[Any], chat: engine_pb2.ChatInput, images: list[ImageSource], where: str = "input") -> None:
     for i, item in enumerate(items):
         path = f"{where}[{i}]"
         if not isinstance(item, dict):
@@ -89,7 +91,7 @@ def _items(items: list[Any], chat: engine_pb2.ChatInput, where: str = "input") -
             if isinstance(content, str):
                 msg.content = content
             elif isinstance(content, list):
-                msg.content_parts.extend(content_parts(content, f.path("content")))
+                msg.content_parts.extend(content_parts(content, f.path("content"), images))
             else:
                 raise invalid(f"'{f.path('content')}' must be a string or an array of parts", param=f.path("content"))
             chat.messages.append(msg)

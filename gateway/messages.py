@@ -1,7 +1,8 @@
 """OpenAI chat messages, tools and tool_choice -> `engine_pb2.ChatInput`.
 
 The engine renders the chat template; the gateway only checks shapes (so a
-400 names the field) and carries the fields across.
+400 names the field) and carries the fields across. Image parts are noted
+here and read before the engine call (gateway/image_parts.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 from common.template_kwargs import RESERVED_TEMPLATE_KWARGS
 from gateway.body import Fields
 from gateway.errors import invalid
+from gateway.image_parts import IMAGE_PART_TYPES, ImageSource, image_part
 from ignis.v1 import engine_pb2
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -19,7 +21,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
 
 
-def chat_input(body: Fields) -> engine_pb2.ChatInput:
+def chat_input(body: Fields, images: list[ImageSource]) -> engine_pb2.ChatInput:
+    """The chat; its image parts' sources are appended to `images`, for `attach_images`."""
     raw = body.array("messages", required=True)
     assert raw is not None
     if not raw:
@@ -28,7 +31,7 @@ def chat_input(body: Fields) -> engine_pb2.ChatInput:
     for i, item in enumerate(raw):
         if not isinstance(item, dict):
             raise invalid(f"'messages[{i}]' must be an object", param=f"messages[{i}]")
-        chat.messages.append(chat_message(Fields(item, f"messages[{i}]")))
+        chat.messages.append(chat_message(Fields(item, f"messages[{i}]"), images))
     tools = tools_json(body)
     if tools:
         chat.tools_json = tools
@@ -47,14 +50,14 @@ def chat_input(body: Fields) -> engine_pb2.ChatInput:
     return chat
 
 
-def chat_message(m: Fields) -> engine_pb2.ChatMessage:
+def chat_message(m: Fields, images: list[ImageSource]) -> engine_pb2.ChatMessage:
     role = m.string("role", required=True, choices=ROLES)
     msg = engine_pb2.ChatMessage(role=role)
     content = m.raw("content")
     if isinstance(content, str):
         msg.content = content
     elif isinstance(content, list):
-        msg.content_parts.extend(content_parts(content, m.path("content")))
+        msg.content_parts.extend(content_parts(content, m.path("content"), images))
     elif content is not None:
         raise invalid(f"'{m.path('content')}' must be a string, an array of parts or null", param=m.path("content"))
     elif role in ("system", "developer", "user", "tool"):
@@ -78,7 +81,8 @@ def chat_message(m: Fields) -> engine_pb2.ChatMessage:
     return msg
 
 
-def content_parts(parts: list[Any], path: str) -> list[engine_pb2.ContentPart]:
+def content_parts(parts: list[Any], path: str, images: list[ImageSource]) -> list[engine_pb2.ContentPart]:
+    """Text and image parts, in order; each image's source is appended to `images`."""
     out = []
     for j, part in enumerate(parts):
         p = f"{path}[{j}]"
@@ -89,8 +93,12 @@ def content_parts(parts: list[Any], path: str) -> list[engine_pb2.ContentPart]:
             raise invalid(f"'{p}' must be an object", param=p)
         f = Fields(part, p)
         kind = f.string("type", required=True)
+        if kind in IMAGE_PART_TYPES:
+            out.append(image_part(f, kind, images))
+            continue
         if kind not in TEXT_PART_TYPES:
-            raise invalid(f"'{p}.type' {kind!r} is not supported: only text parts are", param=f"{p}.type")
+            raise invalid(f"'{p}.type' {kind!r} is not supported: only text and image parts are",
+                          param=f"{p}.type")
         out.append(engine_pb2.ContentPart(type="text", text=f.string("text", required=True) or ""))
     return out
 

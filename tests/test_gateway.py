@@ -372,6 +372,8 @@ def test_every_client_error_has_its_status_and_body(http: httpx.Client) -> None:
     assert_error(post({**chat, "messages": []}), 400, param="messages")
     assert_error(post({**chat, "messages": [{"role": "wizard", "content": "x"}]}), 400, param="messages[0].role")
     assert_error(post({**chat, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), 400,
+                 param="messages[0].content[0].image_url")
+    assert_error(post({**chat, "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}), 400,
                  param="messages[0].content[0].type")
     assert_error(post({**chat, "response_format": {"type": "json_schema"}}), 400, param="response_format")
     assert_error(post({"model": MODEL, "prompt": [1, "a"]}, "/v1/completions"), 400, param="prompt")

@@ -28,6 +28,7 @@ from engine.request import EngineRequest
 from engine.sampling.params import SamplingParams
 from engine.text.tokenizer import Tokenizer
 from engine.vision.media import VisionInput, prepare_prompt
+from services import start_tierstore
 from test_vision_tower import IMAGE, MAX_PIXELS, MIN_PIXELS, TEXT, VISION, VISION_END, VISION_START, make_tiny_vlm
 
 MiB = 2**20
@@ -96,7 +97,7 @@ def engine(vlm: Vlm, **config: object) -> EngineCore:
 def request(vlm: Vlm, rid: str, ids: list[int], images: list[bytes], max_tokens: int = 8) -> EngineRequest:
     widened, media = prepare_prompt(ids, images, vlm.vision)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=True)
-    return EngineRequest(rid, widened, params, media=media)  # type: ignore[arg-type]
+    return EngineRequest(rid, widened, params, media=media)
 
 
 @dataclass
@@ -105,6 +106,7 @@ class Out:
     logprobs: list[float]
     cached: int
     images: tuple[int, int]  # (in the prompt, reused: the tower did not run for them)
+    tier: str = "none"  # where its reused state came from
 
 
 def outcome(updates: list[RequestUpdate]) -> Out:
@@ -113,7 +115,7 @@ def outcome(updates: list[RequestUpdate]) -> Out:
     usage = updates[-1].usage
     assert usage is not None
     return Out([t for d in deltas for t in d.token_ids], [lp.logprob or 0.0 for d in deltas for lp in d.logprobs],
-               usage.cached_tokens, (usage.images, usage.images_reused))
+               usage.cached_tokens, (usage.images, usage.images_reused), usage.reuse.tier.value)
 
 
 def run(core: EngineCore, *requests: EngineRequest) -> list[Out]:
@@ -129,7 +131,8 @@ def oracle(vlm: Vlm, ids: list[int], images: list[bytes], max_tokens: int = 8) -
     tokens = media.model_ids(widened)
     pixels = torch.cat([span.image.pixel_values for span in media.spans]) if media.spans else None
     grids = torch.tensor([span.image.grid_thw for span in media.spans]) if media.spans else None
-    out, logprobs = [], []
+    out: list[int] = []
+    logprobs: list[float] = []
     with torch.no_grad():
         for _ in range(max_tokens):
             input_ids = torch.tensor([tokens + out])
@@ -184,7 +187,7 @@ def test_the_key_holds_the_image_not_its_placeholder(hybrid: Vlm) -> None:
 def test_an_image_placeholder_typed_as_text_is_refused(hybrid: Vlm) -> None:
     with pytest.raises(ValueError, match="2 image placeholder token.*for 1 image"):
         prepare_prompt(placeholder() + placeholder(), [picture("a")], hybrid.vision)
-    with pytest.raises(ValueError, match="image 1: image data is not PNG"):
+    with pytest.raises(ValueError, match="image 1: the image is not a PNG"):
         prepare_prompt(placeholder(), [b"GIF89a not a supported image"], hybrid.vision)
 
 
@@ -270,3 +273,48 @@ def test_the_encoder_cache_is_bounded_and_off_at_zero(dense: Vlm) -> None:
         assert encoder.counts.misses == 3  # "d" pushed "a" out
     finally:
         core.stop()
+
+
+@pytest.mark.parametrize("arena, tier", [(16 * MiB, "ram"), (64 * 1024, "disk")], ids=["ram", "disk"])
+def test_an_image_conversation_moved_below_the_device_is_restored_equal_to_cold(hybrid: Vlm, tmp_path: Path,
+                                                                                  arena: int, tier: str) -> None:
+    """Conversations with screenshots push each other's states off the device (one retained slot) into the
+    tierstore's RAM arena, and on to its disk when the arena is small; turn 2 of the first one claims its
+    state from there, images and all, and equals a cold prefill."""
+    store = start_tierstore(tmp_path / "ts", ["--kv-host-pool-bytes", str(arena), "--kv-disk-path",
+                                              str(tmp_path / "kv-disk"), "--kv-disk-bytes", str(64 * MiB)])
+    core = engine(hybrid, tierstore_address=store.address, retained_device=1, tier_timeout=2.0,
+                  tier_retry_seconds=0.3)
+    core.start()
+    conversations = [(text(10 + k, 6) + placeholder() + text(20 + k, 5), [picture("a", seed=k)]) for k in range(6)]
+    try:
+        firsts = [run(core, request(hybrid, f"c{k}", ids, images))[0] for k, (ids, images) in
+                  enumerate(conversations)]
+        ids, images = conversations[0]
+        turn2 = ids + firsts[0].tokens + text(30, 4) + placeholder() + text(31, 3)
+        images2 = images + [picture("b", seed=9)]
+        second, = run(core, request(hybrid, "turn 2", turn2, images2))
+    finally:
+        core.stop()
+        store.stop()
+    assert second.tier == tier and second.cached >= len(prepare_prompt(ids, images, hybrid.vision)[0])
+    assert second.images == (2, 1)
+    equal(second, oracle(hybrid, turn2, images2))
+
+
+def test_salted_tenants_never_share_an_image_state(hybrid: Vlm) -> None:
+    ids = text(1, 6) + placeholder() + text(2, 5)
+    core = engine(hybrid)
+    core.start()
+    try:
+        def salted(rid: str, salt: str) -> EngineRequest:
+            widened, media = prepare_prompt(ids, [picture("a")], hybrid.vision)
+            params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+            return EngineRequest(rid, widened, params, cache_salt=salt, media=media)
+
+        run(core, salted("a1", "tenant a"))
+        other, = run(core, salted("b1", "tenant b"))
+        again, = run(core, salted("a2", "tenant a"))
+    finally:
+        core.stop()
+    assert other.cached == 0 and again.cached > 0

@@ -51,10 +51,13 @@ class Tiny:
     weights: dict[str, torch.Tensor]  # the checkpoint's vision tensors, as named on disk
 
 
-def make_tiny_vlm(directory: Path, seed: int = 0, text: dict[str, Any] | None = None) -> Tiny:
-    """`text`: settings over TEXT's (e.g. another `layer_types`)."""
-    config = tf.Qwen3_5Config(text_config={**TEXT, **(text or {})}, vision_config=VISION, image_token_id=IMAGE, video_token_id=VIDEO,
-                              vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+def make_tiny_vlm(directory: Path, seed: int = 0, text: dict[str, Any] | None = None,
+                  special: tuple[int, int, int, int] = (IMAGE, VIDEO, VISION_START, VISION_END)) -> Tiny:
+    """`text`: settings over TEXT's (e.g. another `layer_types`); `special`: the image, video, vision start and
+    vision end token ids."""
+    image, video, start, end = special
+    config = tf.Qwen3_5Config(text_config={**TEXT, **(text or {})}, vision_config=VISION, image_token_id=image,
+                              video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
     torch.manual_seed(seed)
     model = tf.Qwen3_5ForConditionalGeneration(config).eval()
     with torch.no_grad():  # norms off identity, biases off zero
@@ -375,9 +378,9 @@ def test_decode_refuses_bad_data_with_a_clear_value_error() -> None:
     png = encode(picture(), "PNG")
     with pytest.raises(ValueError, match="corrupt or truncated"):
         decode_image(png[:len(png) // 2], 1 << 20)
-    with pytest.raises(ValueError, match="is not PNG, JPEG, WEBP"):
+    with pytest.raises(ValueError, match="not a PNG, JPEG or WebP"):
         decode_image(np.random.default_rng(0).bytes(4000), 1 << 20)
-    with pytest.raises(ValueError, match="is not PNG, JPEG, WEBP"):
+    with pytest.raises(ValueError, match="not a PNG, JPEG or WebP"):
         decode_image(encode(picture(), "GIF"), 1 << 20)  # a real image, not an accepted format
     with pytest.raises(ValueError, match="over the limit of 1000"):
         decode_image(png, 1000)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import io
 import json
 import struct
 from collections.abc import Sequence
@@ -22,14 +21,15 @@ from typing import Any, NewType
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from common.images import open_decoded
 
 ImageDigest = NewType("ImageDigest", bytes)  # 16 bytes: sha256 of a preprocessed image, truncated
 DIGEST_BYTES = 16
 _DIGEST_TAG = b"ignis-image-v1\0"  # bump when what the digest covers changes
 
-FORMATS = ("PNG", "JPEG", "WEBP")
 # Below Pillow's own decompression-bomb limit (Image.MAX_IMAGE_PIXELS, ~89.5M), so ours answers first.
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
 
@@ -171,27 +171,9 @@ def decode_image(data: bytes, max_bytes: int, *, max_image_pixels: int = DEFAULT
     transformers' convert_to_rgb does; an animation's first frame). Anything else, corrupt or truncated
     data, or an image over `max_bytes` / `max_image_pixels`, is a ValueError saying which."""
     if len(data) > max_bytes:
-        raise ValueError(f"image is {len(data)} bytes, over the limit of {max_bytes}")
-    try:
-        img = Image.open(io.BytesIO(data), formats=FORMATS)
-    # Pillow's bomb check raises this past twice its limit; its warning (past once) is raised only where
-    # warnings are errors, and then means the same.
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ValueError(f"image is too large to decode: {exc}") from None
-    except UnidentifiedImageError:
-        raise ValueError(f"image data is not {', '.join(FORMATS)}, or its header is corrupt") from None
-    except Exception as exc:  # a header Pillow recognises can still fail to parse, in many ways
-        raise ValueError(f"image header is corrupt: {exc}") from None
-    with img:
-        if img.width * img.height > max_image_pixels:
-            raise ValueError(f"image is {img.width}x{img.height} pixels, over the limit of {max_image_pixels}")
-        try:
-            img.load()  # decode it all now: truncation shows here, not in the processor
-            return _to_rgb(img)
-        # Decoders fail on bad data in many ways (OSError, SyntaxError, EOFError, zlib and struct errors):
-        # a client's bad image is a client error, never a server one.
-        except Exception as exc:
-            raise ValueError(f"image data is corrupt or truncated: {exc}") from None
+        raise ValueError(f"the image is {len(data)} bytes, over the limit of {max_bytes}")
+    with open_decoded(data, max_image_pixels) as img:
+        return _to_rgb(img)
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:

@@ -18,6 +18,7 @@ from gateway.cancel import until_disconnect
 from gateway.choices import accumulate, finish_reason
 from gateway.errors import OpenAIError
 from gateway.guided import asks_reasoning, chat_guided
+from gateway.image_parts import ImageSource, attach_images
 from gateway.json_body import JSONBody, dumps
 from gateway.messages import chat_input, parses_tool_calls
 from gateway.options import engine_options
@@ -40,7 +41,8 @@ async def chat_completions(request: Request) -> Response:
     state = state_of(request)
     body = Fields(await read_json(request, state.config.max_request_bytes))
     model = body.string("model", required=True) or ""
-    chat = chat_input(body)
+    images: list[ImageSource] = []
+    chat = chat_input(body, images)
     sampling = sampling_params(body, LIMIT, "chat")
     reject_unsupported(body)
     guided = chat_guided(body, chat, state.config.tool_call_parser)
@@ -49,6 +51,7 @@ async def chat_completions(request: Request) -> Response:
     stream_options = body.obj("stream_options")
     include_usage = bool(stream_options.boolean("include_usage")) if stream_options is not None else False
     body.string("user")  # accepted (type-checked) and not used
+    await attach_images(chat, images, state.media)  # after the cheap checks: it may fetch
 
     rid = "chatcmpl-" + uuid.uuid4().hex
     req = engine_pb2.GenerateRequest(request_id=rid, model=model, chat=chat, sampling=sampling)

@@ -31,6 +31,7 @@ from gateway.choices import accumulate
 from gateway.engines import EngineClient
 from gateway.errors import OpenAIError, invalid
 from gateway.guided import asks_reasoning, responses_guided
+from gateway.image_parts import ImageSource, attach_images
 from gateway.items import input_items, responses_chat
 from gateway.responses_tools import ToolName, responses_tools
 from gateway.json_body import JSONBody
@@ -123,7 +124,8 @@ async def prepare(state: GatewayState, body: Fields, headers: Headers, local: Co
             record, pin = await records.fetch(state.pool, previous, scope, "previous_response_id")
             prior = record.conversation
     tools = responses_tools(body)
-    chat = responses_chat(body, prior, tools)
+    images: list[ImageSource] = []
+    chat = responses_chat(body, images, prior, tools)
     own_items = records.with_ids(input_items(body))
     guided = responses_guided(body, chat, state.config.tool_call_parser, tools.guide_json() if tools.grammars else "")
     sampling = sampling_params(body, LIMIT, "responses")
@@ -137,6 +139,7 @@ async def prepare(state: GatewayState, body: Fields, headers: Headers, local: Co
     chat.truncate = truncation == "auto"  # the engine drops the oldest turns when the context is short
     parallel = body.boolean("parallel_tool_calls")
     metadata = body.obj("metadata")
+    await attach_images(chat, images, state.media)  # after the cheap checks: it may fetch
 
     req = engine_pb2.GenerateRequest(model=model, chat=chat, sampling=sampling)
     if guided is not None:

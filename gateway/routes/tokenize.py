@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.body import Fields, read_json
 from gateway.errors import OpenAIError, from_grpc, invalid, unavailable
+from gateway.image_parts import ImageSource, attach_images
 from gateway.messages import chat_input
 from gateway.state import state_of
 from ignis.v1 import engine_pb2
@@ -27,7 +28,9 @@ async def tokenize(request: Request) -> Response:
     if body.has("messages"):
         if body.has("prompt"):
             raise invalid("give 'prompt' or 'messages', not both", param="prompt")
-        req.chat.CopyFrom(chat_input(body))
+        images: list[ImageSource] = []
+        req.chat.CopyFrom(chat_input(body, images))
+        await attach_images(req.chat, images, state.media)  # the engine counts an image's tokens
     else:
         req.text = body.string("prompt", required=True) or ""
         add = body.boolean("add_special_tokens")

@@ -1,0 +1,34 @@
+"""Checking an image's bytes before they go to the engine: a PNG, JPEG or WebP that decodes whole.
+
+The gateway opens the file with Pillow, reads its size from the header and refuses one over
+``--max-image-pixels`` before decoding a pixel (a decompression bomb: a few KB of PNG can
+claim 100000x100000), then decodes it fully, on a worker thread (a large JPEG takes a
+fraction of a second). So a corrupt, truncated or oversized image is a 400 here, and
+nothing bad reaches the engine's step. The decoded pixels are dropped: the engine decodes the
+bytes again with its image processor (engine/vision/).
+"""
+
+from __future__ import annotations
+
+import anyio.to_thread
+
+from common.images import PILLOW_MAX_PIXELS, open_decoded
+from gateway.errors import invalid
+
+__all__ = ["PILLOW_MAX_PIXELS", "check_image", "image_problem"]
+
+
+async def check_image(data: bytes, param: str, max_pixels: int) -> None:
+    """400 naming `param` unless `data` is a PNG, JPEG or WebP of at most `max_pixels` that decodes."""
+    problem = await anyio.to_thread.run_sync(image_problem, data, max_pixels)
+    if problem is not None:
+        raise invalid(f"'{param}': {problem}", param=param, code="invalid_image")
+
+
+def image_problem(data: bytes, max_pixels: int) -> str | None:
+    """What is wrong with the image in `data`, or None. Blocking: run it off the event loop."""
+    try:
+        with open_decoded(data, max_pixels, "--max-image-pixels"):
+            return None
+    except ValueError as exc:
+        return str(exc)
