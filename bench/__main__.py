@@ -17,13 +17,14 @@ SUITES: list[tuple[list[str], bool]] = [
     (["bench.throughput", "--kind", "dense"], True),
     (["bench.throughput", "--kind", "hybrid"], True),
     (["bench.reuse"], True),
-    (["bench.structured"], True),
+    (["bench.structured"], True),  # decode with a json_schema grammar vs unconstrained, batch 1 and 8
     (["bench.lora"], True),  # decode at batch 8 with 1, 4 and 8 distinct adapters vs the base alone; load time
-    (["bench.speculative"], True),  # drafts verified in one forward vs plain decoding, dense and hybrid, batch 1 and 8  # decode with a json_schema grammar vs unconstrained, batch 1 and 8
+    (["bench.speculative"], True),  # drafts verified in one forward vs plain decoding, dense and hybrid, batch 1 and 8
+    (["bench.media"], True),  # a conversation with screenshots: TTFT cold / encoder cache / reused vs as text
     (["bench.responses"], False),  # a 20-turn tool-call loop: full resend vs previous_response_id vs WebSocket
     (["bench.tiers"], False),
-    (["bench.residency"], True),
-    (["bench.long_prefill"], False),  # short probes' TTFT beside a 24k-token prefill: step time target auto vs off  # where state lives under pressure: move-down vs recompute, spills, host slots
+    (["bench.residency"], True),  # where state lives under pressure: move-down vs recompute, spills, host slots
+    (["bench.long_prefill"], False),  # short probes' TTFT beside a 24k-token prefill: step time target auto vs off
     (["bench.gateway"], False),
     (["bench.overhead"], False),  # the engine's Python around the model at 64 and 256 sequences, tiny model
     (["bench.monitor"], False),  # the Monitor's page with 1,000 retained states in headless Chromium

@@ -66,6 +66,10 @@ SECTIONS: list[tuple[str, list[str], str]] = [
     ("LoRA adapters", ["lora"],
      "Decode tokens/s at batch 8 whose rows run 1, 4 or 8 distinct rank-16 adapters against the base model in an "
      "engine with LoRA off, and an adapter's load time. `python -m bench.lora`"),
+    ("Images in prompts", ["media"],
+     "A 6-turn computer-use conversation, two 1024x768 screenshots a turn: TTFT per turn cold, with the encoder "
+     "cache, and with reuse against the same conversation as text; the vision tower's time per image. "
+     "`python -m bench.media`"),
     ("Structured outputs", ["structured"],
      "Decode tokens/s with a json_schema grammar vs the same requests unconstrained. `python -m bench.structured`"),
     ("Routing across engines", ["scale"],

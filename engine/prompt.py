@@ -117,9 +117,7 @@ def render_chat(tokenizer: Tokenizer, chat: engine_pb2.ChatInput, budget: int | 
     kept = [images[part[IMAGE_INDEX]] for m in messages if isinstance(m["content"], list)
             for part in m["content"] if part["type"] == "image"]
     widened, media = prepare_prompt(ids, kept, vision)
-    # The stable head's state is shared only where no image came before its end (a placeholder widens).
-    first_image = media.spans[0].start if media.spans else len(widened)
-    return RenderedPrompt(widened, text, head if head <= first_image else 0, media)
+    return RenderedPrompt(widened, text, media.widened_index(head), media)
 
 
 def _drop_oldest_turns(messages: list[dict[str, Any]], budget: int,

@@ -10,6 +10,9 @@ bytes again with its image processor (engine/vision/).
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
+
 import anyio.to_thread
 
 from common.images import PILLOW_MAX_PIXELS, open_decoded
@@ -18,11 +21,24 @@ from gateway.errors import invalid
 __all__ = ["PILLOW_MAX_PIXELS", "check_image", "image_problem"]
 
 
+# Images that passed, by sha256 of their bytes, the most recent PASSED_KEPT: a conversation re-sends its
+# screenshots every turn, and a full decode of each (~0.1 s for 1024x768) would come back every turn.
+PASSED_KEPT = 4096
+_passed: OrderedDict[tuple[bytes, int], None] = OrderedDict()
+
+
 async def check_image(data: bytes, param: str, max_pixels: int) -> None:
     """400 naming `param` unless `data` is a PNG, JPEG or WebP of at most `max_pixels` that decodes."""
+    key = (hashlib.sha256(data).digest(), max_pixels)
+    if key in _passed:  # the event loop's thread alone reads and writes it
+        _passed.move_to_end(key)
+        return
     problem = await anyio.to_thread.run_sync(image_problem, data, max_pixels)
     if problem is not None:
         raise invalid(f"'{param}': {problem}", param=param, code="invalid_image")
+    _passed[key] = None
+    while len(_passed) > PASSED_KEPT:
+        _passed.popitem(last=False)
 
 
 def image_problem(data: bytes, max_pixels: int) -> str | None:

@@ -302,6 +302,20 @@ async def test_check_runs_off_the_loop_and_names_the_param() -> None:
     assert caught.value.status_code == 400 and caught.value.param == "input[0].content[1].image_url"
 
 
+async def test_an_image_that_passed_is_not_decoded_again_under_the_same_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway import image_check
+    image = NOISY[:-1] + b"\0"  # bytes no other test checks
+    await image_check.check_image(image, "p", 64 * 64)
+    calls: list[int] = []
+    real = image_check.image_problem
+    monkeypatch.setattr(image_check, "image_problem", lambda data, limit: calls.append(limit) or real(data, limit))
+    await image_check.check_image(image, "p", 64 * 64)
+    assert calls == []  # known good
+    with pytest.raises(OpenAIError):
+        await image_check.check_image(image, "p", 100)  # another limit: checked again, and over it
+    assert calls == [100]
+
+
 # ---------------------------------------------------------------- parts, in their places
 
 def test_image_parts_take_their_place_among_the_text_parts() -> None:

@@ -318,3 +318,15 @@ def test_salted_tenants_never_share_an_image_state(hybrid: Vlm) -> None:
     finally:
         core.stop()
     assert other.cached == 0 and again.cached > 0
+
+
+def test_an_image_sent_again_is_known_by_its_bytes_and_its_pixels_made_only_when_asked(dense: Vlm) -> None:
+    catalog = dense.vision.catalog
+    ids = text(1, 3) + placeholder() + text(2, 4)
+    before = catalog.hits
+    first = prepare_prompt(ids, [picture("c", seed=5)], dense.vision)[1].spans[0].image
+    again = prepare_prompt(ids, [picture("c", seed=5)], dense.vision)[1].spans[0].image
+    assert catalog.hits == before + 1
+    assert first.pixels is not None and again.pixels is None  # known: not decoded again
+    assert (again.digest, again.grid_thw, again.num_tokens) == (first.digest, first.grid_thw, first.num_tokens)
+    assert torch.equal(again.pixel_values, first.pixel_values)  # made when the tower needs them

@@ -19,13 +19,14 @@ import torch
 from PIL import Image
 
 from engine.prompt import render_chat
+from engine.text.tiny_tokenizer import VISION_TOKEN_IDS, write_tiny_vision_tokenizer
 from engine.text.tokenizer import Tokenizer
-from engine.vision.media import VisionInput, prepare_prompt
+from engine.vision.media import VisionInput
 from ignis.v1 import engine_pb2
 from services import RunningService, start_engine, start_gateway
 from test_vision_tower import make_tiny_vlm
-from vision_chat import IMAGE, VIDEO, VISION_END, VISION_START, write_vision_tokenizer
 
+IMAGE, VIDEO, VISION_START, VISION_END = VISION_TOKEN_IDS
 MAX_TOKENS = 6
 
 
@@ -41,7 +42,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
     directory = tmp_path_factory.mktemp("vlm_chat")
     tiny = make_tiny_vlm(directory, text={"vocab_size": VISION_END + 1}, special=(IMAGE, VIDEO, VISION_START, VISION_END))
     write_processor(directory)
-    write_vision_tokenizer(directory)
+    write_tiny_vision_tokenizer(directory)
     return directory, tiny.model
 
 
@@ -147,3 +148,16 @@ def test_an_image_the_model_cannot_read_is_a_400_and_the_engine_keeps_serving(
         "model": served(gateway), "messages": [user("look", truncated)], "max_tokens": 2})
     assert r.status_code == 400 and "image" in r.json()["error"]["message"]
     assert ask(gateway, [user("and this one?", screenshot(5))])["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_system_prompt_with_a_reference_image_is_published_for_a_burst_of_subagents(
+        stack: tuple[RunningService, RunningService]) -> None:
+    _, gateway = stack
+    system = {"role": "system", "content": [{"type": "text", "text": "Match the design in this mockup."},
+                                            {"type": "image_url", "image_url": {"url": screenshot(7)}}]}
+    first = ask(gateway, [system, {"role": "user", "content": "Subagent 1: build the header."}])
+    second = ask(gateway, [system, {"role": "user", "content": "Subagent 2: build the footer, then the menu."}])
+    assert first["ignis"]["images"] == {"count": 1, "reused": 0}
+    assert second["ignis"]["images"] == {"count": 1, "reused": 1}  # the head, image and all, was claimed
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert second["ignis"]["kind"] == "prefix"

@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
@@ -290,3 +291,31 @@ def write_tiny_tokenizer(directory: Path) -> None:
     (directory / "tokenizer.json").write_text(tiny_tokenizer_json(), encoding="utf-8")
     config = json.dumps(_tokenizer_config(), ensure_ascii=False, indent=2) + "\n"
     (directory / "tokenizer_config.json").write_text(config, encoding="utf-8")
+
+
+# ignis-tiny with Qwen's vision tokens appended (ids 4096..4099) and its template rendering an image part
+# as Qwen's templates do: the tokenizer of the tiny and bench checkpoints with a vision tower
+# (tests/test_images_service.py, bench/media.py).
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+VISION_TOKEN_IDS = tuple(range(TINY_VOCAB_SIZE, TINY_VOCAB_SIZE + 4))  # in VISION_TOKENS' order
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+_TEXT_PART = "{%- if part is mapping and part.type == 'text' -%}\n                {{- part.text -}}\n"
+VISION_CHAT_TEMPLATE = TINY_CHAT_TEMPLATE.replace(
+    _TEXT_PART, _TEXT_PART + "            {%- elif part is mapping and part.type == 'image' -%}\n"
+                             f"                {{{{- '{IMAGE_PLACEHOLDER}' -}}}}\n")
+assert VISION_CHAT_TEMPLATE != TINY_CHAT_TEMPLATE, "ignis-tiny's template changed: render image parts again"
+
+
+def write_tiny_vision_tokenizer(directory: Path) -> None:
+    """ignis-tiny's tokenizer files in `directory`, with the vision tokens and the image-rendering template."""
+    write_tiny_tokenizer(directory)
+    tokenizer = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
+    assert tuple(tokenizer.token_to_id(t) for t in VISION_TOKENS) == VISION_TOKEN_IDS
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    for token, token_id in zip(VISION_TOKENS, VISION_TOKEN_IDS):
+        config["added_tokens_decoder"][str(token_id)] = {"content": token, "lstrip": False, "normalized": False,
+                                                          "rstrip": False, "single_word": False, "special": True}
+    config["chat_template"] = VISION_CHAT_TEMPLATE
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))

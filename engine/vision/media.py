@@ -14,9 +14,13 @@ span take the vision tower's output instead (`ChunkMedia.embeds`).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +30,68 @@ import xxhash
 from engine.kv.chain_hash import MEDIA_KEY_BASE
 from engine.model.batch import ChunkMedia
 from engine.vision.positions import mrope_positions
-from engine.vision.preprocess import (DEFAULT_MAX_IMAGE_PIXELS, PreparedImage, ProcessorSettings, decode_image,
-                                      load_processor_settings, preprocess_images)
+from engine.vision.preprocess import (DEFAULT_MAX_IMAGE_PIXELS, ImageDigest, PreparedImage, ProcessorSettings,
+                                      decode_image, load_processor_settings, preprocess_images)
 
 DEFAULT_MAX_IMAGE_BYTES = 20 * 2**20
+DEFAULT_CATALOG_IMAGES = 4096  # ~100 bytes each
+
+
+class ImageCatalog:
+    """What this engine learnt of the images it prepared (grid, placeholder count, digest), by the sha256 of
+    their bytes, the most recent `capacity`. A conversation re-sends its screenshots every turn: a known
+    one is neither decoded nor preprocessed again to find its span and key; its pixels are made again
+    (on the step thread) only if the tower must run for it. Prompt workers share it: a lock."""
+
+    def __init__(self, capacity: int = DEFAULT_CATALOG_IMAGES) -> None:
+        self.capacity = capacity
+        self._known: OrderedDict[bytes, tuple[tuple[int, int, int], int, ImageDigest]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def prepare(self, images: Sequence[bytes], vision: VisionInput) -> list[PreparedImage]:
+        """Each image's record, in order; a bad new image is a ValueError naming it (1-based)."""
+        keys = [hashlib.sha256(data).digest() for data in images]
+        with self._lock:
+            known = [self._known.get(key) for key in keys]
+        fresh = [k for k, entry in enumerate(known) if entry is None]
+        made = dict(zip(fresh, _prepare_new([images[k] for k in fresh], fresh, vision)))
+        out = []
+        for k, (data, entry) in enumerate(zip(images, known)):
+            if entry is None:
+                out.append(made[k])
+                continue
+            grid, count, digest = entry
+            out.append(PreparedImage(grid, count, digest, remake=functools.partial(_pixels_of, data, vision)))
+        with self._lock:
+            self.hits += len(images) - len(fresh)
+            for k in fresh:
+                image = made[k]
+                self._known[keys[k]] = (image.grid_thw, image.num_tokens, image.digest)
+            for key in keys:
+                if key in self._known:
+                    self._known.move_to_end(key)
+            while len(self._known) > self.capacity:
+                self._known.popitem(last=False)
+        return out
+
+
+def _prepare_new(images: Sequence[bytes], numbers: Sequence[int], vision: VisionInput) -> list[PreparedImage]:
+    decoded = []
+    for k, data in zip(numbers, images):
+        try:
+            decoded.append(decode_image(data, vision.max_image_bytes, max_image_pixels=vision.max_image_pixels))
+        except ValueError as exc:
+            raise ValueError(f"image {k + 1}: {exc}") from None
+    try:
+        return preprocess_images(decoded, vision.settings)
+    except ValueError as exc:
+        raise ValueError(f"an image cannot be processed: {exc}") from None
+
+
+def _pixels_of(data: bytes, vision: VisionInput) -> torch.Tensor:
+    """A known image's pixels, made again from its bytes (they decoded before: the same bytes decode again)."""
+    return _prepare_new([data], [0], vision)[0].pixel_values
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +104,7 @@ class VisionInput:
     spatial_merge_size: int
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    catalog: ImageCatalog = field(default_factory=ImageCatalog, compare=False)
 
     @classmethod
     def of_checkpoint(cls, path: Path, raw_config: dict[str, Any]) -> VisionInput:
@@ -78,6 +141,16 @@ class PromptMedia:
     @property
     def num_prompt(self) -> int:
         return int(self.positions.shape[1])
+
+    def widened_index(self, index: int) -> int:
+        """Where token `index` of the prompt as rendered (one placeholder an image) is in the widened prompt:
+        each image wholly before it adds its span less the one placeholder (the stable head's end)."""
+        before = 0
+        for span in self.spans:
+            if span.start - before >= index:  # this image's placeholder is at or after `index`
+                break
+            before += span.image.num_tokens - 1
+        return index + before
 
     def model_ids(self, ids: Sequence[int]) -> list[int]:
         """`ids` with each key id back to the image token (what sampling penalties count)."""
@@ -116,16 +189,7 @@ def prepare_prompt(ids: Sequence[int], images: Sequence[bytes], vision: VisionIn
     """The rendered prompt (one image token per image, in order) with its images: each placeholder
     widened to the image's span of key ids, and the prompt's media. Bad images, or placeholders that do
     not match the images, are a ValueError saying which."""
-    decoded = []
-    for k, data in enumerate(images):
-        try:
-            decoded.append(decode_image(data, vision.max_image_bytes, max_image_pixels=vision.max_image_pixels))
-        except ValueError as exc:
-            raise ValueError(f"image {k + 1}: {exc}") from None
-    try:
-        prepared = preprocess_images(decoded, vision.settings)
-    except ValueError as exc:
-        raise ValueError(f"an image cannot be processed: {exc}") from None
+    prepared = vision.catalog.prepare(images, vision)
     image_token = vision.image_token_id
     found = sum(1 for t in ids if t == image_token)
     if found != len(prepared):

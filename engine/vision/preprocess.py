@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NewType
@@ -97,12 +97,23 @@ class ProcessorSettings:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode()
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class PreparedImage:
-    pixel_values: torch.Tensor  # [t*h*w, C*T*P*P] float32, in the processor's merge-block patch order
     grid_thw: tuple[int, int, int]  # patches, before merging
     num_tokens: int  # placeholder tokens in the prompt: t*h*w / merge_size**2
     digest: ImageDigest
+    pixels: torch.Tensor | None = None  # [t*h*w, C*T*P*P] float32, in the processor's merge-block patch order
+    # Makes the pixels again where they were not kept (an image known by its bytes: engine/vision/media.py).
+    remake: Callable[[], torch.Tensor] | None = None
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        """The pixels, made from the image's bytes the first time they are asked for where they were not kept."""
+        if self.pixels is None:
+            if self.remake is None:
+                raise RuntimeError("a prepared image with neither pixels nor a way to make them (this is a bug)")
+            self.pixels = self.remake()
+        return self.pixels
 
 
 def load_processor_settings(checkpoint: Path, *, min_pixels: int | None = None,
@@ -151,9 +162,8 @@ def preprocess_images(images: Sequence[Image.Image], settings: ProcessorSettings
         t, h, w = grid
         rows = np.ascontiguousarray(pixels[start:start + t * h * w], dtype="<f4")
         start += t * h * w
-        prepared.append(PreparedImage(pixel_values=torch.from_numpy(rows), grid_thw=grid,
-                                      num_tokens=t * h * w // settings.merge_size ** 2,
-                                      digest=image_digest(identity, grid, rows)))
+        prepared.append(PreparedImage(grid, t * h * w // settings.merge_size ** 2, image_digest(identity, grid, rows),
+                                      torch.from_numpy(rows)))
     return prepared
 
 
