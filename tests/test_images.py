@@ -211,11 +211,32 @@ def test_turn_two_claims_turn_ones_state_and_equals_cold(hybrid: Vlm) -> None:
         assert changed.cached <= 7  # 6 tokens of text and the vision start at most
         swapped, = run(core, request(hybrid, "swapped", turn2, [images2[1], images2[0], images2[2]]))
         assert swapped.cached <= 7
+        # the second image removed: what comes before it may be claimed, nothing from its place on
+        removed_ids = turn1[:14] + turn1[17:] + first.tokens + text(4, 5) + placeholder() + text(5, 3)
+        removed, = run(core, request(hybrid, "removed", removed_ids, [images2[0], images2[2]]))
+        assert removed.cached <= 6 + 1 + 20 + 1 + 5  # the first image and the text after it, at most
     finally:
         core.stop()
     assert second.tokens == oracle(hybrid, turn2, images2)[0]
     equal(changed, oracle(hybrid, turn2, [picture("d")] + images2[1:]))
     equal(swapped, oracle(hybrid, turn2, [images2[1], images2[0], images2[2]]))
+    equal(removed, oracle(hybrid, removed_ids, [images2[0], images2[2]]))
+
+
+def test_an_image_state_in_the_host_block_is_claimed_equal_to_cold(hybrid: Vlm) -> None:
+    turn1 = text(1, 6) + placeholder() + text(2, 5)
+    images = [picture("a", seed=3)]
+    core = engine(hybrid, retained_device=1, retained_host=4)  # captures go to the host block first
+    core.start()
+    try:
+        first, = run(core, request(hybrid, "t1", turn1, images))
+        run(core, request(hybrid, "other", text(8, 40), []))
+        turn2 = turn1 + first.tokens + text(3, 4) + placeholder() + text(4, 3)
+        second, = run(core, request(hybrid, "t2", turn2, images + [picture("b", seed=3)]))
+    finally:
+        core.stop()
+    assert second.tier == "host" and second.images == (2, 1)
+    equal(second, oracle(hybrid, turn2, images + [picture("b", seed=3)]))
 
 
 def test_a_page_boundary_inside_an_image_span_is_claimed_and_the_rest_recomputed(dense: Vlm) -> None:
