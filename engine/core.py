@@ -406,6 +406,7 @@ class EngineCore:
             to_sample.append((seq, res.next_token_logits))
             for child in self.scheduler.fork_children(seq):
                 to_sample.append((child, res.next_token_logits))
+        self.verify.replay(self.runner.replay_states)  # hybrids that kept part of a draft: their state rolled back
         if to_sample:
             self.sampling.sample([seq for seq, _ in to_sample], torch.stack([row for _, row in to_sample]), deltas, failed)
         self._finish_step(deltas, failed)

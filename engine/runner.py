@@ -3,6 +3,7 @@ returns the logits each sequence asked for."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -11,9 +12,9 @@ import torch
 
 from engine.kv.device_cache import DeviceCache
 from engine.lora.sites import LoraSites
-from engine.model.batch import ChunkMedia, ForwardBatch, LogitsWanted, SequenceChunk
+from engine.model.batch import ChunkMedia, ForwardBatch, KeptInputs, LogitsWanted, SequenceChunk
 from engine.model.kept_decodes import KeptDecodes
-from engine.model.decoder import CausalLM
+from engine.model.decoder import CausalLM, DecoderLayer
 from engine.request import EngineSequence, rope_shifts
 from engine.scheduler import ScheduledChunk
 from engine.speculative.mtp_drafter import ComputedRows
@@ -33,6 +34,8 @@ class ChunkLogits:
     draft_logits: torch.Tensor | None = None  # [len(draft) + 1, V]: at the last pending token and each draft
     spare_slot: int | None = None  # a hybrid's state from before the step (ScheduledChunk.spare_slot)
     drafter_hidden: torch.Tensor | None = None  # [H]: claimed with the logits, the MTP drafter's hidden state
+    # A hybrid's verify: each linear-attention layer's inputs of the chunk's rows (KeptInputs), for a rollback
+    kept_inputs: dict[int, tuple[torch.Tensor, ...]] | None = None
 
 
 @dataclass(slots=True)
@@ -96,6 +99,9 @@ class ModelRunner:
                                        self.page_size, self.model.device, rope_shifts(decodes))
         else:
             batch = ForwardBatch.build([*map(self._spec, chunks[:lead]), *specs], self.page_size, self.model.device)
+        rolling = {item.seq.slot for item in chunks[lead:] if item.spare_slot is not None and item.seq.slot is not None}
+        if rolling:  # a hybrid's verify: keep its recurrent inputs for a partial acceptance's replay
+            batch = dataclasses.replace(batch, kept_inputs=KeptInputs(rolling))
         logits = self._forward(batch, lambda: self._chunk_slots(chunks, batch))  # [R, V]
         if self.keep_hidden:
             self.hidden = self.model.hidden
@@ -112,7 +118,10 @@ class ModelRunner:
             rows = logits[row : row + count]
             row += count
             if item.draft:
-                out.append(ChunkLogits(item.seq, item.num_tokens, None, None, item.draft, rows, item.spare_slot))
+                kept = batch.kept_inputs.by_slot.get(spec.state_slot) \
+                    if batch.kept_inputs is not None and spec.state_slot is not None else None
+                out.append(ChunkLogits(item.seq, item.num_tokens, None, None, item.draft, rows, item.spare_slot,
+                                       kept_inputs=kept))
                 continue
             completes = item.seq.num_computed + item.num_tokens == len(item.seq.token_ids)
             out.append(
@@ -202,6 +211,16 @@ class ModelRunner:
             self.hidden = self.model.hidden
             self.rows = [ComputedRows(seq, i, seq.num_computed, 1) for i, seq in enumerate(seqs)]
         return logits
+
+    def replay_states(self, replays: Sequence[tuple[int, int, dict[int, tuple[torch.Tensor, ...]]]]) -> None:
+        """Each (slot, tokens, kept inputs): the first `tokens` of a verify's kept inputs run through every
+        linear-attention layer's recurrence from the state in `slot` (its state before the verify), which
+        ends where the verify's forward was after them: a partial acceptance's rollback."""
+        for layer in self.model.model.layers:
+            if isinstance(layer, DecoderLayer) and layer.is_linear:
+                index = layer.linear_attn.layer
+                layer.linear_attn.replay([(slot, tuple(t[:tokens] for t in kept[index]))
+                                          for slot, tokens, kept in replays], self.cache)
 
     def fork_state(self, parent: EngineSequence, child: EngineSequence, new_last_page: int | None) -> None:
         """Give `child` a copy of the parent's state: shared full pages are already in its

@@ -8,9 +8,10 @@ computed tokens before the step). Which tokens stand is `verify_drafts`'; then:
   tokens need are freed (the drafted positions that did not stand are overwritten when reached again);
 - hybrid: a Gated DeltaNet layer's state cannot be cut back to a position, so the state from before the
   step was copied to a spare slot (engine/scheduler.py `_verify_chunk`). Every draft standing, the new
-  state is kept; otherwise the sequence goes back to the copy and recomputes the tokens that stood in
-  its next step's chunk, together with its next draft (the "re-run from the last committed state" of
-  docs/architecture.md, chosen by measurement there).
+  state is kept; otherwise the sequence goes back to the copy and, once every chunk of the step is
+  settled, each linear-attention layer replays its recurrence over the tokens that stood from the
+  inputs the forward kept (engine/model/batch.py KeptInputs): the state lands on the last token that
+  stood without those tokens running through the model again (docs/architecture.md, "Hybrid rollback").
 
 Tokens are appended one at a time through the output processor, so EOS, stop ids, stop strings and the
 length limit end the choice at the token they name, as plain decoding does; while they are appended the
@@ -21,6 +22,9 @@ hybrid), so a capture at its finish (engine/cache/) keeps state that is what it 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+
+import torch
 
 from engine.cache.reuse import PromptReuse
 from engine.metrics import EngineMetrics
@@ -44,6 +48,7 @@ class VerifyStep:
         self.outputs = outputs
         self.metrics = metrics
         self.eos_ids = eos_ids
+        self._replays: list[tuple[EngineSequence, int, dict[int, tuple[torch.Tensor, ...]]]] = []
 
     def settle(self, res: ChunkLogits, deltas: Deltas, failed: dict[str, str]) -> None:
         seq, draft = res.seq, res.draft
@@ -72,13 +77,28 @@ class VerifyStep:
                 assert copy is not None
                 self.scheduler.release_slot(copy)
                 seq.mark_computed(pending + len(draft))
-            else:  # back on the copy (the tokens that stood run again), or gone with the sequence
+            else:  # back on the copy, the tokens that stood replayed on it; or gone with the sequence
                 self.scheduler.release_slot(stepped)
+                if running and verified is not None and res.kept_inputs is not None:
+                    self._replays.append((seq, pending + verified.accepted, res.kept_inputs))
         elif running and verified is not None:
             seq.mark_computed(verified.accepted)
             self.reuse.after_decodes([seq])
         if running:
             self.scheduler.trim_pages(seq)
+
+    def replay(self, replay_states: Callable[[list[tuple[int, int, dict[int, tuple[torch.Tensor, ...]]]]], None]
+               ) -> None:
+        """After the step's chunks are settled: the sequences that kept part of their draft take the state
+        after the tokens that stood (`replay_states`: ModelRunner.replay_states), all in one replay."""
+        replays, self._replays = self._replays, []
+        live = [(seq, tokens, kept) for seq, tokens, kept in replays
+                if seq.status is SeqStatus.RUNNING and seq.slot is not None]
+        if not live:
+            return
+        replay_states([(seq.slot, tokens, kept) for seq, tokens, kept in live if seq.slot is not None])
+        for seq, tokens, _ in live:
+            seq.mark_computed(tokens)
 
     def _append(self, seq: EngineSequence, tokens: SampleOutput, deltas: Deltas, failed: dict[str, str]) -> None:
         """Each token that stands, in order, until one ends the choice."""

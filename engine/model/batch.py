@@ -158,6 +158,23 @@ class DecodeGather:
         return positional(self.table, self.lengths, self.page_size)
 
 
+class KeptInputs:
+    """A verify step's recurrent-layer inputs of the sequences that may roll back (by the state slot they run
+    on): each linear-attention layer's projections of their rows, before the conv, kept so that a partial
+    acceptance replays the recurrence over the tokens that stood from the state before the step
+    (engine/verify_step.py) instead of running them through the whole model again."""
+
+    __slots__ = ("slots", "by_slot")
+
+    def __init__(self, slots: set[int]) -> None:
+        self.slots = slots
+        # slot -> layer -> (mixed [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv])
+        self.by_slot: dict[int, dict[int, tuple[torch.Tensor, ...]]] = {slot: {} for slot in slots}
+
+    def keep(self, slot: int, layer: int, inputs: tuple[torch.Tensor, ...]) -> None:
+        self.by_slot[slot][layer] = tuple(t.clone() for t in inputs)
+
+
 @dataclass(frozen=True, slots=True)
 class BatchMedia:
     """The rows of a step that hold image tokens: their embeddings and their 3-D M-RoPE positions."""
@@ -188,6 +205,7 @@ class ForwardBatch:
     decodes_only: bool = False  # every sequence decodes one token and wants its logits: row i is sequence i's
     decode_slots: tuple[int | None, ...] = ()  # each decode's state slot, in order (read once a layer)
     media: BatchMedia | None = None  # rows at image tokens (prompts with images)
+    kept_inputs: KeptInputs | None = None  # a hybrid verify step: what a rollback replays
 
     @property
     def num_tokens(self) -> int:

@@ -90,6 +90,12 @@ class GatedDeltaNet(nn.Module):
         normed = torch.empty(t, self.value_dim, dtype=x.dtype, device=x.device)  # the output projection's input
         ops = kernels_for(x.device)  # Triton on CUDA, the torch references elsewhere
 
+        kept = batch.kept_inputs
+        if kept is not None:
+            for seq in batch.others:
+                if seq.state_slot in kept.slots:
+                    rows = slice(seq.offset, seq.offset + seq.length)
+                    kept.keep(seq.state_slot, self.layer, (mixed[rows], z[rows], b[rows], a[rows]))
         if batch.decodes:
             self._decode(ops, batch, batch.decodes, mixed, z, b, a, weight, cache, li, normed)
         steps = bool(batch.others) and ops.gdn_decode_fused is not None \
@@ -103,6 +109,27 @@ class GatedDeltaNet(nn.Module):
         if stepped:
             self._step_through(ops, stepped, mixed, z, b, a, weight, cache, li, normed)
         return self.out_proj(normed)
+
+    @torch.inference_mode()
+    def replay(self, runs: Sequence[tuple[int, tuple[torch.Tensor, ...]]], cache: DeviceCache) -> None:
+        """Each (slot, kept inputs) run through the recurrence from the state in its slot, as the forward ran
+        them (the same path, the same inputs): the slot ends where the forward was after those tokens."""
+        mixed, z, b, a = (torch.cat([inputs[i] for _, inputs in runs]) for i in range(4))
+        views, at = [], 0
+        for slot, inputs in runs:
+            length = inputs[0].shape[0]
+            views.append(SeqView(at, length, 1, mixed.new_empty(0, dtype=torch.int64), 0, 0, slot))
+            at += length
+        weight = self.conv1d.weight.squeeze(1)
+        li = cache.linear_index(self.layer)
+        normed = torch.empty(at, self.value_dim, dtype=mixed.dtype, device=mixed.device)  # not read
+        ops = kernels_for(mixed.device)
+        if ops.gdn_decode_fused is not None and gdn_decode.supports(cache.conv, cache.recurrent, self.dk, self.dv) \
+                and all(v.length <= STEPPED_CHUNK_TOKENS for v in views):
+            self._step_through(ops, views, mixed, z, b, a, weight, cache, li, normed)
+        else:
+            for view in views:
+                self._prefill(ops, view, mixed, z, b, a, weight, cache, li, normed)
 
     def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The write strength beta and the log decay g (<= 0) of these rows."""
