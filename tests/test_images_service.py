@@ -161,3 +161,25 @@ def test_a_system_prompt_with_a_reference_image_is_published_for_a_burst_of_suba
     assert second["ignis"]["images"] == {"count": 1, "reused": 1}  # the head, image and all, was claimed
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert second["ignis"]["kind"] == "prefix"
+
+
+def test_the_responses_api_takes_an_input_image_and_the_next_turn_reuses_it(
+        stack: tuple[RunningService, RunningService]) -> None:
+    _, gateway = stack
+    image = {"type": "input_image", "image_url": screenshot(9), "detail": "auto"}
+
+    def respond(text: str, previous: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": served(gateway), "max_output_tokens": 4, "temperature": 0,
+                                "input": [{"role": "user", "content": [{"type": "input_text", "text": text}, image]}]}
+        if previous is not None:
+            body["previous_response_id"] = previous
+        r = httpx.post(f"http://{gateway.address}/v1/responses", timeout=120, json=body)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    first = respond("What does this screen show?")
+    assert first["status"] == "incomplete"  # max_output_tokens reached
+    assert first["ignis"]["images"] == {"count": 1, "reused": 0}
+    second = respond("And after the click?", first["id"])  # the stored turn re-sends its image
+    assert second["ignis"]["images"]["count"] == 2 and second["ignis"]["images"]["reused"] >= 1
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] > 0
