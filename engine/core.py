@@ -11,6 +11,7 @@ builder wired them together.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -78,7 +79,9 @@ class EngineCore:
         vision = build_vision(loaded, config)
         self.vision: VisionInput | None = None  # None: the model takes no images
         if vision is not None:
-            self.vision, self.runner.encoder = vision
+            # images past the context are refused before their pixels are made
+            self.vision = dataclasses.replace(vision[0], max_image_tokens=self.max_model_len)
+            self.runner.encoder = vision[1]
         self.adapters: AdapterRegistry | None = None  # LoRA adapters (lora.enabled): their slots in every linear
         if config.lora_enabled:
             sites = LoraSites.install(loaded.model, config.lora_max_adapters, config.lora_max_rank)
@@ -370,6 +373,7 @@ class EngineCore:
             self.pacing.observe(time.perf_counter() - started, plan.paced)
 
     def _run_chunks(self, plan: StepPlan) -> None:
+        self.verify.forget()
         for chunk in plan.chunks:
             if chunk.spare_slot is not None and chunk.seq.slot is not None:  # a drafting hybrid's rollback copy
                 self.cache.copy_slot(chunk.seq.slot, chunk.spare_slot)

@@ -184,7 +184,7 @@ class ModelRunner:
             key = bytes(image.digest)
             out = held.get(key)
             if out is None:
-                out, ran = encoder.embeddings(image)
+                out, ran = encoder.embeddings(image, seq.namespace)
                 held[key] = out
                 seq.images_encoded += ran
             return out

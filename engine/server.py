@@ -161,6 +161,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 adapter=adapter,
                 media=prompt.media,
             )
+            if engine_request.echo and prompt.media is not None:
+                raise ValueError("echo is not supported for a prompt with images")
         except ValueError as exc:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except (Abort, asyncio.CancelledError):

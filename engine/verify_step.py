@@ -48,7 +48,8 @@ class VerifyStep:
         self.outputs = outputs
         self.metrics = metrics
         self.eos_ids = eos_ids
-        self._replays: list[tuple[EngineSequence, int, dict[int, tuple[torch.Tensor, ...]]]] = []
+        # (sequence, the slot it went back to, the tokens that stood, the verify's kept inputs)
+        self._replays: list[tuple[EngineSequence, int, int, dict[int, tuple[torch.Tensor, ...]]]] = []
 
     def settle(self, res: ChunkLogits, deltas: Deltas, failed: dict[str, str]) -> None:
         seq, draft = res.seq, res.draft
@@ -79,25 +80,32 @@ class VerifyStep:
                 seq.mark_computed(pending + len(draft))
             else:  # back on the copy, the tokens that stood replayed on it; or gone with the sequence
                 self.scheduler.release_slot(stepped)
-                if running and verified is not None and res.kept_inputs is not None:
-                    self._replays.append((seq, pending + verified.accepted, res.kept_inputs))
+                if running and verified is not None and res.kept_inputs is not None and seq.slot is not None:
+                    self._replays.append((seq, seq.slot, pending + verified.accepted, res.kept_inputs))
         elif running and verified is not None:
             seq.mark_computed(verified.accepted)
             self.reuse.after_decodes([seq])
         if running:
             self.scheduler.trim_pages(seq)
 
+    def forget(self) -> None:
+        """A new step: rollbacks a failed step left unreplayed are not this step's."""
+        self._replays.clear()
+
     def replay(self, replay_states: Callable[[list[tuple[int, int, dict[int, tuple[torch.Tensor, ...]]]]], None]
                ) -> None:
         """After the step's chunks are settled: the sequences that kept part of their draft take the state
         after the tokens that stood (`replay_states`: ModelRunner.replay_states), all in one replay."""
         replays, self._replays = self._replays, []
-        live = [(seq, tokens, kept) for seq, tokens, kept in replays
-                if seq.status is SeqStatus.RUNNING and seq.slot is not None]
+        live = [(seq, slot, tokens, kept) for seq, slot, tokens, kept in replays if seq.status is SeqStatus.RUNNING]
         if not live:
             return
-        replay_states([(seq.slot, tokens, kept) for seq, tokens, kept in live if seq.slot is not None])
-        for seq, tokens, _ in live:
+        for seq, slot, _, _ in live:  # nothing between the settle and here moves a sequence's state
+            if seq.slot != slot:
+                raise RuntimeError(f"request {seq.request.request_id}'s state slot changed before its rollback "
+                                   "(this is a bug)")
+        replay_states([(slot, tokens, kept) for _, slot, tokens, kept in live])
+        for seq, _, tokens, _ in live:
             seq.mark_computed(tokens)
 
     def _append(self, seq: EngineSequence, tokens: SampleOutput, deltas: Deltas, failed: dict[str, str]) -> None:

@@ -55,7 +55,8 @@ def image_part(f: Fields, kind: str, images: list[ImageSource]) -> engine_pb2.Co
     return engine_pb2.ContentPart(type="image", detail=detail or "auto")
 
 
-async def attach_images(chat: engine_pb2.ChatInput, images: list[ImageSource], policy: MediaPolicy) -> None:
+async def attach_images(chat: engine_pb2.ChatInput, images: list[ImageSource], policy: MediaPolicy,
+                        cache_salt: str = "") -> None:
     """Read and check each image of `chat` (400 naming the first bad one) and fill in its bytes.
 
     One image at a time: a request holds one decoded image at most (up to `max_pixels` x 4 bytes).
@@ -75,5 +76,5 @@ async def attach_images(chat: engine_pb2.ChatInput, images: list[ImageSource], p
         if total > MAX_REQUEST_IMAGE_BYTES:
             raise invalid(f"'{source.param}': the request's images come to more than {MAX_REQUEST_IMAGE_BYTES} "
                           "bytes together", param=source.param, code="image_too_large")
-        await check_image(data, source.param, policy.max_pixels)
+        await check_image(data, source.param, policy.max_pixels, cache_salt)
         part.image_data = data

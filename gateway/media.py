@@ -136,12 +136,16 @@ async def _fetch(url: str, param: str, policy: MediaPolicy) -> bytes:
                         hint = f" (a redirect to {_shown(where)!r}: redirects are not followed)" if where else ""
                         raise invalid(f"'{param}': fetching the image answered HTTP {response.status_code}{hint}",
                                       param=param)
+                    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+                    if encoding not in ("", "identity"):  # decoded whole before a size check: a bomb's way in
+                        raise invalid(f"'{param}': the image was sent with Content-Encoding {encoding!r}; only "
+                                      "identity is taken", param=param)
                     declared = response.headers.get("content-length", "")
                     if declared.isdigit() and int(declared) > max_bytes:
                         raise _too_large(param, max_bytes)
                     chunks: list[bytes] = []
                     size = 0
-                    async for chunk in response.aiter_bytes(_CHUNK):
+                    async for chunk in response.aiter_raw(_CHUNK):
                         size += len(chunk)
                         if size > max_bytes:  # while it streams: a large image is never held whole
                             raise _too_large(param, max_bytes)

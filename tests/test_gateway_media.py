@@ -109,6 +109,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(200)
             self.end_headers()
             self._write_until_stopped(b"\0" * 65536, pause=0.0)
+        elif self.path == "/gzipped-bomb":  # 1 KB of gzip that inflates to 64 MB
+            body = zlib.compress(bytes(64 << 20), 9)
+            self.send_response(200)
+            self.send_header("Content-Encoding", "deflate")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
         elif self.path == "/slow":
             self.send_response(200)
             self.end_headers()
@@ -238,6 +245,7 @@ async def test_remote_failures_are_400s(media_server: str) -> None:
                                                     max_image_bytes=1 << 20, fetch_timeout=120.0),
                   "--max-image-bytes")
     await refused(f"{media_server}/slow", allowed, "took longer than 1 s")
+    await refused(f"{media_server}/gzipped-bomb", allowed, "Content-Encoding 'deflate'")  # never inflated
     closed = policy(allowed_domains=frozenset({"127.0.0.1"}))
     await refused("http://127.0.0.1:1/ok.png", closed, "could not be fetched")
 
@@ -308,7 +316,12 @@ async def test_an_image_that_passed_is_not_decoded_again_under_the_same_limit(mo
     await image_check.check_image(image, "p", 64 * 64)
     calls: list[int] = []
     real = image_check.image_problem
-    monkeypatch.setattr(image_check, "image_problem", lambda data, limit: calls.append(limit) or real(data, limit))
+
+    def counted(data: bytes, limit: int) -> str | None:
+        calls.append(limit)
+        return real(data, limit)
+
+    monkeypatch.setattr(image_check, "image_problem", counted)
     await image_check.check_image(image, "p", 64 * 64)
     assert calls == []  # known good
     with pytest.raises(OpenAIError):

@@ -5,6 +5,7 @@ a cold prefill's."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import zlib
@@ -339,6 +340,7 @@ def test_salted_tenants_never_share_an_image_state(hybrid: Vlm) -> None:
     finally:
         core.stop()
     assert other.cached == 0 and again.cached > 0
+    assert other.images == (1, 0)  # the tower ran for tenant b: the encoder cache is per namespace too
 
 
 def test_an_image_sent_again_is_known_by_its_bytes_and_its_pixels_made_only_when_asked(dense: Vlm) -> None:
@@ -351,3 +353,11 @@ def test_an_image_sent_again_is_known_by_its_bytes_and_its_pixels_made_only_when
     assert first.pixels is not None and again.pixels is None  # known: not decoded again
     assert (again.digest, again.grid_thw, again.num_tokens) == (first.digest, first.grid_thw, first.num_tokens)
     assert torch.equal(again.pixel_values, first.pixel_values)  # made when the tower needs them
+    first.drop_pixels()  # what the encoder does once the tower ran
+    assert first.pixels is None and torch.equal(first.pixel_values, again.pixel_values)
+
+
+def test_images_past_the_context_are_refused_before_their_pixels_are_made(dense: Vlm) -> None:
+    small = dataclasses.replace(dense.vision, max_image_tokens=30)
+    with pytest.raises(ValueError, match="the images come to 40 tokens, more than this model's context"):
+        prepare_prompt(placeholder() + placeholder(), [picture("a", seed=8), picture("d", seed=8)], small)

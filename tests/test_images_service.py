@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import numpy as np
 import openai
@@ -22,7 +23,7 @@ from engine.prompt import render_chat
 from engine.text.tiny_tokenizer import VISION_TOKEN_IDS, write_tiny_vision_tokenizer
 from engine.text.tokenizer import Tokenizer
 from engine.vision.media import VisionInput
-from ignis.v1 import engine_pb2
+from ignis.v1 import engine_pb2, engine_pb2_grpc
 from services import RunningService, start_engine, start_gateway
 from test_vision_tower import make_tiny_vlm
 
@@ -183,3 +184,19 @@ def test_the_responses_api_takes_an_input_image_and_the_next_turn_reuses_it(
     second = respond("And after the click?", first["id"])  # the stored turn re-sends its image
     assert second["ignis"]["images"]["count"] == 2 and second["ignis"]["images"]["reused"] >= 1
     assert second["usage"]["input_tokens_details"]["cached_tokens"] > 0
+
+
+def test_echo_of_a_prompt_with_images_is_refused_and_the_engine_keeps_serving(
+        stack: tuple[RunningService, RunningService]) -> None:
+    """A prompt's key ids have no logprobs to echo: the engine refuses the pair (a caller that is not the
+    gateway could ask it) before anything is queued."""
+    engine, gateway = stack
+    request = engine_pb2.GenerateRequest(model=served(gateway), echo=True)
+    request.sampling.max_tokens = 2
+    message = request.chat.messages.add(role="user")
+    message.content_parts.add(type="image", image_data=base64.b64decode(screenshot(10).split(",", 1)[1]))
+    with grpc.insecure_channel(engine.address) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            list(engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=60))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "echo" in str(caught.value.details())
+    assert ask(gateway, [user("still there?", screenshot(10))])["choices"][0]["finish_reason"] == "length"

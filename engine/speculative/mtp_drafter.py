@@ -185,7 +185,9 @@ class MtpDrafter:
                 torch.tensor(drafting, dtype=torch.long, device=device)
         else:
             batch = ForwardBatch.build([SequenceChunk(run.tokens, run.start, run.seq.page_table, None,
-                                                      LogitsWanted.LAST if run.room else LogitsWanted.NONE)
+                                                      LogitsWanted.LAST if run.room else LogitsWanted.NONE,
+                                                      shift=run.seq.rope_shift if run.start >= run.seq.num_prompt
+                                                      else 0)
                                         for run in runs], page_size, device)
             rows = batch.logits_rows
         hidden = runs[0].rows if len(runs) == 1 else torch.cat([run.rows for run in runs])

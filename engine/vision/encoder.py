@@ -4,7 +4,8 @@ encoder outputs keyed by the image digest when it holds them, else from the towe
 An agent re-sends its screenshots every turn. A turn whose prefix state is claimed does not need them
 at all; one that is not (its state was given up, or a page boundary cut an image's span so part of it is
 prefilled again) finds the tower's output here instead of running the tower again. Least recently used
-goes first; `capacity_bytes` 0 keeps nothing.
+goes first; `capacity_bytes` 0 keeps nothing. An output is kept per namespace (the state's `h0`: model,
+`cache_salt`, adapter), as state is: whether the tower ran must not tell one tenant what another sent.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ class ImageEncoder:
     def cached_bytes(self) -> int:
         return self._bytes
 
-    def embeddings(self, image: PreparedImage) -> tuple[torch.Tensor, bool]:
+    def embeddings(self, image: PreparedImage, namespace: bytes) -> tuple[torch.Tensor, bool]:
         """([num_tokens, hidden] in the text model's dtype, on its device; whether the tower ran for it)."""
-        key = bytes(image.digest)
+        key = bytes(namespace) + bytes(image.digest)
         held = self._cache.get(key)
         if held is not None:
             self._cache.move_to_end(key)
@@ -53,6 +54,7 @@ class ImageEncoder:
         grid = torch.tensor([image.grid_thw], dtype=torch.int64)
         with torch.inference_mode():
             out = self.tower(image.pixel_values, grid).to(self.dtype)
+        image.drop_pixels()  # ~24 KB a token: made again from the image's bytes if ever needed
         self.counts.images_encoded += 1
         self.counts.seconds_encoding += time.perf_counter() - began
         if out.shape[0] != image.num_tokens:

@@ -31,7 +31,7 @@ from engine.kv.chain_hash import MEDIA_KEY_BASE
 from engine.model.batch import ChunkMedia
 from engine.vision.positions import mrope_positions
 from engine.vision.preprocess import (DEFAULT_MAX_IMAGE_PIXELS, ImageDigest, PreparedImage, ProcessorSettings,
-                                      decode_image, load_processor_settings, preprocess_images)
+                                      decode_image, load_processor_settings, placeholder_count, preprocess_images)
 
 DEFAULT_MAX_IMAGE_BYTES = 20 * 2**20
 DEFAULT_CATALOG_IMAGES = 4096  # ~100 bytes each
@@ -56,6 +56,8 @@ class ImageCatalog:
             known = [self._known.get(key) for key in keys]
         fresh = [k for k, entry in enumerate(known) if entry is None]
         made = dict(zip(fresh, _prepare_new([images[k] for k in fresh], fresh, vision)))
+        for k in fresh:  # its pixels go once the tower has run (~24 KB a token), made again if asked for
+            made[k].remake = functools.partial(_pixels_of, images[k], vision)
         out = []
         for k, (data, entry) in enumerate(zip(images, known)):
             if entry is None:
@@ -83,6 +85,11 @@ def _prepare_new(images: Sequence[bytes], numbers: Sequence[int], vision: Vision
             decoded.append(decode_image(data, vision.max_image_bytes, max_image_pixels=vision.max_image_pixels))
         except ValueError as exc:
             raise ValueError(f"image {k + 1}: {exc}") from None
+    # Before the pixels are made (~24 KB a token): a few KB of flat PNG can ask for thousands of tokens.
+    tokens = sum(placeholder_count(image.height, image.width, vision.settings) for image in decoded)
+    if tokens > vision.max_image_tokens:
+        raise ValueError(f"the images come to {tokens} tokens, more than this model's context "
+                         f"({vision.max_image_tokens} tokens)")
     try:
         return preprocess_images(decoded, vision.settings)
     except ValueError as exc:
@@ -104,6 +111,7 @@ class VisionInput:
     spatial_merge_size: int
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_image_tokens: int = 1 << 20  # the engine sets its context length
     catalog: ImageCatalog = field(default_factory=ImageCatalog, compare=False)
 
     @classmethod

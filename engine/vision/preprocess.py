@@ -22,7 +22,7 @@ from typing import Any, NewType
 import numpy as np
 import torch
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
 from common.images import open_decoded
 
@@ -106,6 +106,11 @@ class PreparedImage:
     # Makes the pixels again where they were not kept (an image known by its bytes: engine/vision/media.py).
     remake: Callable[[], torch.Tensor] | None = None
 
+    def drop_pixels(self) -> None:
+        """Let the pixels go where they can be made again (the tower has run on them)."""
+        if self.remake is not None:
+            self.pixels = None
+
     @property
     def pixel_values(self) -> torch.Tensor:
         """The pixels, made from the image's bytes the first time they are asked for where they were not kept."""
@@ -165,6 +170,15 @@ def preprocess_images(images: Sequence[Image.Image], settings: ProcessorSettings
         prepared.append(PreparedImage(grid, t * h * w // settings.merge_size ** 2, image_digest(identity, grid, rows),
                                       torch.from_numpy(rows)))
     return prepared
+
+
+def placeholder_count(height: int, width: int, settings: ProcessorSettings) -> int:
+    """The placeholder tokens an image of this size becomes (transformers' smart_resize, as the processor
+    sizes it), known before its pixels are made."""
+    factor = settings.patch_size * settings.merge_size
+    h, w = smart_resize(height, width, factor=factor, min_pixels=settings.min_pixels, max_pixels=settings.max_pixels) \
+        if settings.do_resize else (height, width)
+    return (h // settings.patch_size) * (w // settings.patch_size) // settings.merge_size ** 2
 
 
 def image_digest(settings_identity: bytes, grid: tuple[int, int, int], pixels: np.ndarray) -> ImageDigest:

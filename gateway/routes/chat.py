@@ -51,7 +51,7 @@ async def chat_completions(request: Request) -> Response:
     stream_options = body.obj("stream_options")
     include_usage = bool(stream_options.boolean("include_usage")) if stream_options is not None else False
     body.string("user")  # accepted (type-checked) and not used
-    await attach_images(chat, images, state.media)  # after the cheap checks: it may fetch
+    await attach_images(chat, images, state.media, opts.cache_salt)  # after the cheap checks: it may fetch
 
     rid = "chatcmpl-" + uuid.uuid4().hex
     req = engine_pb2.GenerateRequest(request_id=rid, model=model, chat=chat, sampling=sampling)

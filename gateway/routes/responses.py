@@ -139,7 +139,7 @@ async def prepare(state: GatewayState, body: Fields, headers: Headers, local: Co
     chat.truncate = truncation == "auto"  # the engine drops the oldest turns when the context is short
     parallel = body.boolean("parallel_tool_calls")
     metadata = body.obj("metadata")
-    await attach_images(chat, images, state.media)  # after the cheap checks: it may fetch
+    await attach_images(chat, images, state.media, opts.cache_salt)  # after the cheap checks: it may fetch
 
     req = engine_pb2.GenerateRequest(model=model, chat=chat, sampling=sampling)
     if guided is not None:
