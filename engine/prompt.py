@@ -85,7 +85,7 @@ def chat_messages(chat: engine_pb2.ChatInput, images: list[bytes] | None = None)
 
 
 def render_chat(tokenizer: Tokenizer, chat: engine_pb2.ChatInput, budget: int | None = None,
-                vision: VisionInput | None = None) -> RenderedPrompt:
+                vision: VisionInput | None = None, cache_salt: str = "") -> RenderedPrompt:
     """The chat's prompt. With `chat.truncate` and a `budget` (the most prompt tokens the context
     leaves), the oldest turns after the system head are dropped until the prompt fits. With `vision`
     (a model that takes images), each image's placeholder is widened to its span (engine/vision/media.py)."""
@@ -116,7 +116,7 @@ def render_chat(tokenizer: Tokenizer, chat: engine_pb2.ChatInput, budget: int | 
     from engine.vision.media import prepare_prompt  # the image processor: only for a model that takes images
     kept = [images[part[IMAGE_INDEX]] for m in messages if isinstance(m["content"], list)
             for part in m["content"] if part["type"] == "image"]
-    widened, media = prepare_prompt(ids, kept, vision)
+    widened, media = prepare_prompt(ids, kept, vision, cache_salt)
     return RenderedPrompt(widened, text, media.widened_index(head), media)
 
 
@@ -213,7 +213,7 @@ def render_input(tokenizer: Tokenizer, request: engine_pb2.GenerateRequest | eng
     if which == "chat":
         budget = prompt_budget(request, max_model_len) if max_model_len is not None else None
         try:
-            return render_chat(tokenizer, request.chat, budget, vision)
+            return render_chat(tokenizer, request.chat, budget, vision, getattr(request, "cache_salt", ""))
         except PromptTooLong as exc:
             assert max_model_len is not None  # only a budget truncates
             why = ", even with truncation keeping only the system messages and the latest turn"

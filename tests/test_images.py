@@ -361,3 +361,13 @@ def test_images_past_the_context_are_refused_before_their_pixels_are_made(dense:
     small = dataclasses.replace(dense.vision, max_image_tokens=30)
     with pytest.raises(ValueError, match="the images come to 40 tokens, more than this model's context"):
         prepare_prompt(placeholder() + placeholder(), [picture("a", seed=8), picture("d", seed=8)], small)
+
+
+def test_an_image_known_to_one_tenant_is_prepared_afresh_for_another(dense: Vlm) -> None:
+    ids = text(1, 3) + placeholder() + text(2, 4)
+    image = picture("b", seed=21)
+    mine = prepare_prompt(ids, [image], dense.vision, cache_salt="tenant a")[1].spans[0].image
+    again = prepare_prompt(ids, [image], dense.vision, cache_salt="tenant a")[1].spans[0].image
+    theirs = prepare_prompt(ids, [image], dense.vision, cache_salt="tenant b")[1].spans[0].image
+    assert mine.pixels is not None and again.pixels is None  # known to tenant a
+    assert theirs.pixels is not None and theirs.digest == mine.digest  # decoded again for tenant b: same key

@@ -39,7 +39,8 @@ DEFAULT_CATALOG_IMAGES = 4096  # ~100 bytes each
 
 class ImageCatalog:
     """What this engine learnt of the images it prepared (grid, placeholder count, digest), by the sha256 of
-    their bytes, the most recent `capacity`. A conversation re-sends its screenshots every turn: a known
+    their bytes and the tenant's `cache_salt` (whether an image was sent before must not show in another
+    tenant's time), the most recent `capacity`. A conversation re-sends its screenshots every turn: a known
     one is neither decoded nor preprocessed again to find its span and key; its pixels are made again
     (on the step thread) only if the tower must run for it. Prompt workers share it: a lock."""
 
@@ -49,9 +50,10 @@ class ImageCatalog:
         self._lock = threading.Lock()
         self.hits = 0
 
-    def prepare(self, images: Sequence[bytes], vision: VisionInput) -> list[PreparedImage]:
+    def prepare(self, images: Sequence[bytes], vision: VisionInput, cache_salt: str = "") -> list[PreparedImage]:
         """Each image's record, in order; a bad new image is a ValueError naming it (1-based)."""
-        keys = [hashlib.sha256(data).digest() for data in images]
+        salt = hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).digest()
+        keys = [hashlib.sha256(salt + data).digest() for data in images]
         with self._lock:
             known = [self._known.get(key) for key in keys]
         fresh = [k for k, entry in enumerate(known) if entry is None]
@@ -192,12 +194,12 @@ def span_keys(digest: bytes, count: int) -> list[int]:
             for j in range(count)]
 
 
-def prepare_prompt(ids: Sequence[int], images: Sequence[bytes], vision: VisionInput
+def prepare_prompt(ids: Sequence[int], images: Sequence[bytes], vision: VisionInput, cache_salt: str = ""
                    ) -> tuple[tuple[int, ...], PromptMedia]:
     """The rendered prompt (one image token per image, in order) with its images: each placeholder
     widened to the image's span of key ids, and the prompt's media. Bad images, or placeholders that do
     not match the images, are a ValueError saying which."""
-    prepared = vision.catalog.prepare(images, vision)
+    prepared = vision.catalog.prepare(images, vision, cache_salt)
     image_token = vision.image_token_id
     found = sum(1 for t in ids if t == image_token)
     if found != len(prepared):
