@@ -29,7 +29,6 @@ import json
 import random
 import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +46,7 @@ from engine.kv.chain_hash import MEDIA_KEY_BASE
 from engine.model.loader import load_model
 from engine.model.openmp import on_own_thread
 from engine.model.tiny import default_cache_dir, random_weights
-from engine.outputs import RequestUpdate
+from engine.offline import run_to_completion
 from engine.prompt import render_chat
 from engine.request import EngineRequest
 from engine.sampling.params import SamplingParams
@@ -151,18 +150,7 @@ def run_turn(core: EngineCore, tokenizer: Tokenizer, turn: int, twin: bool, tag:
         media = None
     prepared = time.perf_counter() - began
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    request = EngineRequest(f"{tag}-{turn}", ids, params, media=media)
-    done = threading.Event()
-    updates: list[RequestUpdate] = []
-
-    def sink(update: RequestUpdate) -> None:
-        updates.append(update)
-        if update.done:
-            done.set()
-
-    core.submit(request, sink)
-    if not done.wait(1800):
-        raise TimeoutError(f"turn {turn} did not finish")
+    [updates] = run_to_completion(core, EngineRequest(f"{tag}-{turn}", ids, params, media=media), timeout=1800)
     usage = updates[-1].usage
     if usage is None:
         raise RuntimeError(f"turn {turn} failed: {updates[-1].error}")
@@ -204,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     cached, cache_counts = scenario(False, 1 << 30, False, "encoder-cache")
     reused, _ = scenario(True, 1 << 30, False, "reused")
     twin, _ = scenario(True, 1 << 30, True, "twin")
-    tower_ms = 1000 * cold_counts.seconds_encoding / max(cold_counts.images_encoded, 1)
+    tower_ms = 1000 * cold_counts.seconds_encoding / max(cold_counts.misses, 1)
     hit_rate = cache_counts.hits / max(cache_counts.hits + cache_counts.misses, 1)
     rows = [[n + 1, cold[n].prompt_tokens, 2 * (n + 1), cold[n].ttft, cached[n].ttft, reused[n].ttft,
              reused[n].cached, twin[n].ttft, reused[n].ttft / twin[n].ttft, 1000 * reused[n].prepare]

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from engine.model.config import parse_config
 from engine.model.layers import MRope, Rotary, mrope_section_of
 from engine.model.loader import load_model
-from engine.vision.positions import mrope_positions, positions_after_prompt
+from engine.vision.positions import mrope_positions
 from engine.vision.preprocess import (ProcessorSettings, decode_image, load_processor_settings,
                                       preprocess_images)
 from engine.vision.tower import VisionConfig, VisionTower
@@ -209,7 +209,9 @@ def test_positions_after_the_prompt_continue_as_transformers_decodes(tiny: Tiny)
 
     want = model.compute_3d_position_ids(None, torch.zeros(1, 4, TEXT["hidden_size"]), cache=Cache())
     delta = mrope_positions(tokens, grids, image_token_id=IMAGE, spatial_merge_size=MERGE).rope_delta
-    assert torch.equal(positions_after_prompt(len(tokens), 4, delta), want[:, 0])
+    # past the prompt the engine adds rope_delta to a token's index on all three axes
+    after = torch.arange(len(tokens) + delta, len(tokens) + delta + 4, dtype=torch.int64).expand(3, -1)
+    assert torch.equal(after, want[:, 0])
     model.rope_deltas = None
 
 

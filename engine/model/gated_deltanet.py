@@ -98,16 +98,8 @@ class GatedDeltaNet(nn.Module):
                     kept.keep(seq.state_slot, self.layer, (mixed[rows], z[rows], b[rows], a[rows]))
         if batch.decodes:
             self._decode(ops, batch, batch.decodes, mixed, z, b, a, weight, cache, li, normed)
-        steps = bool(batch.others) and ops.gdn_decode_fused is not None \
-            and gdn_decode.supports(cache.conv, cache.recurrent, self.dk, self.dv)  # not per decode-only step
-        stepped = []
-        for seq in batch.others:
-            if steps and 0 < seq.start and seq.length <= STEPPED_CHUNK_TOKENS:
-                stepped.append(seq)
-            else:
-                self._prefill(ops, seq, mixed, z, b, a, weight, cache, li, normed)
-        if stepped:
-            self._step_through(ops, stepped, mixed, z, b, a, weight, cache, li, normed)
+        if batch.others:
+            self._continue(ops, batch.others, mixed, z, b, a, weight, cache, li, normed)
         return self.out_proj(normed)
 
     @torch.inference_mode()
@@ -118,18 +110,29 @@ class GatedDeltaNet(nn.Module):
         views, at = [], 0
         for slot, inputs in runs:
             length = inputs[0].shape[0]
+            # start 1: a continuation of the state in its slot (no pages: a recurrent layer reads none)
             views.append(SeqView(at, length, 1, mixed.new_empty(0, dtype=torch.int64), 0, 0, slot))
             at += length
         weight = self.conv1d.weight.squeeze(1)
         li = cache.linear_index(self.layer)
         normed = torch.empty(at, self.value_dim, dtype=mixed.dtype, device=mixed.device)  # not read
-        ops = kernels_for(mixed.device)
-        if ops.gdn_decode_fused is not None and gdn_decode.supports(cache.conv, cache.recurrent, self.dk, self.dv) \
-                and all(v.length <= STEPPED_CHUNK_TOKENS for v in views):
-            self._step_through(ops, views, mixed, z, b, a, weight, cache, li, normed)
-        else:
-            for view in views:
-                self._prefill(ops, view, mixed, z, b, a, weight, cache, li, normed)
+        self._continue(kernels_for(mixed.device), views, mixed, z, b, a, weight, cache, li, normed)
+
+    def _continue(
+        self, ops: Kernels, seqs: Sequence[SeqView], mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor,
+        a: torch.Tensor, weight: torch.Tensor, cache: DeviceCache, li: int, normed: torch.Tensor,
+    ) -> None:
+        """Chunks that are not single-token decodes: a short continuation is stepped through the fused
+        kernel (all of them in one call), anything else runs the chunked rule."""
+        steps = ops.gdn_decode_fused is not None and gdn_decode.supports(cache.conv, cache.recurrent, self.dk, self.dv)
+        stepped = []
+        for seq in seqs:
+            if steps and 0 < seq.start and seq.length <= STEPPED_CHUNK_TOKENS:
+                stepped.append(seq)
+            else:
+                self._prefill(ops, seq, mixed, z, b, a, weight, cache, li, normed)
+        if stepped:
+            self._step_through(ops, stepped, mixed, z, b, a, weight, cache, li, normed)
 
     def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The write strength beta and the log decay g (<= 0) of these rows."""

@@ -24,7 +24,6 @@ from engine.vision.tower import VisionTower
 class EncoderCounts:
     hits: int = 0  # images whose embeddings came from the cache
     misses: int = 0  # images the tower ran for
-    images_encoded: int = 0
     seconds_encoding: float = 0.0
 
 
@@ -55,7 +54,6 @@ class ImageEncoder:
         with torch.inference_mode():
             out = self.tower(image.pixel_values, grid).to(self.dtype)
         image.drop_pixels()  # ~24 KB a token: made again from the image's bytes if ever needed
-        self.counts.images_encoded += 1
         self.counts.seconds_encoding += time.perf_counter() - began
         if out.shape[0] != image.num_tokens:
             raise RuntimeError(f"the vision tower gave {out.shape[0]} rows for an image of {image.num_tokens} "

@@ -125,11 +125,6 @@ class VisionInput:
         return cls(load_processor_settings(path), int(raw_config["image_token_id"]),
                    None if start is None else int(start), int(vision.get("spatial_merge_size", 2)))
 
-    @staticmethod
-    def in_checkpoint(path: Path) -> bool:
-        config = path / "config.json"
-        return config.is_file() and isinstance(json.loads(config.read_text()).get("vision_config"), dict)
-
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ImageSpan:

@@ -72,8 +72,3 @@ def _image_positions(start: int, t: int, h: int, w: int) -> torch.Tensor:
     # [3, t*h*w] over the merged grid, frame-major then row-major (the merger's token order)
     frames, rows, cols = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
     return torch.stack([frames, rows, cols]).reshape(3, -1) + start
-
-
-def positions_after_prompt(first_index: int, count: int, rope_delta: int) -> torch.Tensor:
-    """[3, count] positions of tokens `first_index`.. after a prompt (decoded or appended text)."""
-    return torch.arange(first_index + rope_delta, first_index + rope_delta + count, dtype=torch.int64).expand(3, -1)
