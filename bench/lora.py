@@ -8,7 +8,8 @@ gate/up/down, the GDN projections), written in PEFT's format (adapter_config.jso
 adapter_model.safetensors under PEFT's tensor names) and cached. The baseline is the same checkpoint in
 an engine with LoRA off (no slots, no hooks); "base, LoRA on" is base-model requests in the engine that
 serves the adapters (what serving adapters costs the requests that use none). Each configuration
-alternates with the baseline in pairs; its ratio is the median over the pairs. Decode tok/s: --decode
+alternates with the baseline in pairs; its ratio is the median over the pairs. "bf16 weights": the
+same adapters served with lora.dtype=bfloat16 (rounded once; products in fp32) by a third engine. Decode tok/s: --decode
 steps timed once every row has its first token, each step decoding every row (both engines driven
 on one thread). Load time: reading the folder and checking it
 against the model (engine/lora/adapter.py), then placing it in its slot of every linear.
@@ -33,7 +34,7 @@ from bench.geometry import ensure_geometry
 from bench.table import RESULTS, markdown, save
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.lora.adapter import LinearShape, read_adapter
+from engine.lora.adapter import LinearShape
 from engine.lora.registry import ServedAdapter
 from engine.model.loader import load_model
 from engine.model.openmp import on_own_thread
@@ -130,39 +131,45 @@ def main(argv: list[str] | None = None) -> int:
         path = ensure_geometry(kind, args.hidden, args.layers, root=args.cache)
         tokenizer = Tokenizer.from_dir(path)
 
-        def core_for(lora: bool) -> EngineCore:
+        def core_for(lora: bool, weights: str = "auto") -> EngineCore:
             # a model each: the LoRA core's hooks go on its model's linears, the baseline's has none
             loaded = on_own_thread(lambda: load_model(path, onednn_linears=True))
             return on_own_thread(lambda: EngineCore(loaded, tokenizer, EngineConfig(
                 page_size=16, kv_cache_bytes=1 << 30, max_num_seqs=args.batch, prefill_chunk_tokens=4096,
-                step_time_target_ms=float("inf"), reuse_prompt=False, lora_enabled=lora, lora_max_adapters=ADAPTERS, lora_max_rank=args.rank)))
+                step_time_target_ms=float("inf"), reuse_prompt=False, lora_enabled=lora, lora_max_adapters=ADAPTERS,
+                lora_max_rank=args.rank, lora_dtype=weights)))
 
         plain = core_for(False)
         lora = core_for(True)
-        assert lora.adapters is not None
+        half = core_for(True, "bfloat16")
+        assert lora.adapters is not None and half.adapters is not None
         targets = lora.adapters.sites.targets
         folder = (args.cache or default_cache_dir()) / "bench-lora" / f"{kind}-h{args.hidden}-l{args.layers}-r{args.rank}"
         served: list[ServedAdapter | None] = []
+        served_half: list[ServedAdapter | None] = []
         for i in range(ADAPTERS):
             adapter_path = write_adapter(folder / f"a{i}", targets, args.rank, seed=i)
             # as the engine reads one, on a thread that ends with it (engine/model/openmp.py)
             start = time.perf_counter()
-            adapter = on_own_thread(lambda: read_adapter(adapter_path, targets, args.rank))
+            adapter = on_own_thread(lambda: lora.adapters.sites.read(adapter_path))
             read = time.perf_counter() - start
             served.append(on_own_thread(lambda: lora.load_adapter(f"a{i}", adapter).result()))
             loads.append({"kind": kind, "read_s": read, "total_s": time.perf_counter() - start,
                           "mib": (adapter_path / "adapter_model.safetensors").stat().st_size / 2**20})
+            rounded = on_own_thread(lambda: half.adapters.sites.read(adapter_path))
+            served_half.append(on_own_thread(lambda: half.load_adapter(f"a{i}", rounded).result()))
         try:
             decode_rate(plain, args.batch, [None], 4, "warm")
             decode_rate(lora, args.batch, served, 4, "warm-l")
-            configs: list[tuple[str, int, list[ServedAdapter | None]]] = [
-                ("base, LoRA on", args.batch, [None]), ("1 adapter", args.batch, served[:1]),
-                ("4 adapters", args.batch, served[:4]), ("8 adapters", args.batch, served[:8]),
-                ("1 adapter", 1, served[:1])]
-            for label, batch, adapters in configs:
+            decode_rate(half, args.batch, served_half, 4, "warm-h")
+            configs: list[tuple[str, int, list[ServedAdapter | None], EngineCore]] = [
+                ("base, LoRA on", args.batch, [None], lora), ("1 adapter", args.batch, served[:1], lora),
+                ("4 adapters", args.batch, served[:4], lora), ("8 adapters", args.batch, served[:8], lora),
+                ("8 adapters, bf16 weights", args.batch, served_half[:8], half), ("1 adapter", 1, served[:1], lora)]
+            for label, batch, adapters, core in configs:
                 pairs = []
                 for r in range(args.repeats):
-                    got, outs = decode_rate(lora, batch, adapters, args.decode, f"l{label}{batch}{r}")
+                    got, outs = decode_rate(core, batch, adapters, args.decode, f"l{label}{batch}{r}")
                     want, plain_outs = decode_rate(plain, batch, [None], args.decode, f"p{label}{batch}{r}")
                     if adapters == [None] and outs != plain_outs:
                         raise RuntimeError(f"{kind}: base requests with LoRA on differ from LoRA off")
@@ -175,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             plain.stop()
             lora.stop()
+            half.stop()
     table = markdown(["model", "batch", "rows run", "base decode tok/s (LoRA off)", "decode tok/s",
                       "ratio (median of pairs)"],
                      [[r["kind"], r["batch"], r["adapters"], r["base_tps"], r["lora_tps"], r["ratio"]] for r in rows])

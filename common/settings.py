@@ -325,6 +325,10 @@ class LoraSettings(_Section):
     max_adapters: int = setting(4, parse_int, minimum=1, doc="adapters resident at once (their slots: each holds "
                                                             "one adapter's weights for every adaptable linear)")
     max_rank: int = setting(16, parse_int, minimum=1, doc="the highest adapter rank served (a slot's width)")
+    dtype: str = setting("auto", choice("auto", "float32", "bfloat16"),
+                         doc="the adapters' weights as served: auto (the model's dtype), float32, or bfloat16 "
+                             "(half the memory and the bytes a decode step reads; the weights rounded once, "
+                             "the products summed in fp32; a rounded adapter's state is its own)")
 
 
 @dataclass(slots=True)

@@ -24,7 +24,6 @@ from engine import cpu_host
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from common.metrics import serve_metrics
-from engine.lora.adapter import read_adapter
 from engine.model.errors import CheckpointError
 from engine.model.loader import load_model
 from engine.model.openmp import on_own_thread
@@ -114,7 +113,7 @@ def build_core(model_path: Path, settings: Settings, model_id: str = "", loras: 
         if name == model_id:
             raise ValueError(f"--lora {name}={path}: {name!r} is the base model's name")
         assert core.adapters is not None  # --lora turned lora.enabled on
-        adapter = read_adapter(path, core.adapters.sites.targets, core.config.lora_max_rank)
+        adapter = core.adapters.sites.read(path)
         served = core.load_adapter(name, adapter).result()
         log.info("serving LoRA adapter %s (rank %d) from %s", served.name, served.rank, served.path)
     return core

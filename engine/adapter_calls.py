@@ -10,7 +10,7 @@ import grpc
 
 from engine.call_status import Abort
 from engine.core import EngineCore
-from engine.lora.adapter import AdapterError, read_adapter
+from engine.lora.adapter import AdapterError
 from engine.lora.registry import AdapterExists, NoAdapterSlot, ServedAdapter
 from engine.model.openmp import on_own_thread
 
@@ -49,8 +49,8 @@ async def load(core: EngineCore, base: str, name: str, path: str, reader: Execut
     try:
         # On a thread that ends with it (engine/model/openmp.py): reading runs torch ops, and a pooled thread
         # would keep an OpenMP team that slows every parallel region of the step thread from then on.
-        adapter = await loop.run_in_executor(reader, on_own_thread, lambda: read_adapter(
-            path, registry.sites.targets, core.config.lora_max_rank), "ignis-adapter-read")
+        adapter = await loop.run_in_executor(reader, on_own_thread, lambda: registry.sites.read(path),
+                                             "ignis-adapter-read")
         return await asyncio.wrap_future(core.load_adapter(name, adapter))
     except AdapterExists as exc:
         raise Abort(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None

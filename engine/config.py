@@ -40,6 +40,7 @@ class EngineConfig:
     lora_enabled: bool = from_setting("lora.enabled")  # the model's linears get adapter slots (engine/lora/)
     lora_max_adapters: int = from_setting("lora.max_adapters")
     lora_max_rank: int = from_setting("lora.max_rank")
+    lora_dtype: str = from_setting("lora.dtype")  # auto: the model's
     tierstore_address: str = from_setting("tierstore.address")  # unix:/path or host:port; empty: device-only reuse
     tierstore_secret_file: str = from_setting("tierstore.secret_file")  # the shared secret of a TCP tierstore
     spill_window_pages: int = from_setting("engine.spill_window_pages")  # a live sequence's pages moved per step

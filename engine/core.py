@@ -84,7 +84,7 @@ class EngineCore:
             self.runner.encoder = vision[1]
         self.adapters: AdapterRegistry | None = None  # LoRA adapters (lora.enabled): their slots in every linear
         if config.lora_enabled:
-            sites = LoraSites.install(loaded.model, config.lora_max_adapters, config.lora_max_rank)
+            sites = LoraSites.install(loaded.model, config.lora_max_adapters, config.lora_max_rank, config.lora_dtype)
             self.adapters = AdapterRegistry(sites)
             self.runner.lora = sites
         self.sampling_defaults = SamplingDefaults.from_checkpoint(loaded.path)  # generation_config.json

@@ -112,6 +112,10 @@ class Kernels:
     # kernels/cpu/lora_rows.c (kernels/cpu/lora_rows.py: fp32 with b the view bt.permute(2, 0, 1) of a
     # contiguous bt [S, R, out], else it returns None); None (or a None result): engine/lora runs it in torch.
     lora_delta: Callable[..., torch.Tensor | None] | None = None
+    # The CPU's product for several linears of one input, prepared once for their weights (sites ->
+    # a call (x, outs, slots) -> bool adding each delta into its output in place, or None where C does not
+    # take them; kernels/cpu/lora_rows.py's load_add); None elsewhere.
+    lora_add: Callable[..., Callable[..., bool] | None] | None = None
 
 
 def torch_kernels() -> Kernels:
@@ -140,6 +144,7 @@ def cpu_kernels() -> Kernels:
                                rope_and_cache=rope_cache.load(), argmax_rows=argmax.load(),
                                argmax_rows_capped=argmax.load_capped(), moe_experts=moe_experts.load(),
                                linear_rows=linear_rows.load(), lora_delta=lora_rows.load(),
+                               lora_add=lora_rows.load_add(),
                                causal_conv1d=causal_conv.load() or references.causal_conv1d)
 
 

@@ -6,13 +6,21 @@ prefix of the resident slots whose other slots are NaN (a read past the prefix s
 range raise; layouts C does not take return None. The same on the builds another CPU's `make kernels`
 makes (AVX2, SSE2 only: the GNU vector types split), built here with gcc.
 
+lora_rows_add (load_add): several linears of the same rows in one call, each delta added into its
+output, those outputs column slices of one fused buffer as a FusedLinears gives them: equal to the
+output plus the reference's delta, bit for bit to the single-linear kernel's output added in torch;
+with the adapters' weights in bfloat16 (lora.dtype=bfloat16), equal to the reference reading the same
+bf16 values in fp32.
+
 Tolerance: the same fp32 products summed in another order (16 lanes over `in`, then over R) than the
 reference's bmm: ~1e-6 relative at deltas ~1, so 1e-5.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -34,10 +42,35 @@ def kernel() -> LoraDelta:
 BUILDS = {"avx2": ["-march=x86-64-v3"], "portable": ["-march=x86-64"]}
 
 
+# (x, [(a, b) of each linear], [each linear's output], slots) -> whether C added the deltas
+LoraAdd = Callable[[torch.Tensor, Sequence[tuple[torch.Tensor, torch.Tensor]], Sequence[torch.Tensor], torch.Tensor],
+                   bool]
+
+
+def prepared_and_called(prepare: Callable[..., Any]) -> LoraAdd:
+    """load_add's two halves in one call, as a hook uses them: prepare for the sites, then run (False where
+    either refuses)."""
+    def add(x: torch.Tensor, sites: Sequence[tuple[torch.Tensor, torch.Tensor]], outs: Sequence[torch.Tensor],
+            slots: torch.Tensor) -> bool:
+        call = prepare(sites)
+        return call is not None and bool(call(x, outs, slots))
+    return add
+
+
+@pytest.fixture(scope="module")
+def adder() -> LoraAdd:
+    return prepared_and_called(built_kernel(lora_rows.load_add))
+
+
 @pytest.fixture(scope="module", params=sorted(BUILDS))
-def portable(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LoraDelta:
-    """The kernel as another CPU's `make kernels` builds it (gcc here, for each of BUILDS)."""
-    fn = lora_rows.load(build_for("lora_rows.c", BUILDS[request.param], tmp_path_factory.mktemp(request.param)))
+def portable_build(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The library as another CPU's `make kernels` builds it (gcc here, for each of BUILDS)."""
+    return build_for("lora_rows.c", BUILDS[request.param], tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def portable(portable_build: Path) -> LoraDelta:
+    fn = lora_rows.load(portable_build)
     assert fn is not None
     return fn
 
@@ -163,3 +196,113 @@ def test_cpu_kernels_run_it_unless_told_to_run_the_references(kernel: LoraDelta,
     torch.testing.assert_close(chosen(*lora), lora_delta_reference(*lora), rtol=TOL, atol=TOL)
     monkeypatch.setenv("IGNIS_CPU_KERNELS", "reference")
     assert select.cpu_kernels().lora_delta is None
+
+
+def fused_sites(slots: list[int], s: int, rank: int, outs: list[int], hidden: int = 72, s_max: int | None = None,
+                seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor,
+                                        list[torch.Tensor], torch.Tensor]:
+    """x, each site's (a, b) in `dtype` (b a view of a contiguous bt as a site holds it), the slots, and each
+    site's output: column slices of one [T, sum(outs) + 5] buffer of random values (a fused linear's output)."""
+    loras = [make_lora(slots, s, rank, hidden=hidden, n_out=n, s_max=s_max, seed=seed + i) for i, n in enumerate(outs)]
+    x = loras[0].x
+    fused = torch.randn(len(slots), sum(outs) + 5, generator=torch.Generator().manual_seed(seed))
+    views, at = [], 0
+    for n in outs:
+        views.append(fused[:, at:at + n])
+        at += n
+    sites = [(lora.a.to(dtype), lora.b.permute(1, 2, 0).to(dtype).contiguous().permute(2, 0, 1)) for lora in loras]
+    return x, sites, loras[0].slots, views, fused
+
+
+def check_add(fn: LoraAdd, slots: list[int], s: int, rank: int, outs: list[int], **kwargs: Any) -> None:
+    x, sites, slot_ids, views, fused = fused_sites(slots, s, rank, outs, **kwargs)
+    want = [view + lora_delta_reference(x, a, b, slot_ids) for (a, b), view in zip(sites, views)]
+    before = fused.clone()
+    assert fn(x, sites, views, slot_ids)
+    for got, expected in zip(views, want):
+        torch.testing.assert_close(got, expected, rtol=TOL, atol=TOL)
+    assert torch.equal(fused[:, sum(outs):], before[:, sum(outs):])  # the columns past the sites untouched
+
+
+WEIGHTS = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", WEIGHTS)
+@pytest.mark.parametrize("rank", [4, 16])
+@pytest.mark.parametrize("t", [0, 1, 3, 8, 33])
+def test_several_linears_added_in_place(adder: LoraAdd, t: int, rank: int, dtype: torch.dtype) -> None:
+    """q/k/v-like sites of different widths (past the 64-column blocks and not), mixed slots and -1."""
+    check_add(adder, mixed_slots(t, 3), 3, rank, [200, 72, 72], s_max=8, seed=t * 10 + rank, dtype=dtype)
+    check_add(adder, [1] * t, 2, rank, [130], seed=t, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", WEIGHTS)
+def test_a_model_sized_group_added_in_place(adder: LoraAdd, dtype: torch.dtype) -> None:
+    """A layer's gate and up at in=1024, out=3072, 8 slots of 16, one row each and a base row."""
+    check_add(adder, [0, 5, -1, 5, 7, 3, 0, 2], 8, 16, [3072, 3072], hidden=1024, seed=3, dtype=dtype)
+
+
+@pytest.mark.parametrize("slots", [mixed_slots(9, 3), [0, 2, -1, 1]], ids=["several rows a slot", "one row a slot"])
+def test_bfloat16_weights_are_read_as_their_exact_values(adder: LoraAdd, slots: list[int]) -> None:
+    """The delta of bf16 weights equals the fp32 kernel's on those weights widened (the same products),
+    whether they are widened into a buffer (several rows of a slot) or as read (one)."""
+    x, sites, slot_ids, views, _ = fused_sites(slots, 3, 16, [200, 72], seed=7, dtype=torch.bfloat16)
+    widened = [(a.float(), b.permute(1, 2, 0).float().contiguous().permute(2, 0, 1)) for a, b in sites]
+    want = [view.clone() for view in views]
+    assert adder(x, widened, want, slot_ids)
+    assert adder(x, sites, views, slot_ids)
+    for got, expected in zip(views, want):
+        assert torch.equal(got, expected)
+
+
+def test_adding_equals_the_delta_added_in_torch(adder: LoraAdd, kernel: LoraDelta) -> None:
+    """Bit for bit: what the hook did before (the single-linear kernel's delta, then out.add_)."""
+    x, sites, slot_ids, views, _ = fused_sites(mixed_slots(8, 3), 3, 16, [200, 72], seed=5)
+    want = []
+    for (a, b), view in zip(sites, views):
+        delta = kernel(x, a, b, slot_ids)
+        assert delta is not None
+        want.append(view + delta)
+    assert adder(x, sites, views, slot_ids)
+    for got, expected in zip(views, want):
+        assert torch.equal(got, expected)
+
+
+def test_rows_without_an_adapter_keep_their_output(adder: LoraAdd) -> None:
+    x, sites, slot_ids, views, fused = fused_sites([-1, -1, -1], 2, 4, [72, 72])
+    before = fused.clone()
+    assert adder(x, sites, views, slot_ids)
+    assert torch.equal(fused, before)
+
+
+def test_the_portable_builds_add_in_place(portable_build: Path) -> None:
+    prepare = lora_rows.load_add(portable_build)
+    assert prepare is not None
+    fn = prepared_and_called(prepare)
+    for dtype in WEIGHTS:
+        check_add(fn, mixed_slots(33, 3), 3, 16, [200, 72], s_max=4, dtype=dtype)
+        check_add(fn, [0, 5, -1, 5, 7, 3, 0, 2], 8, 16, [3072, 1024], hidden=1024, seed=1, dtype=dtype)
+
+
+def test_adding_refuses_what_c_does_not_take_and_writes_nothing(adder: LoraAdd) -> None:
+    x, sites, slot_ids, views, fused = fused_sites([0, -1, 1], 2, 4, [72, 40])
+    before = fused.clone()
+    (a, b), (a2, b2) = sites
+    refused = {
+        "an output in bfloat16": (x, sites, [views[0], views[1].bfloat16()], slot_ids),
+        "an output's columns strided": (x, sites, [views[0], torch.zeros(3, 80)[:, ::2]], slot_ids),
+        "an output of the wrong width": (x, sites, [views[0], views[0]], slot_ids),
+        "b contiguous": (x, [(a, b), (a2, b2.contiguous())], views, slot_ids),
+        "sites of other slot counts": (x, [(a, b), (a2[:1], b2[:, :1])], views, slot_ids.clamp(max=0)),
+        "x bfloat16": (x.bfloat16(), sites, views, slot_ids),
+        "sites of other dtypes": (x, [(a, b), (a2.bfloat16(), b2.permute(1, 2, 0).bfloat16().contiguous().permute(2, 0, 1))],
+                                  views, slot_ids),
+        "a float16 site": (x, [(a.half(), b.permute(1, 2, 0).half().contiguous().permute(2, 0, 1))], views[:1], slot_ids),
+    }
+    for what, operands in refused.items():
+        assert not adder(*operands), what
+    assert torch.equal(fused, before)
+    with pytest.raises(ValueError, match=r"slots must be in \[-1, 2\)"):
+        adder(x, sites, views, torch.tensor([0, 2, 1]))
+    assert not adder(x, sites, views[:1], slot_ids)  # an output short
+    assert torch.equal(fused, before)

@@ -46,7 +46,7 @@ def engine(model: tuple[LoadedModel, Tokenizer], slots: int = 4, max_rank: int =
 
 def serve(core: EngineCore, name: str, path: Path) -> ServedAdapter:
     assert core.adapters is not None
-    return core.load_adapter(name, read_adapter(path, core.adapters.sites.targets, core.config.lora_max_rank)).result()
+    return core.load_adapter(name, core.adapters.sites.read(path)).result()
 
 
 def greedy(rid: str, prompt: list[int], adapter: ServedAdapter | None, steps: int = STEPS, salt: str = "") -> EngineRequest:
@@ -120,6 +120,39 @@ def test_a_request_alone_with_its_adapter_on_the_fused_onednn_linears(family: tu
 
 
 # ---------------------------------------------------------------- identity in the reuse namespace
+
+
+def rounded_to_bfloat16(adapter: Path, out: Path) -> Path:
+    """A copy of `adapter` with its A and B rounded to bf16 (kept as fp32 in the file)."""
+    shutil.copytree(adapter, out)
+    weights = out / "adapter_model.safetensors"
+    save_file({k: v.bfloat16().float() for k, v in load_file(weights).items()}, weights)
+    return out
+
+
+def test_bfloat16_adapters_equal_peft_merged_with_their_weights_rounded(family: tuple[str, Path, list[Path]],
+                                                                        tmp_path: Path) -> None:
+    """lora.dtype=bfloat16 over an fp32 model (the fused oneDNN linears, the C product reading bf16): an
+    adapter's outputs are PEFT's merged model's with that adapter's weights rounded to bf16 (scaling 2:
+    the scaled B rounds as B does), a base request beside it is the base's, and the adapter's identity is
+    its weights as they run: the rounded file's digest, not the fp32 one's."""
+    name, base, adapters = family
+    model = (load_model(base, onednn_linears=True), Tokenizer.from_dir(base))
+    core = engine(model, lora_dtype="bfloat16")
+    assert core.adapters is not None and core.adapters.sites.dtype == torch.bfloat16
+    served = serve(core, "half", adapters[1])  # rank 8, alpha 16
+    rounded = rounded_to_bfloat16(adapters[1], tmp_path / "rounded")
+    sites = core.adapters.sites
+    assert served.digest == sites.read(rounded).digest
+    assert served.digest != read_adapter(adapters[1], sites.targets, 16).digest  # fp32 served: another state
+    p = prompt(17, seed=9, vocab=model[0].config.vocab_size)
+    got = [outputs(u) for u in run_to_completion(core, greedy("half", p, served), greedy("base", p, None),
+                                                 start=True, timeout=600)]
+    core.stop()
+    for (tokens, logprobs), adapter in zip(got, (rounded, None)):
+        want_tokens, want_logprobs = greedy_with_logprobs(merged_model(base, adapter), p, STEPS)
+        assert tokens == want_tokens, name
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) <= 1e-4, name
 
 
 @pytest.fixture(scope="module")

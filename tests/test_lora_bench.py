@@ -18,7 +18,8 @@ def test_the_report_has_every_configuration(tmp_path: Path) -> None:
     text = (tmp_path / "lora.md").read_text()
     payload = json.loads(raw_folder(tmp_path).joinpath("lora.json").read_text())
     rows = [(r["kind"], r["batch"], r["adapters"]) for r in payload["rows"]]
-    configs = [(8, "base, LoRA on"), (8, "1 adapter"), (8, "4 adapters"), (8, "8 adapters"), (1, "1 adapter")]
+    configs = [(8, "base, LoRA on"), (8, "1 adapter"), (8, "4 adapters"), (8, "8 adapters"), (8, "8 adapters, bf16 weights"),
+               (1, "1 adapter")]
     assert rows == [(kind, batch, label) for kind in ("dense", "hybrid") for batch, label in configs]
     assert all(r["lora_tps"] > 0 and r["base_tps"] > 0 for r in payload["rows"])
     assert len(payload["loads"]) == 2 * lora.ADAPTERS and all(x["total_s"] >= x["read_s"] > 0 for x in payload["loads"])

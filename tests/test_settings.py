@@ -87,6 +87,7 @@ ENGINE_CONFIG_VALUES = {
     "tierstore.secret_file": "/etc/ignis/secret", "engine.spill_window_pages": 3,
     "engine.integrity_key_file": "/var/lib/ignis/key", "speculative.method": "ngram", "speculative.num_tokens": 6,
     "speculative.disable_batch_size": 3, "lora.enabled": True, "lora.max_adapters": 6, "lora.max_rank": 32,
+    "lora.dtype": "bfloat16",
     "reuse.encoder_cache_bytes": 5 << 20,
 }
 

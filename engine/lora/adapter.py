@@ -11,7 +11,8 @@ not have (an adapter trained on another base), a rank over `lora.max_rank`, and 
 that are not plain LoRA (DoRA, trained biases, modules_to_save, fan_in_fan_out).
 
 The adapter's identity (its digest) covers the weights as they run (each linear's A and B with
-the scaling folded in) and the targets, not the file's name or its path: the same adapter loaded
+the scaling folded in, rounded to lora.dtype: a bf16-served adapter's state is not its fp32 one's)
+and the targets, not the file's name or its path: the same adapter loaded
 under another name finds the same state, a changed file finds none (engine/kv/chain_hash.py).
 """
 
@@ -70,9 +71,11 @@ class LoraAdapter:
         return max(linear.rank for linear in self.linears.values())
 
 
-def read_adapter(path: str | Path, targets: dict[str, LinearShape], max_rank: int) -> LoraAdapter:
+def read_adapter(path: str | Path, targets: dict[str, LinearShape], max_rank: int,
+                 dtype: torch.dtype = torch.float32) -> LoraAdapter:
     """Read a PEFT LoRA adapter from its folder for a model whose adaptable linears are `targets`
-    (module path -> shape); AdapterError when it cannot be served here."""
+    (module path -> shape), its weights as they will run (scaled, in `dtype`); AdapterError when it
+    cannot be served here."""
     folder = Path(path).expanduser()
     config = _read_config(folder)
     tensors = _read_weights(folder)
@@ -97,7 +100,7 @@ def read_adapter(path: str | Path, targets: dict[str, LinearShape], max_rank: in
                            "(ignis serves plain LoRA adapters: no trained biases, no modules_to_save)")
     if not pairs:
         raise AdapterError(f"{folder.name}/{WEIGHTS_FILE}: holds no LoRA weights")
-    linears = {module: _adapted(folder.name, module, found, targets[module], config, max_rank)
+    linears = {module: _adapted(folder.name, module, found, targets[module], config, max_rank, dtype)
                for module, found in sorted(pairs.items())}
     return LoraAdapter(folder, linears, _digest(linears))
 
@@ -162,7 +165,7 @@ def _pattern_value(patterns: object, module: str, default: float) -> float:
 
 
 def _adapted(adapter: str, module: str, found: dict[str, torch.Tensor], shape: LinearShape,
-             config: dict[str, object], max_rank: int) -> AdaptedLinear:
+             config: dict[str, object], max_rank: int, dtype: torch.dtype) -> AdaptedLinear:
     if set(found) != {"A", "B"}:
         missing = "B" if "A" in found else "A"
         raise AdapterError(f"{adapter}: {module} has no lora_{missing} weight")
@@ -181,7 +184,7 @@ def _adapted(adapter: str, module: str, found: dict[str, torch.Tensor], shape: L
     if int(r) != rank:
         raise AdapterError(f"{adapter}: {module}'s weights have rank {rank}, its config says r={int(r)}")
     scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-    return AdaptedLinear(a.float().contiguous(), (b.float() * scaling).contiguous())
+    return AdaptedLinear(a.float().to(dtype).contiguous(), (b.float() * scaling).to(dtype).contiguous())
 
 
 def _digest(linears: dict[str, AdaptedLinear]) -> bytes:
@@ -190,5 +193,5 @@ def _digest(linears: dict[str, AdaptedLinear]) -> bytes:
         h.update(module.encode() + b"\0")
         for tensor in (linear.a, linear.b):
             h.update(str(tuple(tensor.shape)).encode())
-            h.update(tensor.numpy().tobytes())
+            h.update(tensor.float().numpy().tobytes())  # the values as run (fp32's bytes as they were)
     return h.digest()[:16]

@@ -7,8 +7,10 @@ with zeros, and zeros in every slot whose adapter leaves the linear alone. A ste
 slot (-1: the base model), so one forward serves requests of several adapters and the base together,
 each row reading only its own adapter's weights:
 
-- on CUDA the Triton kernel (kernels/triton_lora.py), on the CPU the C kernel
-  (kernels/cpu/lora_rows.c): one call per linear, each row its slot's A then Bt;
+- on the CPU the C kernel (kernels/cpu/lora_rows.c): one call per hooked module (a linear, or the
+  FusedLinears group of linears of one input), each row its slot's A then Bt, each delta added into
+  the module's output in place;
+- on CUDA the Triton kernel (kernels/triton_lora.py), one call per linear;
 - elsewhere (or where the C kernel is not built) torch: a step whose rows all have one adapter runs
   that adapter's rank-r pair; a mix runs two GEMMs over the first n slots side by side (n one past
   the highest slot in the step): v = x @ A[:n]^T [T, n*R], each row's columns of other slots
@@ -23,12 +25,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from engine.lora.adapter import LinearShape, LoraAdapter
+from engine.lora.adapter import LinearShape, LoraAdapter, read_adapter
 from kernels.select import kernels_for
+
+ADAPTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # lora.dtype besides auto
 
 # The linears an adapter may change, by the name their module has in its layer (PEFT's target_modules).
 ADAPTABLE = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -68,15 +73,20 @@ class LoraSite:
     # The first n slots' views, made once per n (the storage is written in place: they stay valid).
     _views: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
+    def views(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first n slots: a [n, R, in] and b [out, n, R] (the kernels' layout names B untransposed)."""
+        views = self._views.get(n)
+        if views is None:
+            views = self._views[n] = (self.a[:n], self.bt[:n].permute(2, 0, 1))
+        return views
+
     def delta(self, x: torch.Tensor, step: LoraStep) -> torch.Tensor | None:
         """What the step's adapters add to this linear's output for rows x [T, in]; None: nothing.
         A hook calls it for every adapted linear of every forward: kept to attribute reads."""
         if not self.bits & step.bits:
             return None
         n = step.width
-        views = self._views.get(n)
-        if views is None:  # b as [out, S, R]: the kernels' layout names B untransposed
-            views = self._views[n] = (self.a[:n], self.bt[:n].permute(2, 0, 1))
+        views = self.views(n)
         if self.kernel is not None:
             found = self.kernel(x, views[0], views[1], step.slots)
             if found is not None:
@@ -95,27 +105,41 @@ class LoraSites:
 
     sites: dict[str, LoraSite]
     max_rank: int
+    dtype: torch.dtype  # the adapters' weights as held and run (lora.dtype)
     step: LoraStep | None = None
     slot_adapters: list[LoraAdapter | None] = field(default_factory=list)
+    # the CPU's in-place product, prepared for a module's sites (kernels/select.py's lora_add); None: per site
+    prepare_add: Callable[..., Callable[..., bool] | None] | None = None
 
     @classmethod
-    def install(cls, model: nn.Module, slots: int, max_rank: int) -> LoraSites:
+    def install(cls, model: nn.Module, slots: int, max_rank: int, weights: str = "auto") -> LoraSites:
         """Sites for every adaptable linear of `model`, each with `slots` empty slots, and the hooks
-        that add the step's adapters to their outputs."""
+        that add the step's adapters to their outputs; `weights` (lora.dtype): the adapters' dtype, auto
+        for the model's."""
         linears = adaptable_linears(model)
         param = next(model.parameters())
-        # the compute dtype (lm_head's): an fp8 checkpoint's linears hold fp8 weights, its activations are not fp8
-        dtype = getattr(model, "dtype", param.dtype)
-        if not dtype.is_floating_point or dtype.itemsize < 2:
-            dtype = torch.float32
+        if weights == "auto":
+            # the compute dtype (lm_head's): an fp8 checkpoint's linears hold fp8 weights, its activations are not
+            dtype = getattr(model, "dtype", param.dtype)
+            if not dtype.is_floating_point or dtype.itemsize < 2:
+                dtype = torch.float32
+        elif weights in ADAPTER_DTYPES:
+            dtype = ADAPTER_DTYPES[weights]
+        else:
+            raise ValueError(f"lora.dtype must be auto, {', '.join(ADAPTER_DTYPES)}, got {weights!r}")
         kernel = kernels_for(param.device).lora_delta
         sites = {name: LoraSite(name, torch.zeros(slots, max_rank, shape.in_features, dtype=dtype, device=param.device),
                                 torch.zeros(slots, max_rank, shape.out_features, dtype=dtype, device=param.device),
                                 [0] * slots, kernel)
                  for name, (_, shape) in linears.items()}
-        self = cls(sites, max_rank, slot_adapters=[None] * slots)
+        self = cls(sites, max_rank, dtype, slot_adapters=[None] * slots, prepare_add=kernels_for(param.device).lora_add)
         self._hook(model)
         return self
+
+    def read(self, path: str | Path) -> LoraAdapter:
+        """The adapter in folder `path`, checked against these linears and rounded to their dtype
+        (AdapterError when it cannot be served here)."""
+        return read_adapter(path, self.targets, self.max_rank, self.dtype)
 
     @property
     def targets(self) -> dict[str, LinearShape]:
@@ -170,22 +194,46 @@ class LoraSites:
             if name in self.sites and id(module) not in hooked:
                 module.register_forward_hook(self._linear_hook(self.sites[name]))
 
+    def _prepared(self, cache: dict[tuple[int, int], Callable[..., bool] | None], members: Sequence[LoraSite],
+                  width: int, which: int) -> Callable[..., bool] | None:
+        """The in-place call for `members` over the first `width` slots (None: they run per site), made once
+        per (width, which: the members the step's adapters change, bit i for members[i])."""
+        key = (width, which)
+        if key not in cache:
+            cache[key] = None if self.prepare_add is None else \
+                self.prepare_add([site.views(width) for site in members])
+        return cache[key]
+
     def _linear_hook(self, site: LoraSite) -> Callable[..., torch.Tensor | None]:
+        prepared: dict[tuple[int, int], Callable[..., bool] | None] = {}
+
         def hook(_module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor | None:
             step = self.step
-            if step is None:
+            if step is None or not site.bits & step.bits:
                 return None
+            add = self._prepared(prepared, (site,), step.width, 1)
+            if add is not None and add(args[0], (out,), step.slots):
+                return None  # added into the linear's own fresh output
             delta = site.delta(args[0], step)
-            return None if delta is None else out.add_(delta)  # the linear's own fresh output
+            return None if delta is None else out.add_(delta)
         return hook
 
     def _group_hook(self, members: list[LoraSite | None]) -> Callable[..., tuple[torch.Tensor, ...] | None]:
+        prepared: dict[tuple[int, int], Callable[..., bool] | None] = {}
+
         def hook(_module: nn.Module, args: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...]
                  ) -> tuple[torch.Tensor, ...] | None:
             step = self.step
             if step is None:
                 return None
             x = args[0]
+            # one C call for the members the step changes, into the outputs (views of the call's own)
+            hit = [(i, site) for i, site in enumerate(members) if site is not None and site.bits & step.bits]
+            if not hit:
+                return None
+            add = self._prepared(prepared, [site for _, site in hit], step.width, sum(1 << i for i, _ in hit))
+            if add is not None and add(x, [outs[i] for i, _ in hit], step.slots):
+                return None
             changed = []
             for out, site in zip(outs, members):
                 delta = None if site is None else site.delta(x, step)

@@ -18,9 +18,21 @@
  * The reduction over `in` runs in 16 independent lanes summed at the end, which gcc vectorises
  * without -ffast-math (no reassociation it would have to assume).
  *
+ * lora_rows_add does the same for several linears that read the same rows (a layer's q/k/v, its
+ * gate/up: the linears a FusedLinears runs together) in one call and one parallel region, and adds
+ * each delta into the linear's output in place (y += delta, the delta summed in registers first, so
+ * the result is bit for bit the delta's y.add_(delta)): at decode a call's fixed cost (the Python
+ * binding, the thread team's two barriers, the scratch) is a fair part of its ~1 MB read, and a
+ * separate add of every delta was ~9 us more a linear.
+ *
+ * lora_rows_add with bf16 = 1 takes the adapters' A and B in bfloat16 (lora.dtype=bfloat16: half the bytes a
+ * decode step reads for them), x and y in fp32: each A row a work item dots is widened into the
+ * thread's row buffer first, each chunk of B into the thread's pack (the fp32 path's own buffer), and
+ * the products run as in fp32 on those exact values.
+ *
  * Layouts (fp32, innermost stride 1):
  *   x [rows, in], row stride x_stride     a [S, R, in] contiguous     bt [S, R, out] contiguous
- *   slots [rows] int64                    y [rows, out], row stride y_stride, written
+ *   slots [rows] int64                    y [rows, out], row stride y_stride, written (added to)
  * Returns 0; -1 on a bad size, -2 when a slot is outside [-1, S) (checked before anything is
  * written), -3 when the scratch cannot be allocated.
  */
@@ -82,6 +94,22 @@ static inline float dot(const float *restrict w, const float *restrict x, int64_
     return sum_lanes(acc);
 }
 
+static inline float bf16_value(uint16_t h) {
+    union { uint32_t u; float f; } c = {(uint32_t)h << 16};
+    return c.f;
+}
+
+/* dot for a bf16 w, each element widened where it is read (a row of one slot: no buffer round trip);
+ * the same lanes and order as dot, so the same sum as dot on the widened row. */
+static inline float dot_bf16(const uint16_t *restrict w, const float *restrict x, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += bf16_value(w[i + l]) * x[i + l];
+    for (int l = 0; i + l < n; l++) acc[l] += bf16_value(w[i + l]) * x[i + l];
+    return sum_lanes(acc);
+}
+
 /* 16 floats as one value (GNU C vectors, no intrinsics): gcc keeps the expand's accumulators in
  * registers (one AVX-512 vector, two AVX2 ones), where a float[64] accumulator stays on the stack and
  * every multiply-add waits on the store of the one before (8 rows of one slot, in=16, out=4096, one
@@ -89,9 +117,24 @@ static inline float dot(const float *restrict w, const float *restrict x, int64_
 typedef float vec16 __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float)), may_alias));
 #define LOAD16(p) (*(const vec16 *)(p))
 
+/* A chunk's 4 accumulators into y[0:CHUNK]: added to it, or written. */
+static inline void store_chunk(float *y, vec16 a0, vec16 a1, vec16 a2, vec16 a3, int add) {
+    if (add) {
+        *(vec16 *)y += a0;
+        *(vec16 *)(y + LANES) += a1;
+        *(vec16 *)(y + 2 * LANES) += a2;
+        *(vec16 *)(y + 3 * LANES) += a3;
+    } else {
+        *(vec16 *)y = a0;
+        *(vec16 *)(y + LANES) = a1;
+        *(vec16 *)(y + 2 * LANES) = a2;
+        *(vec16 *)(y + 3 * LANES) = a3;
+    }
+}
+
 /* y[0:n] = sum_r v[r] * b[r * b_stride + 0:n] for n <= CHUNK columns. */
 static inline void expand_chunk(const float *restrict b, int64_t b_stride, const float *restrict v, int64_t rank,
-                                float *restrict y, int64_t n) {
+                                float *restrict y, int64_t n, int add) {
     if (n == CHUNK) {  /* CHUNK / LANES independent chains over r */
         vec16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         for (int64_t r = 0; r < rank; r++) {
@@ -101,10 +144,7 @@ static inline void expand_chunk(const float *restrict b, int64_t b_stride, const
             a2 += vr * LOAD16(br + 2 * LANES);
             a3 += vr * LOAD16(br + 3 * LANES);
         }
-        *(vec16 *)y = a0;
-        *(vec16 *)(y + LANES) = a1;
-        *(vec16 *)(y + 2 * LANES) = a2;
-        *(vec16 *)(y + 3 * LANES) = a3;
+        store_chunk(y, a0, a1, a2, a3, add);
         return;
     }
     float acc[CHUNK] = {0};  /* the last columns of a row */
@@ -112,14 +152,40 @@ static inline void expand_chunk(const float *restrict b, int64_t b_stride, const
         const float vr = v[r], *restrict br = b + r * b_stride;
         for (int64_t l = 0; l < n; l++) acc[l] += vr * br[l];
     }
-    memcpy(y, acc, (size_t)n * sizeof(float));
+    if (add)
+        for (int64_t l = 0; l < n; l++) y[l] += acc[l];
+    else
+        memcpy(y, acc, (size_t)n * sizeof(float));
+}
+
+/* 16 bf16 values widened to a vec16 in registers (the bf16 bits are the float's high half). */
+typedef uint16_t hvec16 __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(sizeof(uint16_t)), may_alias));
+typedef uint32_t uvec16 __attribute__((vector_size(LANES * sizeof(uint32_t))));
+static inline vec16 load16_bf16(const uint16_t *p) {
+    return (vec16)(__builtin_convertvector(*(const hvec16 *)p, uvec16) << 16);
+}
+
+/* expand_chunk of a full chunk for one row, B in bf16 widened as read (a slot with one row at decode:
+ * no pack round trip); the same chains and order as expand_chunk on the widened values. */
+static inline void expand_chunk_bf16(const uint16_t *restrict b, int64_t b_stride, const float *restrict v,
+                                     int64_t rank, float *restrict y, int add) {
+    vec16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t r = 0; r < rank; r++) {
+        const float vr = v[r];
+        const uint16_t *br = b + r * b_stride;
+        a0 += vr * load16_bf16(br);
+        a1 += vr * load16_bf16(br + LANES);
+        a2 += vr * load16_bf16(br + 2 * LANES);
+        a3 += vr * load16_bf16(br + 3 * LANES);
+    }
+    store_chunk(y, a0, a1, a2, a3, add);
 }
 
 /* expand_chunk for ROWS_BLOCK rows of one slot at once (a full chunk): each of B's vectors is loaded
  * once for the block's rows, ROWS_BLOCK x 4 accumulators (16 of AVX-512's 32 registers), so a step's
  * rows of one adapter are multiply-adds, not loads of B again per row. */
 static inline void expand_chunk_rows(const float *restrict b, int64_t b_stride, const float *const *v, int64_t rank,
-                                     float *const *y) {
+                                     float *const *y, int add) {
     vec16 acc[ROWS_BLOCK][4] = {{{0}}};
     for (int64_t r = 0; r < rank; r++) {
         const float *br = b + r * b_stride;
@@ -133,17 +199,37 @@ static inline void expand_chunk_rows(const float *restrict b, int64_t b_stride, 
         }
     }
     for (int q = 0; q < ROWS_BLOCK; q++)
-        for (int k = 0; k < 4; k++) *(vec16 *)(y[q] + k * LANES) = acc[q][k];
+        for (int k = 0; k < 4; k++) {
+            if (add) *(vec16 *)(y[q] + k * LANES) += acc[q][k];
+            else *(vec16 *)(y[q] + k * LANES) = acc[q][k];
+        }
 }
 
-int lora_rows(const float *x, int64_t rows, int64_t x_stride, int64_t in, const int64_t *slots, int64_t num_slots,
-              const float *a, const float *bt, int64_t rank, int64_t out, float *y, int64_t y_stride) {
-    if (rows < 0 || in < 0 || rank < 0 || out < 0 || num_slots < 0 || x_stride < 0 || y_stride < out) return -1;
+/* bf16 -> fp32 is exact: the bf16 bits are the float's high half. */
+static inline void widen_bf16(const uint16_t *restrict src, float *restrict dst, int64_t n) {
+    uint32_t *restrict d = (uint32_t *)dst;
+    for (int64_t i = 0; i < n; i++) d[i] = (uint32_t)src[i] << 16;
+}
+
+/* Every entry: n_sites linears over the same rows, site i with a[i] [S, R, in], bt[i] [S, R, outs[i]]
+ * and y[i] [rows, outs[i]] (row stride y_strides[i]); `add`: y += delta, else y = delta; `bf16`: a and
+ * bt hold bfloat16 (uint16) elements, else float. */
+static int lora_sites(const float *x, int64_t rows, int64_t x_stride, int64_t in, const int64_t *slots,
+                      int64_t num_slots, int64_t rank, int64_t n_sites, const void *const *as,
+                      const void *const *bts, const int64_t *outs, float *const *ys, const int64_t *y_strides,
+                      int add, int bf16) {
+    const size_t wsize = bf16 ? sizeof(uint16_t) : sizeof(float);
+    if (rows < 0 || in < 0 || rank < 0 || num_slots < 0 || x_stride < 0 || n_sites < 0) return -1;
+    int64_t all_out = 0;
+    for (int64_t i = 0; i < n_sites; i++) {
+        if (outs[i] < 0 || y_strides[i] < outs[i]) return -1;
+        all_out += outs[i];
+    }
     for (int64_t t = 0; t < rows; t++)
         if (slots[t] < -1 || slots[t] >= num_slots) return -2;
-    if (rows == 0) return 0;
+    if (rows == 0 || n_sites == 0) return 0;
 
-    /* One allocation: start[buckets + 1], order[rows], piece[rows + 1], then v [rows, R]. Bucket
+    /* One allocation: start[buckets + 1], order[rows], piece[rows + 1], then v [n_sites, rows, R]. Bucket
      * b holds slot b - 1: bucket 0 the rows without an adapter. */
     const int64_t buckets = num_slots + 1;
     int threads = 1;
@@ -151,10 +237,13 @@ int lora_rows(const float *x, int64_t rows, int64_t x_stride, int64_t in, const 
     threads = omp_get_max_threads();
 #endif
     const size_t index_bytes = (size_t)(buckets + 1 + 2 * rows + 1) * sizeof(int64_t);
-    char *scratch = malloc(index_bytes + (size_t)(rows * rank + threads * rank * CHUNK) * sizeof(float));
+    const int64_t row_buffer = bf16 ? in : 0;  /* floats a thread widens an A row into */
+    char *scratch = malloc(index_bytes + (size_t)(n_sites * rows * rank + threads * (rank * CHUNK + row_buffer))
+                                         * sizeof(float));
     if (scratch == NULL) return -3;
     int64_t *start = (int64_t *)scratch, *order = start + buckets + 1, *piece = order + rows;
-    float *v = (float *)(scratch + index_bytes), *packs = v + rows * rank;
+    float *vs_all = (float *)(scratch + index_bytes), *packs = vs_all + n_sites * rows * rank;
+    float *row_buffers = packs + threads * rank * CHUNK;
 
     /* Counting sort: order[start[b] .. start[b+1]) are bucket b's rows, in row order. */
     memset(start, 0, (size_t)(buckets + 1) * sizeof(int64_t));
@@ -170,14 +259,31 @@ int lora_rows(const float *x, int64_t rows, int64_t x_stride, int64_t in, const 
         for (int64_t j = start[b]; j < start[b + 1]; j += PIECE) piece[pieces++] = j;
     piece[pieces] = rows;
 
-    const int64_t chunks = (out + CHUNK - 1) / CHUNK;
-    #pragma omp parallel if ((rows - start[1]) * rank * (in + out) >= PARALLEL_WORK)
+    #pragma omp parallel if ((rows - start[1]) * rank * (n_sites * in + all_out) >= PARALLEL_WORK)
     {
-        /* 1. shrink: v[t][r] = a[s][r] . x[t] */
+        int nt = 1, id = 0;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+        id = omp_get_thread_num();
+#endif
+        float *row = row_buffers + id * row_buffer;
+        /* 1. shrink: v[i][t][r] = a[i][s][r] . x[t], items over (site, piece, r) */
         #pragma omp for schedule(static)
-        for (int64_t item = 0; item < pieces * rank; item++) {
-            const int64_t p = item / rank, r = item % rank, first = piece[p], last = piece[p + 1];
-            const float *w = a + (slots[order[first]] * rank + r) * in;
+        for (int64_t item = 0; item < n_sites * pieces * rank; item++) {
+            const int64_t i = item / (pieces * rank), p = item / rank % pieces, r = item % rank;
+            const int64_t first = piece[p], last = piece[p + 1];
+            const int64_t at = (slots[order[first]] * rank + r) * in;
+            const float *w = (const float *)as[i] + at;
+            float *v = vs_all + i * rows * rank;
+            if (bf16 && last - first < TILE) {  /* a row or few of this slot: widened as read */
+                for (int64_t j = first; j < last; j++)
+                    v[order[j] * rank + r] = dot_bf16((const uint16_t *)as[i] + at, x + order[j] * x_stride, in);
+                continue;
+            }
+            if (bf16) {  /* widened once for the piece's rows */
+                widen_bf16((const uint16_t *)as[i] + at, row, in);
+                w = row;
+            }
             int64_t j = first;
             for (; j + TILE <= last; j += TILE) {
                 const float *xs[TILE];
@@ -190,30 +296,32 @@ int lora_rows(const float *x, int64_t rows, int64_t x_stride, int64_t in, const 
         }
         /* (the implicit barrier: all of v is written before the expand reads it) */
 
-        /* 2. expand: this thread's columns [o0, o1) of every row, slot by slot. */
-        int nt = 1, id = 0;
-#ifdef _OPENMP
-        nt = omp_get_num_threads();
-        id = omp_get_thread_num();
-#endif
-        const int64_t o0 = chunks * id / nt * CHUNK, o1_chunk = chunks * (id + 1) / nt * CHUNK;
-        const int64_t o1 = o1_chunk < out ? o1_chunk : out;
+        /* 2. expand: of each site, this thread's columns [o0, o1) of every row, slot by slot. */
         float *pack = packs + id * rank * CHUNK;
-        if (o0 < o1) {
-            for (int64_t j = 0; j < start[1]; j++)
-                memset(y + order[j] * y_stride + o0, 0, (size_t)(o1 - o0) * sizeof(float));
+        for (int64_t i = 0; i < n_sites; i++) {
+            const int64_t out = outs[i], y_stride = y_strides[i];
+            const char *bt = bts[i];
+            const float *v = vs_all + i * rows * rank;
+            float *y = ys[i];
+            const int64_t chunks = (out + CHUNK - 1) / CHUNK;
+            const int64_t o0 = chunks * id / nt * CHUNK, o1_chunk = chunks * (id + 1) / nt * CHUNK;
+            const int64_t o1 = o1_chunk < out ? o1_chunk : out;
+            if (o0 >= o1) continue;
+            if (!add)
+                for (int64_t j = 0; j < start[1]; j++)
+                    memset(y + order[j] * y_stride + o0, 0, (size_t)(o1 - o0) * sizeof(float));
             for (int64_t b = 1; b < buckets; b++) {
                 const int64_t first = start[b], last = start[b + 1];
                 if (first == last) continue;
                 int64_t next = b + 1;
                 while (next < buckets && start[next] == start[next + 1]) next++;
-                const float *bs = bt + (b - 1) * rank * out;
-                const float *next_bs = next < buckets ? bt + (next - 1) * rank * out : NULL;
+                const char *bs = bt + (size_t)((b - 1) * rank * out) * wsize;  /* this slot's B: [R, out] */
+                const char *next_bs = next < buckets ? bt + (size_t)((next - 1) * rank * out) * wsize : NULL;
                 for (int64_t o = o0; o < o1; o += CHUNK) {
                     const int64_t n = o1 - o < CHUNK ? o1 - o : CHUNK;
                     /* The chunk AHEAD columns on in this thread's order: this slot's, then the next's. */
                     int64_t ahead = o + AHEAD;
-                    const float *pb = bs;
+                    const char *pb = bs;
                     if (ahead >= o1) {
                         ahead = o0 + (ahead - o1);
                         pb = next_bs;
@@ -221,32 +329,44 @@ int lora_rows(const float *x, int64_t rows, int64_t x_stride, int64_t in, const 
                     if (pb != NULL && ahead < o1)
                         for (int64_t r = 0; r < rank; r++)
                             for (int64_t l = 0; l < CHUNK && ahead + l < o1; l += LANES)
-                                __builtin_prefetch(pb + r * out + ahead + l, 0, PREFETCH_LOCALITY);
+                                __builtin_prefetch(pb + (size_t)(r * out + ahead + l) * wsize, 0, PREFETCH_LOCALITY);
+                    if (bf16 && n == CHUNK && last - first == 1) {  /* one row: B widened as read */
+                        const int64_t t = order[first];
+                        expand_chunk_bf16((const uint16_t *)bs + o, out, v + t * rank, rank, y + t * y_stride + o, add);
+                        continue;
+                    }
+                    /* The chunk's B: in place (fp32), else widened into the pack. */
+                    const float *chunk = (const float *)bs + o;
+                    int64_t chunk_stride = out;
+                    if (bf16) {
+                        for (int64_t r = 0; r < rank; r++)
+                            widen_bf16((const uint16_t *)bs + r * out + o, pack + r * CHUNK, n);
+                        chunk = pack;
+                        chunk_stride = CHUNK;
+                    }
                     int64_t j = first;
                     if (n == CHUNK)  /* blocks of rows: B's vectors loaded once for each block */
                         for (; j + ROWS_BLOCK <= last; j += ROWS_BLOCK) {
-                            const float *vs[ROWS_BLOCK];
-                            float *ys[ROWS_BLOCK];
+                            const float *vq[ROWS_BLOCK];
+                            float *yq[ROWS_BLOCK];
                             for (int q = 0; q < ROWS_BLOCK; q++) {
-                                vs[q] = v + order[j + q] * rank;
-                                ys[q] = y + order[j + q] * y_stride + o;
+                                vq[q] = v + order[j + q] * rank;
+                                yq[q] = y + order[j + q] * y_stride + o;
                             }
-                            expand_chunk_rows(bs + o, out, vs, rank, ys);
+                            expand_chunk_rows(chunk, chunk_stride, vq, rank, yq, add);
                         }
-                    const float *chunk = bs + o;
-                    int64_t chunk_stride = out;
                     /* B's rows lie `out` apart (16 KB at out=4096: every row of a chunk in one L1 set,
                      * so a chunk read for several rows came from L2 each time): packed, it stays in
                      * L1 (8 rows of one slot, in=16, out=4096, one thread: 61 -> 26 us). */
-                    if (last - j > 1) {
+                    if (!bf16 && last - j > 1) {
                         for (int64_t r = 0; r < rank; r++)
-                            memcpy(pack + r * CHUNK, bs + r * out + o, (size_t)n * sizeof(float));
+                            memcpy(pack + r * CHUNK, (const float *)bs + r * out + o, (size_t)n * sizeof(float));
                         chunk = pack;
                         chunk_stride = CHUNK;
                     }
                     for (; j < last; j++) {  /* the rows past the last block, one at a time */
                         const int64_t t = order[j];
-                        expand_chunk(chunk, chunk_stride, v + t * rank, rank, y + t * y_stride + o, n);
+                        expand_chunk(chunk, chunk_stride, v + t * rank, rank, y + t * y_stride + o, n, add);
                     }
                 }
             }
@@ -254,4 +374,17 @@ int lora_rows(const float *x, int64_t rows, int64_t x_stride, int64_t in, const 
     }
     free(scratch);
     return 0;
+}
+
+int lora_rows(const float *x, int64_t rows, int64_t x_stride, int64_t in, const int64_t *slots, int64_t num_slots,
+              const float *a, const float *bt, int64_t rank, int64_t out, float *y, int64_t y_stride) {
+    const void *a_any = a, *bt_any = bt;
+    return lora_sites(x, rows, x_stride, in, slots, num_slots, rank, 1, &a_any, &bt_any, &out, &y, &y_stride, 0, 0);
+}
+
+int lora_rows_add(const float *x, int64_t rows, int64_t x_stride, int64_t in, const int64_t *slots,
+                  int64_t num_slots, int64_t rank, int64_t n_sites, const void *const *as, const void *const *bts,
+                  const int64_t *outs, float *const *ys, const int64_t *y_strides, int64_t bf16) {
+    return lora_sites(x, rows, x_stride, in, slots, num_slots, rank, n_sites, as, bts, outs, ys, y_strides, 1,
+                      bf16 != 0);
 }
