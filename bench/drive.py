@@ -11,7 +11,7 @@ from engine.core import EngineCore
 from engine.model.loader import load_model
 from engine.model.openmp import on_own_thread
 from engine.offline import run_to_completion
-from engine.outputs import Usage
+from engine.outputs import RequestUpdate, Usage
 from engine.request import EngineRequest
 from engine.text.tokenizer import Tokenizer
 
@@ -24,14 +24,28 @@ def make_core(path: Path, **config: object) -> EngineCore:
 
 
 def run(core: EngineCore, *requests: EngineRequest) -> list[tuple[list[int], Usage]]:
-    """(generated tokens, usage) of each request, submitted together."""
-    out = []
-    for updates in run_to_completion(core, *requests):
-        final = updates[-1]
-        if final.error or final.usage is None:
-            raise RuntimeError(f"request failed: {final.error}")
-        out.append(([t for u in updates for d in u.deltas for t in d.token_ids], final.usage))
-    return out
+    """(generated tokens, usage) of each request, submitted together to a started core."""
+    return [_outcome(updates) for updates in run_to_completion(core, *requests)]
+
+
+def run_stepped(core: EngineCore, *requests: EngineRequest) -> list[tuple[list[int], Usage]]:
+    """As `run`, for a core that is not started: its steps run on this thread. A benchmark that compares
+    several cores in one process drives them all so, since each step thread would be an OpenMP team of
+    its own, and teams outnumbering the CPUs throttle each other's spinning (engine/model/openmp.py)."""
+    updates: dict[str, list[RequestUpdate]] = {r.request_id: [] for r in requests}
+    for request in requests:
+        core.submit(request, updates[request.request_id].append)
+    while not all(u and u[-1].done for u in updates.values()):
+        core.drain_inbox()
+        core.step()
+    return [_outcome(updates[r.request_id]) for r in requests]
+
+
+def _outcome(updates: list[RequestUpdate]) -> tuple[list[int], Usage]:
+    final = updates[-1]
+    if final.error or final.usage is None:
+        raise RuntimeError(f"request failed: {final.error}")
+    return [t for u in updates for d in u.deltas for t in d.token_ids], final.usage
 
 
 def random_prompt(n: int, seed: int, vocab: int = 4000) -> tuple[int, ...]:

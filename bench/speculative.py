@@ -16,6 +16,8 @@ llama.cpp (`--peer llama.cpp`, bench/speculative_peer.py): llama-server on the s
 with prompt lookup (`ngram-simple`) on the echo workload, and with the same trained MTP layer
 (`draft-mtp`, Qwen3.5 only: llama.cpp's Qwen3 has no MTP block).
 
+The three engines (plain, ngram/reference, mtp) are stepped on this one thread, one at a time: three
+step threads would be three OpenMP teams on the CPUs, throttling each other (engine/model/openmp.py).
 Decode tok/s excludes the prefill (t(N) - t(1), as bench/throughput.py); every request decodes
 --decode tokens greedily. Each configuration alternates with plain decoding in pairs; its ratio is
 the median over the pairs. Acceptance length: tokens a verify step yields (drafts kept + 1).
@@ -30,7 +32,7 @@ import statistics
 import time
 from typing import Any
 
-from bench.drive import random_prompt, run
+from bench.drive import random_prompt, run_stepped
 from bench.geometry import ensure_geometry
 from bench.mtp_training import ensure_trained_mtp
 from bench.speculative_peer import PeerRate, describe, peer_rates
@@ -74,7 +76,7 @@ def timed(core: EngineCore, batch: int, tokens: int, tag: str, echo: bool) -> tu
     reqs = [EngineRequest(f"{tag}-{i}", p, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
                           lookup=False) for i, p in enumerate(prompts(batch, echo))]
     start = time.perf_counter()
-    out = run(core, *reqs)
+    out = run_stepped(core, *reqs)
     return (time.perf_counter() - start, [t for t, _ in out], sum(u.draft_tokens for _, u in out),
             sum(u.accepted_tokens for _, u in out))
 
@@ -111,8 +113,7 @@ def main() -> None:
                 page_size=16, kv_cache_bytes=1 << 30, max_num_seqs=max(batches), prefill_chunk_tokens=4096,
                 reuse_prompt=False, speculative_method=method, speculative_num_tokens=args.num_tokens,
                 speculative_disable_batch_size=0)))  # the verify path's own cost at every batch size
-            core.start()
-            return core
+            return core  # not started: every core's steps run on this thread (bench/drive.py's run_stepped)
 
         plain, drafting, mtp = core_for("none"), core_for("ngram"), core_for("mtp")
         vocab = loaded.config.vocab_size

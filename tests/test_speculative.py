@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ from engine.request import EngineRequest, EngineSequence
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import RequestSampler, sample
 from engine.speculative.ngram import TokenHistory
-from engine.speculative.speculator import SpecState, StepCosts
+from engine.speculative.speculator import SpecState, Speculator, StepCosts
 from engine.speculative.verify import verify_drafts
 from engine.text.tokenizer import Tokenizer
 
@@ -376,8 +377,8 @@ def test_no_drafting_in_a_batch_larger_than_the_limit(tiny_model_dir: Path, dens
 
 
 def test_drafting_pauses_where_it_does_not_pay(dense_chat_model_dir: Path) -> None:
-    """Every draft wrong: after two empty verifies in a row a sequence stops drafting for a pause that
-    doubles, so most of its steps are plain decodes."""
+    """Every draft wrong: after two empty verifies a sequence stops drafting for a pause that doubles,
+    so most of its steps are plain decodes."""
     model = (load_model(dense_chat_model_dir), Tokenizer.from_dir(dense_chat_model_dir))
     vocab = model[0].config.vocab_size
     request = greedy("r", prompts(vocab)[1], max_tokens=120)
@@ -390,13 +391,44 @@ def test_drafting_pauses_where_it_does_not_pay(dense_chat_model_dir: Path) -> No
     assert core.speculator.totals.verifies <= 12  # of 119 decode steps (2, then 2 after each pause of 4, 8 ... 64)
 
 
+def test_a_run_of_misses_pauses_a_sequence_only_where_its_drafts_do_not_stand() -> None:
+    """The pause follows the drafts a sequence's verifies keep (a moving average): two empty verifies pause
+    one whose drafts never stand, and a probe after the pause that misses pauses it again, for twice as
+    long; one keeping 1.5 drafts a verify keeps drafting through two or three misses in a row."""
+    speculator = Speculator("ngram", 4, 4096)
+    never = SimpleNamespace(speculation=SpecState())
+    for _ in range(2):
+        speculator.verified(never, 4, 0)  # type: ignore[arg-type]
+    assert never.speculation.paused_for == 4
+    never.speculation.paused_for = 0
+    speculator.verified(never, 4, 0)  # type: ignore[arg-type]
+    assert never.speculation.paused_for == 8
+    middling = SimpleNamespace(speculation=SpecState())
+    for kept in (2, 1, 4, 0, 0, 3, 1, 0, 0, 0, 2):
+        speculator.verified(middling, 4, kept)  # type: ignore[arg-type]
+        assert middling.speculation.paused_for == 0, kept
+
+
+def test_a_plain_step_is_taken_to_compare_with_once_drafting_steps_are_measured() -> None:
+    """At a batch each sequence probes on a step of its own, so a step without any verify may not come: once
+    a step with drafts is measured at a batch size and none without, the next step drafts for nobody."""
+    speculator = Speculator("ngram", 4, 4096)
+    assert speculator.begin_step(8)  # nothing measured: steps draft
+    speculator.observe_step(2, 0.07)
+    assert not speculator.begin_step(8)  # measured with drafts only: this one is plain
+    speculator.observe_step(0, 0.04)
+    assert speculator.costs.drafting_pays(8) is False  # 8 tokens in 0.07 s against 8 in 0.04 s
+    speculator.observe_step(2, 0.07)  # a step with drafts that does not pay pauses every sequence
+    assert speculator.paused_steps == 4 and not speculator.begin_step(8)
+
+
 def test_step_costs_compare_tokens_a_second_with_and_without_drafts() -> None:
     costs = StepCosts()
     costs.observe(8, 8, 20, 0.3)  # no plain step measured at 8 yet: nothing to compare with
     assert costs.drafting_pays(8) is None
     costs.observe(8, 0, 8, 0.1)  # 80 tokens a second
     assert costs.drafting_pays(8) is False  # 20 / 0.3 = 67
-    costs.observe(8, 8, 40, 0.3)  # moving average: (67 + 133) / 2 = 100
+    costs.observe(8, 8, 40, 0.3)  # moving average: 67 + (133 - 67) / 4 = 83
     assert costs.drafting_pays(8) is True
     assert costs.drafting_pays(1) is None
 

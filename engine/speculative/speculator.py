@@ -8,15 +8,23 @@ step (their processing would have to be redone token by token inside a verify; n
 Drafting does not always pay: a verify forward of k+1 tokens costs more than a decode of one, a
 draft that is rejected at once buys nothing, and at a larger batch a step with any verify in it
 leaves the steady decode path for every sequence. Two checks:
-- per sequence: after two verifies in a row that kept no draft, a sequence stops drafting for a
-  pause that doubles each time (4, 8 ... 64 steps); after a pause one verify probes, and a miss
-  pauses it again; a kept draft resets it, so at acceptance near zero a sequence spends almost
-  every step as a plain decode;
+- per sequence: the drafts its verifies keep, a moving average (weight RECENT_WEIGHT, the first verify
+  sets it); once at least two verifies have been seen and it is under KEPT_TO_DRAFT, the sequence
+  stops drafting for a pause that doubles each time (4, 8 ... 64 steps); after a pause one verify
+  probes, and a miss pauses it again; a kept draft resets the doubling. At acceptance near zero a
+  sequence so spends almost every step as a plain decode, while at a middling one (a draft token
+  wrong 40% of the time: 1.3 kept a verify) a run of misses does not pause it (two misses in a row
+  did, 16% of the time);
 - per step: what steps give is measured (`StepCosts`, by the number of sequences: the seconds of a
   step without drafts, the tokens a second of a step with them, kept drafts counted). When steps
   with drafts yield fewer tokens a second than plain steps, no sequence drafts for a pause that
   doubles the same way, then one step probes with every sequence that would draft. Before both
-  are measured at a batch size, steps draft.
+  are measured at a batch size, steps draft, but once a step with drafts is measured and none
+  without, the next step is plain: in a batch each sequence's probes fall on steps of their own,
+  so a step without any verify may not come for many steps. A step with drafts yields 1 to k+1 tokens a sequence,
+  by the verify's luck, so its rate is averaged over more steps (DRAFTING_WEIGHT) than a plain
+  step's seconds, which barely vary: averaged as those, two unlucky verifies in a row paused a
+  sequence whose drafting paid 1.5x.
 """
 
 from __future__ import annotations
@@ -27,14 +35,17 @@ from typing import Protocol
 from engine.request import EngineSequence
 from engine.speculative.ngram import TokenHistory
 
-MISSES_BEFORE_PAUSE = 2  # verifies in a row that kept nothing before drafting pauses
+VERIFIES_BEFORE_PAUSE = 2  # a sequence's verifies seen before its kept drafts may pause it
+KEPT_TO_DRAFT = 0.3  # drafts kept a verify (moving average) under which a sequence pauses
+RECENT_WEIGHT = 0.25  # of a verify's kept drafts in a sequence's moving average
 FIRST_PAUSE = 4  # steps
 LONGEST_PAUSE = 64  # steps
-AVERAGE_WEIGHT = 0.5  # of the newest observation in a moving average (a step's seconds, its tokens a second)
+PLAIN_WEIGHT = 0.5  # of the newest plain step's seconds in their moving average
+DRAFTING_WEIGHT = 0.25  # of the newest drafting step's tokens a second in theirs
 
 
-def _moving(average: float | None, value: float) -> float:
-    return value if average is None else average + AVERAGE_WEIGHT * (value - average)
+def _moving(average: float | None, value: float, weight: float) -> float:
+    return value if average is None else average + weight * (value - average)
 
 
 @dataclass(slots=True)
@@ -48,9 +59,13 @@ class StepCosts:
 
     def observe(self, sequences: int, drafting: int, tokens: int, seconds: float) -> None:
         if drafting == 0:
-            self.plain[sequences] = _moving(self.plain.get(sequences), seconds)
+            self.plain[sequences] = _moving(self.plain.get(sequences), seconds, PLAIN_WEIGHT)
         elif seconds > 0:
-            self.drafting[sequences] = _moving(self.drafting.get(sequences), tokens / seconds)
+            self.drafting[sequences] = _moving(self.drafting.get(sequences), tokens / seconds, DRAFTING_WEIGHT)
+
+    def plain_unmeasured(self, sequences: int) -> bool:
+        """Steps with drafts are measured at this many sequences, and none without."""
+        return sequences in self.drafting and sequences not in self.plain
 
     def drafting_pays(self, sequences: int) -> bool | None:
         """Whether steps with drafts yield more tokens a second than plain steps of as many sequences;
@@ -66,7 +81,8 @@ class SpecState:
     history: TokenHistory = field(default_factory=TokenHistory)
     draft_tokens: int = 0  # drafted and verified, this sequence's whole life
     accepted_tokens: int = 0
-    misses: int = 0  # verifies in a row that kept no draft
+    recent_kept: float | None = None  # drafts kept a verify, a moving average (None: no verify yet)
+    seen: int = 0  # verifies since the last pause
     pauses: int = 0  # pauses in a row (each doubles the next)
     paused_for: int = 0  # steps left without drafting
     draft: tuple[int, ...] = ()  # a draft made after a step (MTP), for the sequence at `draft_for` tokens
@@ -127,6 +143,8 @@ class Speculator:
         if self.paused_steps > 0:
             self.paused_steps -= 1
             return False
+        if self.measured_pause and self.costs.plain_unmeasured(running):
+            return False  # a plain step to compare the drafting ones with (at a batch, probes rarely leave one)
         return not self.batch_too_large
 
     def observe_step(self, drafting: int, seconds: float) -> None:
@@ -192,14 +210,15 @@ class Speculator:
         state.draft_tokens += drafted
         state.accepted_tokens += accepted
         self.kept_this_step += accepted
+        state.recent_kept = _moving(state.recent_kept, accepted, RECENT_WEIGHT)
+        state.seen += 1
         if accepted:
-            state.misses = state.pauses = 0
-            return
-        state.misses += 1
-        if state.misses >= MISSES_BEFORE_PAUSE or state.pauses:  # after a pause, one probe that misses is enough
+            state.pauses = 0
+        probe_missed = state.pauses > 0 and not accepted  # after a pause, one probe that misses is enough
+        if probe_missed or (state.seen >= VERIFIES_BEFORE_PAUSE and state.recent_kept < KEPT_TO_DRAFT):
             state.paused_for = min(FIRST_PAUSE * 2 ** state.pauses, LONGEST_PAUSE)
             state.pauses += 1
-            state.misses = 0
+            state.seen = 0
 
 
 def _draftable(seq: EngineSequence) -> bool:
