@@ -5,6 +5,7 @@ image; the engine runs it again on what it is sent (it trusts no caller) before 
 
 from __future__ import annotations
 
+import hashlib
 import io
 
 from PIL import Image, UnidentifiedImageError
@@ -12,6 +13,14 @@ from PIL import Image, UnidentifiedImageError
 FORMATS = ("PNG", "JPEG", "WEBP")  # Pillow tries no other decoder
 # Pillow warns above this many pixels and refuses above twice as many (None: Pillow's check is off).
 PILLOW_MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 2**62
+
+
+def salted_key(cache_salt: str, data: bytes) -> bytes:
+    """An image's key in a cache of what was learnt from it (the gateway's passed images, the engine's
+    catalog): sha256 of the tenant's salt and the bytes, so whether an image was sent before does not
+    show in another tenant's time."""
+    salt = hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).digest()
+    return hashlib.sha256(salt + data).digest()
 
 
 def open_decoded(data: bytes, max_pixels: int, limit: str = "") -> Image.Image:

@@ -10,12 +10,11 @@ bytes again with its image processor (engine/vision/).
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 
 import anyio.to_thread
 
-from common.images import PILLOW_MAX_PIXELS, open_decoded
+from common.images import PILLOW_MAX_PIXELS, open_decoded, salted_key
 from gateway.errors import invalid
 
 __all__ = ["PILLOW_MAX_PIXELS", "check_image", "image_problem"]
@@ -30,7 +29,7 @@ _passed: OrderedDict[tuple[bytes, int], None] = OrderedDict()
 async def check_image(data: bytes, param: str, max_pixels: int, cache_salt: str = "") -> None:
     """400 naming `param` unless `data` is a PNG, JPEG or WebP of at most `max_pixels` that decodes. An image
     known to pass is known per `cache_salt`: another tenant cannot time whether it was sent before."""
-    key = (hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass") + b"\0" + data).digest(), max_pixels)
+    key = (salted_key(cache_salt, data), max_pixels)
     if key in _passed:  # the event loop's thread alone reads and writes it
         _passed.move_to_end(key)
         return

@@ -15,8 +15,6 @@ span take the vision tower's output instead (`ChunkMedia.embeds`).
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -27,6 +25,7 @@ from typing import Any
 import torch
 import xxhash
 
+from common.images import salted_key
 from engine.kv.chain_hash import MEDIA_KEY_BASE
 from engine.model.batch import ChunkMedia
 from engine.vision.positions import mrope_positions
@@ -52,8 +51,7 @@ class ImageCatalog:
 
     def prepare(self, images: Sequence[bytes], vision: VisionInput, cache_salt: str = "") -> list[PreparedImage]:
         """Each image's record, in order; a bad new image is a ValueError naming it (1-based)."""
-        salt = hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).digest()
-        keys = [hashlib.sha256(salt + data).digest() for data in images]
+        keys = [salted_key(cache_salt, data) for data in images]
         with self._lock:
             known = [self._known.get(key) for key in keys]
         fresh = [k for k, entry in enumerate(known) if entry is None]
