@@ -27,6 +27,7 @@ Target: batch-1 decode >= 1.6x `none` at acceptance length >= 2.5; never slower 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import time
@@ -129,9 +130,11 @@ def main() -> None:
         tokenizer = Tokenizer.from_dir(path)
 
         def core_for(method: str) -> EngineCore:
+            # Prefill unpaced: a batch's prompts in one step, so batch 8 decodes as 8 (paced, they entered a
+            # few a step and drafting rows finished early: the "batch 8" rows before 2026-12-07 ran 1-5).
             core = on_own_thread(lambda: EngineCore(loaded, tokenizer, EngineConfig(
                 page_size=16, kv_cache_bytes=1 << 30, max_num_seqs=max(batches), prefill_chunk_tokens=4096,
-                reuse_prompt=False, speculative_method=method, speculative_num_tokens=args.num_tokens,
+                step_time_target_ms=math.inf, reuse_prompt=False, speculative_method=method, speculative_num_tokens=args.num_tokens,
                 speculative_disable_batch_size=0)))  # the verify path's own cost at every batch size
             return core  # not started: every core's steps run on this thread (bench/drive.py's run_stepped)
 

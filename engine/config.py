@@ -47,10 +47,10 @@ class EngineConfig:
     # The key of the tag on spilled state. Built by hand, a config gets a key of its own process (""):
     # a test or a benchmark never writes a key file into the user's home.
     integrity_key_file: str = from_setting("engine.integrity_key_file", default="")
-    # Pause drafting for every sequence where steps with drafts measure fewer tokens a second than plain
-    # ones (engine/speculative/speculator.py); False: decided by acceptance alone, the same on every run
-    # (tests that compare what was drafted across runs).
-    speculative_measured_pause: bool = True
+    # Cut each step's drafts to what pays by the step costs this engine measures and the sequences'
+    # acceptance (engine/speculative/draft_sizing.py); False: every draft verified whole, the same on
+    # every run whatever the machine's load (tests that compare what was drafted across runs).
+    speculative_measured: bool = True
     staging_ring: bool = True  # host captures copy their pages off the step (False: synchronously, for comparison)
     # States the device gives up next are written to KV-RAM off the step, once fewer pages than this
     # are free (blank pages, attention-only models); 0: an eighth of the pool; -1: never (on the step).

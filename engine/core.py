@@ -94,7 +94,7 @@ class EngineCore:
         if batch_limit < 0:  # auto: measured (docs/architecture.md "Speculative decoding")
             batch_limit = 1 if loaded.config.state_shape().has_recurrent_state else 0
         self.speculator = Speculator(config.speculative_method, config.speculative_num_tokens, self.max_model_len,
-                                     batch_limit, measured_pause=config.speculative_measured_pause)
+                                     batch_limit, measured=config.speculative_measured)
         self.scheduler = Scheduler(
             SchedulerLimits(config.page_size, config.max_num_seqs, config.prefill_chunk_tokens),
             self.pages, self.slots, reuse=self.reuse, fork_copy=self.runner.fork_state,
@@ -126,7 +126,7 @@ class EngineCore:
         if mtp is None:
             raise ValueError(f"speculative.method=mtp needs a checkpoint with an MTP layer (mtp.*): "
                              f"{self.loaded.path.name} has none (use ngram)")
-        drafter = MtpDrafter(self.loaded.model, mtp, self.cache, self.speculator.next_draft_room,
+        drafter = MtpDrafter(self.loaded.model, mtp, self.cache, self.speculator.next_draft_rooms,
                              self.scheduler.grow_for_draft, self.scheduler.trim_pages, self.metrics.on_window_gaps)
         self.speculator.use(drafter)
         self.runner.keep_hidden = True
@@ -365,8 +365,8 @@ class EngineCore:
         else:
             self._run_chunks(plan)
         if self.speculator.on and not plan.prefill_tokens:  # what drafting costs (engine/speculative/)
-            drafting = 0 if plan.decodes_only else sum(1 for chunk in plan.chunks if chunk.draft)
-            self.speculator.observe_step(drafting, time.perf_counter() - started)
+            drafted = 0 if plan.decodes_only else sum(len(chunk.draft) for chunk in plan.chunks)
+            self.speculator.observe_step(drafted, time.perf_counter() - started)
         if plan.prefill_tokens:
             if self.loaded.model.device.type == "cuda":  # a chunk that samples nothing left its work queued
                 torch.cuda.synchronize(self.loaded.model.device)

@@ -310,7 +310,8 @@ class Scheduler:
         return plan
 
     def _drafts(self) -> dict[EngineSequence, tuple[int, ...]]:
-        """This step's drafts of the running sequences past their first token (asked once a step each)."""
+        """This step's drafts of the running sequences past their first token (asked once a step each), cut to
+        what pays (engine/speculative/draft_sizing.py)."""
         assert self.speculator is not None
         drafts: dict[EngineSequence, tuple[int, ...]] = {}
         if not self.speculator.begin_step(len(self.running)):
@@ -320,7 +321,7 @@ class Scheduler:
                 draft = self.speculator.draft(seq)
                 if draft:
                     drafts[seq] = draft
-        return drafts
+        return self.speculator.size(drafts)
 
     def _verify_chunk(self, seq: EngineSequence, pending: int, draft: tuple[int, ...]) -> ScheduledChunk:
         """The chunk of a sequence with a draft or several pending tokens: the draft as far as free pages

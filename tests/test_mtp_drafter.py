@@ -252,7 +252,7 @@ def test_a_sequence_moved_down_resumes_with_its_window(kind: str, mtp_model: tup
     model = (kind, *mtp_model)
     prompt = prompts(mtp_model[0].config.vocab_size)[1]
     still = Driver(model, speculative_method="mtp", speculative_num_tokens=3,
-                   speculative_measured_pause=False)  # the same drafts as the moved run, whatever the load
+                   speculative_measured=False)  # the same drafts as the moved run, whatever the load
     want_forwards = watch_forwards(still.core)
     try:
         want = still.run(make_request("r", prompt, max_tokens=24))
@@ -260,7 +260,7 @@ def test_a_sequence_moved_down_resumes_with_its_window(kind: str, mtp_model: tup
         still.close()
     store = start_tierstore(tmp_path / "ts", ["--kv-host-pool-bytes", str(32 * MiB), "--kv-disk-bytes", "0"])
     driver = Driver(model, store.address, reuse_prompt=False, speculative_method="mtp", speculative_num_tokens=3,
-                    speculative_measured_pause=False)
+                    speculative_measured=False)
     forwards = watch_forwards(driver.core)
     try:
         driver.submit(make_request("r", prompt, max_tokens=24))

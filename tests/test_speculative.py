@@ -34,7 +34,7 @@ from engine.request import EngineRequest, EngineSequence
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import RequestSampler, sample
 from engine.speculative.ngram import TokenHistory
-from engine.speculative.speculator import SpecState, Speculator, StepCosts
+from engine.speculative.speculator import SpecState, Speculator
 from engine.speculative.verify import verify_drafts
 from engine.text.tokenizer import Tokenizer
 
@@ -175,10 +175,10 @@ def engine_for(model: tuple[LoadedModel, Tokenizer], method: str = "ngram", k: i
     loaded, tokenizer = model
     # Drafting in batches of every size, and by acceptance alone (the same drafts on every run, whatever
     # this machine's load): the verify machinery is what these tests check (the batch-size limit and the
-    # measured pause have tests of their own).
+    # measured draft sizing have tests of their own).
     settings: dict[str, object] = {"page_size": P, "kv_cache_bytes": 8 * MiB, "max_num_seqs": 8,
                                    "speculative_method": method, "speculative_num_tokens": k,
-                                   "speculative_disable_batch_size": 0, "speculative_measured_pause": False,
+                                   "speculative_disable_batch_size": 0, "speculative_measured": False,
                                    **config}
     return EngineCore(loaded, tokenizer, EngineConfig(**settings))  # type: ignore[arg-type]
 
@@ -376,88 +376,53 @@ def test_no_drafting_in_a_batch_larger_than_the_limit(tiny_model_dir: Path, dens
         assert alone.usage[0][0] > 0 and alone.tokens[0] == want.tokens[0]
 
 
-def test_drafting_pauses_where_it_does_not_pay(dense_chat_model_dir: Path) -> None:
-    """Every draft wrong: after two empty verifies a sequence stops drafting for a pause that doubles,
-    so most of its steps are plain decodes."""
+def stated_costs(speculator: Speculator, plain_step: float, per_draft: float) -> None:
+    """The speculator measures each step as costing `plain_step` plus `per_draft` a verified draft token,
+    whatever this machine's load (its own measurement's outcome is what the tests check)."""
+    observe = speculator.observe_step
+
+    def as_if(drafted: int, seconds: float) -> None:
+        observe(drafted, plain_step + per_draft * drafted)
+    speculator.observe_step = as_if  # type: ignore[method-assign]
+
+
+def test_drafts_that_never_stand_are_cut_to_rare_probes(dense_chat_model_dir: Path) -> None:
+    """Every draft wrong: once the sequence's acceptance is measured its drafts are cut to nothing, and it
+    probes with one token after 4, 8 .. 64 steps without a verify, so most of its steps are plain decodes."""
     model = (load_model(dense_chat_model_dir), Tokenizer.from_dir(dense_chat_model_dir))
     vocab = model[0].config.vocab_size
     request = greedy("r", prompts(vocab)[1], max_tokens=120)
     want = plain_run(model, request)
-    core = engine_for(model)
+    core = engine_for(model, speculative_measured=True)
     core.speculator.drafter = drafter({request.prompt_ids: want.tokens[0]}, 1.0, vocab)
+    stated_costs(core.speculator, 0.03, 0.003)  # batch 1 on a CPU: a drafted row costs a tenth of a step
     got = run(core, request)
     same_as_plain(got, want)
-    assert core.speculator.totals.accepted_tokens == 0
-    assert core.speculator.totals.verifies <= 12  # of 119 decode steps (2, then 2 after each pause of 4, 8 ... 64)
-
-
-def test_a_run_of_misses_pauses_a_sequence_only_where_its_drafts_do_not_stand() -> None:
-    """The pause follows the drafts a sequence's verifies keep (a moving average): two empty verifies pause
-    one whose drafts never stand, and a probe after the pause that misses pauses it again, for twice as
-    long; one keeping 1.5 drafts a verify keeps drafting through two or three misses in a row."""
-    speculator = Speculator("ngram", 4, 4096)
-    never = SimpleNamespace(speculation=SpecState())
-    for _ in range(2):
-        speculator.verified(never, 4, 0)  # type: ignore[arg-type]
-    assert never.speculation.paused_for == 4
-    never.speculation.paused_for = 0
-    speculator.verified(never, 4, 0)  # type: ignore[arg-type]
-    assert never.speculation.paused_for == 8
-    middling = SimpleNamespace(speculation=SpecState())
-    for kept in (2, 1, 4, 0, 0, 3, 1, 0, 0, 0, 2):
-        speculator.verified(middling, 4, kept)  # type: ignore[arg-type]
-        assert middling.speculation.paused_for == 0, kept
-
-
-def test_a_plain_step_is_taken_to_compare_with_once_drafting_steps_are_measured() -> None:
-    """At a batch each sequence probes on a step of its own, so a step without any verify may not come: once
-    a step with drafts is measured at a batch size and none without, the next step drafts for nobody."""
-    speculator = Speculator("ngram", 4, 4096)
-    assert speculator.begin_step(8)  # nothing measured: steps draft
-    speculator.observe_step(2, 0.07)
-    assert not speculator.begin_step(8)  # measured with drafts only: this one is plain
-    speculator.observe_step(0, 0.04)
-    assert speculator.costs.drafting_pays(8) is False  # 8 tokens in 0.07 s against 8 in 0.04 s
-    speculator.observe_step(2, 0.07)  # a step with drafts that does not pay pauses every sequence
-    assert speculator.paused_steps == 4 and not speculator.begin_step(8)
-
-
-def test_step_costs_compare_tokens_a_second_with_and_without_drafts() -> None:
-    costs = StepCosts()
-    costs.observe(8, 8, 20, 0.3)  # no plain step measured at 8 yet: nothing to compare with
-    assert costs.drafting_pays(8) is None
-    costs.observe(8, 0, 8, 0.1)  # 80 tokens a second
-    assert costs.drafting_pays(8) is False  # 20 / 0.3 = 67
-    costs.observe(8, 8, 40, 0.3)  # moving average: 67 + (133 - 67) / 4 = 83
-    assert costs.drafting_pays(8) is True
-    assert costs.drafting_pays(1) is None
+    totals = core.speculator.totals
+    assert totals.accepted_tokens == 0
+    assert 3 <= totals.verifies <= 12, totals.verifies  # of 119 decode steps
+    assert totals.draft_tokens <= 4 + 2 * totals.verifies  # a first draft (measuring its cost), then probes
 
 
 @pytest.mark.parametrize("pays", [True, False])
-def test_drafts_that_stand_but_cost_more_than_they_give_pause(dense_chat_model_dir: Path,
-                                                              monkeypatch: pytest.MonkeyPatch, pays: bool) -> None:
-    """Every draft right: where a step with drafts measures more tokens a second than a plain one the
-    sequence drafts all along; where it measures fewer (set here, as if its verify cost 100 plain
-    steps), drafting pauses for 4, 8 .. 64 steps after each probe. The output is plain decoding's."""
+def test_drafts_that_stand_are_verified_only_where_their_rows_pay(dense_chat_model_dir: Path, pays: bool) -> None:
+    """Every draft right: where a drafted row costs a tenth of a plain step the sequence verifies whole
+    drafts all along; where it costs three plain steps (stated), its drafts are cut to the probes after 4,
+    8 .. 64 steps. The output is plain decoding's either way."""
     model = (load_model(dense_chat_model_dir), Tokenizer.from_dir(dense_chat_model_dir))
     vocab = model[0].config.vocab_size
     request = greedy("r", prompts(vocab)[1], max_tokens=120)
     want = plain_run(model, request)
-    core = engine_for(model, speculative_measured_pause=True)
+    core = engine_for(model, speculative_measured=True)
     core.speculator.drafter = drafter({request.prompt_ids: want.tokens[0]}, 0.0, vocab)
-    speculator = core.speculator
-    plain_step = 0.01
-    observe = speculator.observe_step
-
-    def as_if(drafting: int, seconds: float) -> None:  # the costs as stated, whatever this machine's load
-        tokens = speculator.running + speculator.kept_this_step
-        observe(drafting, plain_step if not drafting else tokens * plain_step * (0.5 if pays else 100))
-    monkeypatch.setattr(speculator, "observe_step", as_if)
-    speculator.costs = StepCosts(plain={1: plain_step})
+    stated_costs(core.speculator, 0.01, 0.001 if pays else 0.03)
     got = run(core, request)
     same_as_plain(got, want)
-    verifies = speculator.totals.verifies
-    assert (verifies >= 20) if pays else (verifies <= 6), verifies
+    totals = core.speculator.totals
+    if pays:
+        assert totals.verifies >= 20 and totals.draft_tokens >= 4 * (totals.verifies - 1), totals  # the last: max_tokens
+    else:  # one draft measures the cost; then the probes
+        assert totals.verifies <= 8, totals
 
 
 def test_step_costs_are_measured_while_drafting(dense_chat_model_dir: Path) -> None:
@@ -465,11 +430,65 @@ def test_step_costs_are_measured_while_drafting(dense_chat_model_dir: Path) -> N
     vocab = model[0].config.vocab_size
     request = greedy("r", prompts(vocab)[1], max_tokens=60)
     want = plain_run(model, request)
-    core = engine_for(model, speculative_measured_pause=True)
-    core.speculator.drafter = drafter({request.prompt_ids: want.tokens[0]}, 1.0, vocab)  # pauses: plain steps too
+    core = engine_for(model, speculative_measured=True)
+    core.speculator.drafter = drafter({request.prompt_ids: want.tokens[0]}, 0.3, vocab)
     same_as_plain(run(core, request), want)
-    costs = core.speculator.costs
-    assert costs.plain.get(1, 0.0) > 0.0 and costs.drafting.get(1, 0.0) > 0.0
+    measured = core.speculator.times.figures[1]  # by drafted rows, 0 a plain step
+    assert measured[0].seconds > 0.0
+    assert any(rows and figure.seconds > 0.0 for rows, figure in measured.items()), "no step with drafts measured"
+
+
+def test_no_draft_is_asked_before_a_plain_step_of_the_batch_size_is_measured() -> None:
+    """Drafts are weighed against a plain step of as many sequences: the first step at a batch size is plain,
+    and so is the first after its figure goes stale (costs change as contexts grow)."""
+    from engine.speculative.draft_sizing import STALE_STEPS
+
+    speculator = Speculator("ngram", 4, 4096)
+    assert not speculator.begin_step(8)
+    speculator.observe_step(0, 0.04)
+    assert speculator.begin_step(8)
+    assert not speculator.begin_step(3)  # another batch size: its own plain step
+    for _ in range(STALE_STEPS):
+        speculator.begin_step(1)
+    assert not speculator.begin_step(8)
+    assert Speculator("ngram", 4, 4096, measured=False).begin_step(8)  # unmeasured: drafts whatever the costs
+
+
+def test_a_sequence_cut_to_nothing_probes_after_4_8_up_to_64_steps_without_a_verify() -> None:
+    """At batch 8, where a drafted row costs a tenth of a plain step, drafts that rarely stand are cut to
+    nothing; the sequence probes 4 steps after its last verify, then 8, 16 .. 64 after each probe (kept or
+    not: drafts that stand but do not pay probe rarely too), with one token, two after a probe kept whole,
+    four after two; a verify that is not a probe starts it at 4 and one token again."""
+    speculator = Speculator("ngram", 4, 4096)
+    speculator.begin_step(8)
+    speculator.observe_step(0, 0.04)  # plain: 8 tokens in 40 ms
+    speculator.begin_step(8)
+    speculator.observe_step(32, 0.04 + 32 * 0.004)
+    seq = SimpleNamespace(speculation=SpecState())
+    for _ in range(3):
+        speculator.verified(seq, 4, 0)  # type: ignore[arg-type]
+    probes: list[int] = []
+    sizes: list[int] = []
+    for _ in range(220):
+        if not speculator.begin_step(8):
+            speculator.observe_step(0, 0.04)  # the plain figure measured again, as the engine's plain step does
+            continue
+        lengths = speculator._lengths([seq], [4])  # type: ignore[list-item]
+        if lengths != [0]:
+            kept = lengths[0] if len(probes) in (1, 2, 4) else 0
+            speculator.verified(seq, lengths[0], kept)  # type: ignore[arg-type]
+            probes.append(speculator.times.step)
+            sizes.append(lengths[0])
+        else:
+            assert speculator._lengths([seq], [4]) == [0]  # type: ignore[list-item]
+    # Steps since the last verify (step 2) at each probe: a plain step measured again on the step a probe
+    # falls due puts it off by one.
+    waits = [b - a for a, b in zip([2, *probes], probes)]
+    assert len(waits) >= 5 and all(want <= wait <= want + 1 for want, wait in zip([4, 8, 16, 32, 64, 64], waits)), waits
+    assert sizes[:6] == [1, 1, 2, 4, 1, 2]  # missed; kept whole; kept whole; missed; kept whole
+    assert speculator._lengths([seq], [4]) == [0] and seq.speculation.probe_after == 64  # type: ignore[list-item]
+    speculator.verified(seq, 4, 2)  # type: ignore[arg-type]
+    assert seq.speculation.probe_after == 4 and seq.speculation.probe_tokens == 1
 
 
 def test_a_hybrid_that_rolls_back_replays_the_tokens_that_stood_on_its_state_from_before_the_step(
@@ -560,7 +579,7 @@ def test_a_sequence_moved_down_while_drafting_resumes_exactly(kind: str, tiny_mo
         plain.close()
     store = start_tierstore(tmp_path / "ts", ["--kv-host-pool-bytes", str(32 * MiB), "--kv-disk-bytes", "0"])
     driver = Driver(model, store.address, reuse_prompt=False, speculative_method="ngram", speculative_num_tokens=4,
-                    speculative_measured_pause=False)  # drafting until the move, whatever the load
+                    speculative_measured=False)  # drafting until the move, whatever the load
     try:
         driver.core.speculator.drafter = drafter({prompt: want.tokens}, 0.4, model[1].config.vocab_size)
         driver.submit(make_request("r", prompt, max_tokens=30))

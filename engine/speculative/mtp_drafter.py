@@ -70,9 +70,9 @@ class _Run:
 
 class MtpDrafter:
     def __init__(self, model: CausalLM, mtp: MtpPredictor, cache: DeviceCache,
-                 draft_room: Callable[[EngineSequence], int], grow: Callable[[EngineSequence, int], bool],
+                 draft_rooms: Callable[[list[EngineSequence]], list[int]], grow: Callable[[EngineSequence, int], bool],
                  trim: Callable[[EngineSequence], None], count_gaps: Callable[[int], None]) -> None:
-        """`draft_room(seq)`: how many tokens to draft for `seq` next step (0: none); `grow(seq, tokens)`:
+        """`draft_rooms(seqs)`: how many tokens to draft for each next step (0: none); `grow(seq, tokens)`:
         pages for `tokens` positions if free; `trim(seq)`: back to the pages its tokens need;
         `count_gaps(n)`: n more sequences began from a state's window (the metric)."""
         if len(mtp.layers) != 1:
@@ -81,7 +81,7 @@ class MtpDrafter:
         self.model = model
         self.mtp = mtp
         self.cache = cache
-        self.draft_room = draft_room
+        self.draft_rooms = draft_rooms
         self.grow = grow
         self.trim = trim
         self.count_gaps = count_gaps
@@ -139,7 +139,8 @@ class MtpDrafter:
         """After sampling: the window for the positions whose next token the step gave, then the drafts."""
         rows, self._rows = self._rows, []
         step_hidden, self._hidden = self._hidden, None
-        runs = []
+        runs: list[_Run] = []
+        last: list[_Run] = []  # the runs that reach their sequence's last token: they may draft
         for r in rows:
             hidden = r.hidden if r.hidden is not None else step_hidden
             assert hidden is not None
@@ -149,10 +150,14 @@ class MtpDrafter:
             end = min(r.start + r.length, len(seq.token_ids) - 1) - r.start
             if end <= r.windowed:
                 continue
-            reaches_last = end == len(seq.token_ids) - 1 - r.start  # its last run position gives the first draft
-            runs.append(self._run_of(r, hidden, r.windowed, end, room=self.draft_room(seq) if reaches_last else 0))
+            run = self._run_of(r, hidden, r.windowed, end, room=0)
+            runs.append(run)
+            if end == len(seq.token_ids) - 1 - r.start:  # its last run position gives the first draft
+                last.append(run)
         if not runs:
             return
+        for run, room in zip(last, self.draft_rooms([run.seq for run in last])):
+            run.room = room
         out, logits = self._forward(runs)
         drafting = [run for run in runs if run.room]
         if drafting:

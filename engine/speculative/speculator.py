@@ -6,25 +6,17 @@ before each position but their count: requests with penalties or a grammar are d
 step (their processing would have to be redone token by token inside a verify; not built).
 
 Drafting does not always pay: a verify forward of k+1 tokens costs more than a decode of one, a
-draft that is rejected at once buys nothing, and at a larger batch a step with any verify in it
-leaves the steady decode path for every sequence. Two checks:
-- per sequence: the drafts its verifies keep, a moving average (weight RECENT_WEIGHT, the first verify
-  sets it); once at least two verifies have been seen and it is under KEPT_TO_DRAFT, the sequence
-  stops drafting for a pause that doubles each time (4, 8 ... 64 steps); after a pause one verify
-  probes, and a miss pauses it again; a kept draft resets the doubling. At acceptance near zero a
-  sequence so spends almost every step as a plain decode, while at a middling one (a draft token
-  wrong 40% of the time: 1.3 kept a verify) a run of misses does not pause it (two misses in a row
-  did, 16% of the time);
-- per step: what steps give is measured (`StepCosts`, by the number of sequences: the seconds of a
-  step without drafts, the tokens a second of a step with them, kept drafts counted). When steps
-  with drafts yield fewer tokens a second than plain steps, no sequence drafts for a pause that
-  doubles the same way, then one step probes with every sequence that would draft. Before both
-  are measured at a batch size, steps draft, but once a step with drafts is measured and none
-  without, the next step is plain: in a batch each sequence's probes fall on steps of their own,
-  so a step without any verify may not come for many steps. A step with drafts yields 1 to k+1 tokens a sequence,
-  by the verify's luck, so its rate is averaged over more steps (DRAFTING_WEIGHT) than a plain
-  step's seconds, which barely vary: averaged as those, two unlucky verifies in a row paused a
-  sequence whose drafting paid 1.5x.
+draft that is rejected at once buys nothing, and at a larger batch each drafted row costs about what
+a sequence's own decode does. So each step the drafts are cut to the lengths that make the step's
+tokens a second largest, none at all included, by the step costs this engine measured and each
+sequence's acceptance (engine/speculative/draft_sizing.py). Before drafts are weighed at a batch size
+a plain step of that size is measured (and again now and then: it is what the rest is weighed
+against); before any step with drafts is, every draft is verified and its cost measured. A sequence whose drafts are cut to nothing probes once it has gone `probe_after`
+steps without a verify (4, doubling after each probe to 64; a verify that is not a probe resets it)
+with the first token of its draft, twice as many after a probe kept whole (to k), one again after a
+miss: a sequence whose text turns copyable (a file echoed back) drafts again, its acceptance rising
+with each probe, while one whose drafts never stand probes one token at ever longer intervals, and
+one whose drafts stand but cost more than they give probes rarely.
 """
 
 from __future__ import annotations
@@ -33,45 +25,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.request import EngineSequence
+from engine.speculative.draft_sizing import (ENGINE_DECAY, FIRST_GUESS, KEPT_DECAY, PRIOR, Acceptance, StepTimes,
+                                             draft_lengths)
 from engine.speculative.ngram import TokenHistory
 
-VERIFIES_BEFORE_PAUSE = 2  # a sequence's verifies seen before its kept drafts may pause it
-KEPT_TO_DRAFT = 0.3  # drafts kept a verify (moving average) under which a sequence pauses
-RECENT_WEIGHT = 0.25  # of a verify's kept drafts in a sequence's moving average
-FIRST_PAUSE = 4  # steps
-LONGEST_PAUSE = 64  # steps
-PLAIN_WEIGHT = 0.5  # of the newest plain step's seconds in their moving average
-DRAFTING_WEIGHT = 0.25  # of the newest drafting step's tokens a second in theirs
-
-
-def _moving(average: float | None, value: float, weight: float) -> float:
-    return value if average is None else average + weight * (value - average)
-
-
-@dataclass(slots=True)
-class StepCosts:
-    """What steps give, measured, by the number of sequences in them (moving averages): the seconds of
-    a step without drafts, and the tokens a second of a step with drafts (its sequences' tokens plus
-    the drafts its verifies kept). Steps that run prompt tokens are not counted."""
-
-    plain: dict[int, float] = field(default_factory=dict)
-    drafting: dict[int, float] = field(default_factory=dict)
-
-    def observe(self, sequences: int, drafting: int, tokens: int, seconds: float) -> None:
-        if drafting == 0:
-            self.plain[sequences] = _moving(self.plain.get(sequences), seconds, PLAIN_WEIGHT)
-        elif seconds > 0:
-            self.drafting[sequences] = _moving(self.drafting.get(sequences), tokens / seconds, DRAFTING_WEIGHT)
-
-    def plain_unmeasured(self, sequences: int) -> bool:
-        """Steps with drafts are measured at this many sequences, and none without."""
-        return sequences in self.drafting and sequences not in self.plain
-
-    def drafting_pays(self, sequences: int) -> bool | None:
-        """Whether steps with drafts yield more tokens a second than plain steps of as many sequences;
-        None until both are measured."""
-        plain, rate = self.plain.get(sequences), self.drafting.get(sequences)
-        return None if plain is None or rate is None or plain <= 0 else rate >= sequences / plain
+FIRST_PROBE = 4  # steps without a verify after which a sequence whose drafts are cut probes with one
+LONGEST_PROBE = 64  # steps
 
 
 @dataclass(slots=True)
@@ -81,10 +40,11 @@ class SpecState:
     history: TokenHistory = field(default_factory=TokenHistory)
     draft_tokens: int = 0  # drafted and verified, this sequence's whole life
     accepted_tokens: int = 0
-    recent_kept: float | None = None  # drafts kept a verify, a moving average (None: no verify yet)
-    seen: int = 0  # verifies since the last pause
-    pauses: int = 0  # pauses in a row (each doubles the next)
-    paused_for: int = 0  # steps left without drafting
+    kept: Acceptance = field(default_factory=Acceptance)  # its drafts kept over judged, recent ones most
+    verified_at: int = -LONGEST_PROBE  # the step of its last verify
+    probe_after: int = FIRST_PROBE  # steps without a verify after which a cut draft probes
+    probing: bool = False  # its draft this step is a probe
+    probe_tokens: int = 1  # of its draft the next probe verifies
     draft: tuple[int, ...] = ()  # a draft made after a step (MTP), for the sequence at `draft_for` tokens
     draft_for: int = -1
     windowed: bool = False  # MTP: this sequence has run positions of its own through the drafter
@@ -118,9 +78,9 @@ METHODS = ("none", "ngram", "mtp")
 
 class Speculator:
     def __init__(self, method: str, num_tokens: int, max_model_len: int, batch_limit: int = 0,
-                 measured_pause: bool = True) -> None:
-        """`batch_limit`: no drafting in a step with more sequences running (0: no limit);
-        `measured_pause`: pause drafting where steps with drafts measure fewer tokens a second."""
+                 measured: bool = True) -> None:
+        """`batch_limit`: no drafting in a step with more sequences running (0: no limit); `measured`:
+        drafts cut to what pays by measured step costs (else every draft is verified whole)."""
         if method not in METHODS:
             raise ValueError(f"speculative.method={method!r}: use one of {', '.join(METHODS)}")
         self.method = method
@@ -130,36 +90,23 @@ class Speculator:
         self.max_model_len = max_model_len
         self.drafter: Drafter = NgramDrafter()
         self.totals = SpecTotals()
-        self.costs = StepCosts()
-        self.measured_pause = measured_pause
-        self.kept_this_step = 0  # drafts the step's verifies kept (its tokens past one a sequence)
-        self.paused_steps = 0  # steps left in which no sequence drafts (drafting did not pay)
-        self.pauses = 0  # such pauses in a row (each doubles the next)
+        self.times = StepTimes()
+        self.acceptance = Acceptance()  # the engine's, over every sequence's verifies
+        self.measured = measured
 
     def begin_step(self, running: int) -> bool:
         """A step of `running` sequences is being planned: whether any of them may draft."""
         self.running = running
-        self.kept_this_step = 0
-        if self.paused_steps > 0:
-            self.paused_steps -= 1
+        self.times.tick()
+        if self.batch_too_large:
             return False
-        if self.measured_pause and self.costs.plain_unmeasured(running):
-            return False  # a plain step to compare the drafting ones with (at a batch, probes rarely leave one)
-        return not self.batch_too_large
+        # Drafts are weighed against a plain step of as many sequences: one is measured first.
+        return not self.measured or self.times.plain_seconds(running) is not None
 
-    def observe_step(self, drafting: int, seconds: float) -> None:
-        """A step without prompt tokens took `seconds`; `drafting` of its sequences verified drafts.
-        A step with drafts that yields fewer tokens a second than plain steps pauses drafting for
-        every sequence (4, 8 .. 64 steps; the step after a pause probes)."""
-        if not self.running:
-            return
-        self.costs.observe(self.running, drafting, self.running + self.kept_this_step, seconds)
-        pays = self.costs.drafting_pays(self.running) if drafting and self.measured_pause else None
-        if pays is False:
-            self.paused_steps = min(FIRST_PAUSE * 2 ** self.pauses, LONGEST_PAUSE)
-            self.pauses += 1
-        elif pays:
-            self.pauses = 0
+    def observe_step(self, drafted: int, seconds: float) -> None:
+        """A step without prompt tokens took `seconds`, verifying `drafted` draft tokens in all."""
+        if self.running:
+            self.times.observe(self.running, drafted, seconds)
 
     @property
     def on(self) -> bool:
@@ -174,31 +121,56 @@ class Speculator:
         """The drafter of a method that needs the model (mtp: engine/speculative/mtp_drafter.py)."""
         self.drafter = drafter
 
-    def next_draft_room(self, seq: EngineSequence) -> int:
-        """How many tokens `seq` drafts next step if a draft is there (0: it will not draft); for a
-        drafter that drafts after a step for the next one (MTP)."""
-        room = seq.request.params.length_limit(seq.num_prompt, self.max_model_len) - len(seq.token_ids) - 1
-        if room <= 0 or seq.num_output == 0 or not _draftable(seq) or self.batch_too_large or self.paused_steps > 0:
-            return 0
-        state: SpecState | None = seq.speculation
-        if state is None:
-            state = seq.speculation = SpecState()
-        return 0 if state.paused_for > 0 else min(self.num_tokens, room)
-
-    def draft(self, seq: EngineSequence) -> tuple[int, ...]:
-        """Tokens to verify after `seq`'s pending ones this step; () when it does not draft this step. A
-        verify appends one token more than the draft kept, so the draft leaves room for it under the
-        sequence's length limit (max_tokens, the context)."""
+    def _room(self, seq: EngineSequence) -> int:
+        """Tokens `seq` may draft: a verify appends one token more than the draft kept, so the draft leaves
+        room for it under the sequence's length limit (max_tokens, the context); 0 where it may not."""
         room = seq.request.params.length_limit(seq.num_prompt, self.max_model_len) - len(seq.token_ids) - 1
         if room <= 0 or seq.num_output == 0 or not _draftable(seq):
-            return ()
-        state: SpecState | None = seq.speculation
-        if state is None:
-            state = seq.speculation = SpecState()
-        if state.paused_for > 0:
-            state.paused_for -= 1
-            return ()
-        return tuple(self.drafter.propose(seq, state, min(self.num_tokens, room)))
+            return 0
+        if seq.speculation is None:
+            seq.speculation = SpecState()
+        return min(self.num_tokens, room)
+
+    def next_draft_rooms(self, seqs: list[EngineSequence]) -> list[int]:
+        """How many tokens each of `seqs` drafts for the next step (0: none), for a drafter that drafts
+        after a step for the next one (MTP): what the next step would verify of full drafts."""
+        if self.batch_too_large:
+            return [0] * len(seqs)
+        return self._lengths(seqs, [self._room(seq) for seq in seqs])
+
+    def draft(self, seq: EngineSequence) -> tuple[int, ...]:
+        """The drafter's tokens to follow `seq`'s pending ones (() for none); `size` cuts them."""
+        room = self._room(seq)
+        return tuple(self.drafter.propose(seq, seq.speculation, room)) if room else ()
+
+    def size(self, drafts: dict[EngineSequence, tuple[int, ...]]) -> dict[EngineSequence, tuple[int, ...]]:
+        """The step's drafts as verified: each cut to the length that pays (draft_sizing); those cut to
+        nothing are left out."""
+        seqs = list(drafts)
+        lengths = self._lengths(seqs, [len(draft) for draft in drafts.values()])
+        return {seq: drafts[seq][:n] for seq, n in zip(seqs, lengths) if n}
+
+    def _lengths(self, seqs: list[EngineSequence], offered: list[int]) -> list[int]:
+        """Of `offered` draft tokens each, how many each sequence verifies in the step."""
+        if not self.measured:
+            return offered
+        plain = self.times.plain_seconds(self.running)
+        if plain is None:
+            return [0] * len(offered)  # a plain step is to be measured first
+        curve = self.times.extra_curve(self.running)
+        if not curve:
+            return offered  # no step with drafts measured: every draft, and its cost is measured
+        engine = self.acceptance.rate(FIRST_GUESS, 1.0)
+        offers = [(seq.speculation.kept.rate(engine, PRIOR) if n else 0.0, n) for seq, n in zip(seqs, offered)]
+        lengths = draft_lengths(self.running, offers, plain, curve)
+        step = self.times.step
+        for i, seq in enumerate(seqs):
+            if offered[i]:
+                state: SpecState = seq.speculation
+                state.probing = not lengths[i] and step - state.verified_at >= state.probe_after
+                if state.probing:  # its acceptance would otherwise never be measured again
+                    lengths[i] = min(offered[i], state.probe_tokens)
+        return lengths
 
     def verified(self, seq: EngineSequence, drafted: int, accepted: int) -> None:
         """A verify of `drafted` tokens kept `accepted` of them."""
@@ -209,16 +181,15 @@ class Speculator:
         state: SpecState = seq.speculation
         state.draft_tokens += drafted
         state.accepted_tokens += accepted
-        self.kept_this_step += accepted
-        state.recent_kept = _moving(state.recent_kept, accepted, RECENT_WEIGHT)
-        state.seen += 1
-        if accepted:
-            state.pauses = 0
-        probe_missed = state.pauses > 0 and not accepted  # after a pause, one probe that misses is enough
-        if probe_missed or (state.seen >= VERIFIES_BEFORE_PAUSE and state.recent_kept < KEPT_TO_DRAFT):
-            state.paused_for = min(FIRST_PAUSE * 2 ** state.pauses, LONGEST_PAUSE)
-            state.pauses += 1
-            state.seen = 0
+        state.kept.verified(drafted, accepted, KEPT_DECAY)
+        self.acceptance.verified(drafted, accepted, ENGINE_DECAY)
+        state.verified_at = self.times.step
+        if state.probing:
+            state.probe_after = min(2 * state.probe_after, LONGEST_PROBE)
+            state.probe_tokens = min(2 * drafted, self.num_tokens) if accepted == drafted else 1
+        else:
+            state.probe_after, state.probe_tokens = FIRST_PROBE, 1
+        state.probing = False
 
 
 def _draftable(seq: EngineSequence) -> bool:
