@@ -55,6 +55,8 @@ class ReferenceDrafter:
     """The tokens a plain run of the same prompt produced, each wrong with probability `q` (the drafter of
     this benchmark and of tests/test_speculative.py: every verify outcome, at an acceptance q sets)."""
 
+    proposes_every_step = True  # a lookup, as prompt lookup's
+
     def __init__(self, reference: dict[tuple[int, ...], list[int]], q: float, vocab: int, seed: int = 0) -> None:
         self.reference, self.q, self.vocab = reference, q, vocab
         self.rng = random.Random(seed)

@@ -89,7 +89,9 @@ def test_step_times_by_batch_size_and_drafted_rows() -> None:
 
 def test_the_plain_figure_is_measured_again_and_stale_drafting_figures_dropped() -> None:
     """The plain figure is measured again after 4, 8, 16, then every 32 steps, and when a step with drafts
-    measured faster than it; a drafting figure not measured for STALE_STEPS steps is dropped."""
+    measured faster than it; a drafting figure measured c times is set aside when not measured again for
+    4, 8 .. STALE_STEPS steps, and with none in use a drafted row is taken to cost a tenth of a plain
+    step."""
     times = StepTimes()
     due = []
     for step in range(1, 150):
@@ -104,11 +106,28 @@ def test_the_plain_figure_is_measured_again_and_stale_drafting_figures_dropped()
     assert times.plain_seconds(1) is None
     times.observe(1, 0, 0.03)  # measured just now and still over it: the drafting figure goes
     times.tick()
-    assert times.plain_seconds(1) == pytest.approx(0.03) and times.extra_curve(1) == []
-    times.observe(1, 4, 0.04)
-    for _ in range(STALE_STEPS + 1):
+    assert times.plain_seconds(1) == pytest.approx(0.03)
+    assert times.extra_curve(1) == [(1, pytest.approx(0.003))]  # none measured: a row a tenth of a plain step
+    times.observe(1, 4, 0.06)  # measured once: set aside when not measured again within 4 steps
+    for _ in range(4):
         times.tick()
-    assert times.extra_curve(1) == []
+    assert times.extra_curve(1) == [(4, pytest.approx(0.03))]
+    times.tick()
+    assert times.extra_curve(1) == [(1, pytest.approx(0.003))]
+    times.observe(1, 4, 0.04)  # measured again: its count goes on (set aside after 8 steps now)
+    for _ in range(8):
+        times.tick()
+    assert times.extra_curve(1) == [(4, pytest.approx(0.01))]
+    times.tick()
+    assert times.extra_curve(1) == [(1, pytest.approx(0.003))]
+    for _ in range(7):  # measured 9 times: in use while not older than STALE_STEPS
+        times.observe(1, 4, 0.04)
+    for _ in range(STALE_STEPS):
+        times.tick()
+    times.observe(1, 0, 0.03)
+    assert times.extra_curve(1) == [(4, pytest.approx(0.01))]
+    times.tick()
+    assert times.extra_curve(1) == [(1, pytest.approx(0.003))]
 
 
 def test_acceptance_counts_kept_drafts_over_those_judged() -> None:

@@ -362,6 +362,8 @@ def test_no_drafting_in_a_batch_larger_than_the_limit(tiny_model_dir: Path, dens
             core = engine_for(model, speculative_disable_batch_size=limit)
 
             class Watched:
+                proposes_every_step = True
+
                 def propose(self, seq: EngineSequence, state: SpecState, k: int) -> list[int]:
                     asked_beside.append(core.speculator.running)
                     return reference.propose(seq, state, k)
@@ -386,9 +388,10 @@ def stated_costs(speculator: Speculator, plain_step: float, per_draft: float) ->
     speculator.observe_step = as_if  # type: ignore[method-assign]
 
 
-def test_drafts_that_never_stand_are_cut_to_rare_probes(dense_chat_model_dir: Path) -> None:
-    """Every draft wrong: once the sequence's acceptance is measured its drafts are cut to nothing, and it
-    probes with one token after 4, 8 .. 64 steps without a verify, so most of its steps are plain decodes."""
+def test_drafts_that_never_stand_are_cut_to_nothing_and_judged_as_shadows(dense_chat_model_dir: Path) -> None:
+    """Every draft wrong: once the sequence's acceptance is measured its drafts are cut to nothing; a drafter
+    that proposes every step (prompt lookup) needs no probe, its cut drafts judged against the tokens
+    decoded instead, so every step after the first verifies is a plain decode."""
     model = (load_model(dense_chat_model_dir), Tokenizer.from_dir(dense_chat_model_dir))
     vocab = model[0].config.vocab_size
     request = greedy("r", prompts(vocab)[1], max_tokens=120)
@@ -400,15 +403,46 @@ def test_drafts_that_never_stand_are_cut_to_rare_probes(dense_chat_model_dir: Pa
     same_as_plain(got, want)
     totals = core.speculator.totals
     assert totals.accepted_tokens == 0
-    assert 3 <= totals.verifies <= 12, totals.verifies  # of 119 decode steps
-    assert totals.draft_tokens <= 4 + 2 * totals.verifies  # a first draft (measuring its cost), then probes
+    assert 1 <= totals.verifies <= 3, totals.verifies  # of 119 decode steps
+    kept = core.speculator.acceptance
+    assert kept.judged > totals.verifies and kept.hits == 0  # the shadows were judged: all wrong
+
+
+def test_a_sequence_whose_drafts_turn_right_drafts_again(dense_chat_model_dir: Path) -> None:
+    """Drafts wrong for the first 40 tokens, right after: cut to nothing while wrong (their shadows judged),
+    drafted and verified again once the shadows stand, with no probe in between."""
+    model = (load_model(dense_chat_model_dir), Tokenizer.from_dir(dense_chat_model_dir))
+    vocab = model[0].config.vocab_size
+    request = greedy("r", prompts(vocab)[1], max_tokens=120)
+    want = plain_run(model, request)
+    right, wrong = (drafter({request.prompt_ids: want.tokens[0]}, q, vocab) for q in (0.0, 1.0))
+    verified_at: list[int] = []  # outputs at the steps whose draft was verified
+
+    class Turning:
+        proposes_every_step = True
+
+        def propose(self, seq: EngineSequence, state: SpecState, k: int) -> list[int]:
+            return (wrong if seq.num_output < 40 else right).propose(seq, state, k)
+    core = engine_for(model, speculative_measured=True)
+    core.speculator.drafter = Turning()
+    stated_costs(core.speculator, 0.03, 0.003)
+    verified = core.speculator.verified
+
+    def counted(seq: EngineSequence, drafted: int, accepted: int) -> None:
+        verified_at.append(seq.num_output)
+        verified(seq, drafted, accepted)
+    core.speculator.verified = counted  # type: ignore[method-assign]
+    same_as_plain(run(core, request), want)
+    before = [n for n in verified_at if n < 40]
+    assert 1 <= len(before) <= 3, verified_at
+    assert len([n for n in verified_at if n >= 40]) >= 10, verified_at  # drafting again: ~80 tokens in 4-5s
 
 
 @pytest.mark.parametrize("pays", [True, False])
 def test_drafts_that_stand_are_verified_only_where_their_rows_pay(dense_chat_model_dir: Path, pays: bool) -> None:
     """Every draft right: where a drafted row costs a tenth of a plain step the sequence verifies whole
-    drafts all along; where it costs three plain steps (stated), its drafts are cut to the probes after 4,
-    8 .. 64 steps. The output is plain decoding's either way."""
+    drafts all along; where it costs three plain steps (stated), its drafts are cut to nothing but for the
+    verifies that measure the cost again at growing intervals. The output is plain decoding's either way."""
     model = (load_model(dense_chat_model_dir), Tokenizer.from_dir(dense_chat_model_dir))
     vocab = model[0].config.vocab_size
     request = greedy("r", prompts(vocab)[1], max_tokens=120)
@@ -421,7 +455,7 @@ def test_drafts_that_stand_are_verified_only_where_their_rows_pay(dense_chat_mod
     totals = core.speculator.totals
     if pays:
         assert totals.verifies >= 20 and totals.draft_tokens >= 4 * (totals.verifies - 1), totals  # the last: max_tokens
-    else:  # one draft measures the cost; then the probes
+    else:  # one draft measures the cost, measured again after 4, 8, 16 .. steps (a first call may be slow)
         assert totals.verifies <= 8, totals
 
 
@@ -454,12 +488,13 @@ def test_no_draft_is_asked_before_a_plain_step_of_the_batch_size_is_measured() -
     assert Speculator("ngram", 4, 4096, measured=False).begin_step(8)  # unmeasured: drafts whatever the costs
 
 
-def test_a_sequence_cut_to_nothing_probes_after_4_8_up_to_64_steps_without_a_verify() -> None:
-    """At batch 8, where a drafted row costs a tenth of a plain step, drafts that rarely stand are cut to
+def test_an_mtp_sequence_cut_to_nothing_probes_after_4_8_up_to_64_steps_without_a_verify() -> None:
+    """With a drafter whose drafts cost a forward (MTP: no shadows), at batch 8, where a drafted row costs a tenth of a plain step, drafts that rarely stand are cut to
     nothing; the sequence probes 4 steps after its last verify, then 8, 16 .. 64 after each probe (kept or
     not: drafts that stand but do not pay probe rarely too), with one token, two after a probe kept whole,
     four after two; a verify that is not a probe starts it at 4 and one token again."""
-    speculator = Speculator("ngram", 4, 4096)
+    speculator = Speculator("mtp", 4, 4096)
+    speculator.drafter = SimpleNamespace(proposes_every_step=False)  # drafts that cost a forward (MTP's)
     speculator.begin_step(8)
     speculator.observe_step(0, 0.04)  # plain: 8 tokens in 40 ms
     speculator.begin_step(8)
@@ -506,6 +541,7 @@ def test_a_hybrid_that_rolls_back_replays_the_tokens_that_stood_on_its_state_fro
 
     class Spoiled:
         calls = 0
+        proposes_every_step = True
 
         def propose(self, seq: EngineSequence, state: SpecState, k: int) -> list[int]:
             out = reference.propose(seq, state, k)

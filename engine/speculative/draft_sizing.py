@@ -16,8 +16,10 @@ in is the engine's to measure on its own machine and load, not a constant:
   against drafting steps taken in a quiet one). The plain figure is
   what the rest is weighed against: it is measured again after 4, 8, 16 then every 32 steps, and at
   once when a step with drafts measured faster than it (a slow first step sets it too high). A
-  drafting figure not measured again for `STALE_STEPS` steps is dropped, so costs follow growing
-  contexts and a choice made on one noisy figure is tried again;
+  drafting figure measured c times is set aside once not measured again for 4, 8 .. `STALE_STEPS`
+  steps as c grows (dropped past that), so costs follow growing contexts and a choice made on one
+  figure (a first call's) is tried again, less often the more it was measured; with no drafting
+  figure in use a drafted row is taken to cost a tenth of a plain step (`PRIOR_ROW_COST`);
 - what a draft gives: draft token j of a sequence stands only if tokens 1..j all do, so with a
   per-token acceptance a it yields a^j tokens in expectation. The acceptance is the sequence's
   (`Acceptance`: drafts kept over drafts judged, a kept draft a hit and the first rejected one a
@@ -35,7 +37,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-STALE_STEPS = 256  # steps after which a drafting step's figure not measured again is dropped
+STALE_STEPS = 256  # steps after which a drafting step's figure not measured again is dropped (at the most)
+PRIOR_ROW_COST = 0.1  # of a plain step, a drafted row's seconds while none is measured (a 2-core CPU: 0.09
+# at batch 1, 0.07-0.11 at 8 with the verify's own overhead; a GPU's rows cost less, and are then measured)
 PLAIN_FRESH = 32  # steps after which a plain step's figure is measured again (the baseline of the rest)
 FIRST_REFRESH = 4  # ... its second measurement after this many steps, its third after twice as many ..
 RECENT = 8  # a figure is the least of this many latest measurements: interference only adds time
@@ -95,15 +99,22 @@ class StepTimes:
 
     def extra_curve(self, sequences: int) -> list[tuple[int, float]]:
         """(drafted rows, seconds beyond a plain step), by rows, from steps of this many sequences, or else
-        of the nearest number measured with and without drafts (a drafted row costs about the same)."""
+        of the nearest number measured with and without drafts (a drafted row costs about the same); with
+        none, PRIOR_ROW_COST a row. A figure measured c times is set aside once not measured again for 4,
+        8 .. 256 steps as c grows (and dropped past 256): one measurement may be a first call's (a tiny
+        model's first verify took 6 plain steps); set aside, drafts of that size are weighed by the prior
+        again and, where worth it, measured again, the figure's count going on."""
         for batch in sorted(self.figures, key=lambda b: (abs(b - sequences), b)):
             by_rows = self.figures[batch]
             for rows in [r for r, f in by_rows.items() if r and self.step - f.step > STALE_STEPS]:
                 del by_rows[rows]
             plain = by_rows.get(0)
-            if plain is not None and len(by_rows) > 1:
-                return sorted((rows, f.seconds - plain.seconds) for rows, f in by_rows.items() if rows)
-        return []
+            resting = [(rows, f) for rows, f in by_rows.items()
+                       if rows and self.step - f.step <= min(STALE_STEPS, FIRST_REFRESH << (f.count - 1))]
+            if plain is not None and resting:
+                return sorted((rows, f.seconds - plain.seconds) for rows, f in resting)
+        plain_now = self.plain_seconds(sequences)
+        return [] if plain_now is None else [(1, PRIOR_ROW_COST * plain_now)]
 
 
 def extra_seconds(curve: Sequence[tuple[int, float]], rows: int) -> float:

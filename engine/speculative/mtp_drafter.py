@@ -69,6 +69,8 @@ class _Run:
 
 
 class MtpDrafter:
+    proposes_every_step = False  # its drafts cost a forward of its layer each (speculator.Drafter)
+
     def __init__(self, model: CausalLM, mtp: MtpPredictor, cache: DeviceCache,
                  draft_rooms: Callable[[list[EngineSequence]], list[int]], grow: Callable[[EngineSequence, int], bool],
                  trim: Callable[[EngineSequence], None], count_gaps: Callable[[int], None]) -> None:

@@ -11,7 +11,10 @@ a sequence's own decode does. So each step the drafts are cut to the lengths tha
 tokens a second largest, none at all included, by the step costs this engine measured and each
 sequence's acceptance (engine/speculative/draft_sizing.py). Before drafts are weighed at a batch size
 a plain step of that size is measured (and again now and then: it is what the rest is weighed
-against); before any step with drafts is, every draft is verified and its cost measured. A sequence whose drafts are cut to nothing probes once it has gone `probe_after`
+against); before any step with drafts is, a drafted row is taken to cost a tenth of it. A draft cut to nothing from a drafter that proposes every step (prompt lookup) is
+kept as a shadow and judged against the tokens plain decoding gives instead: the sequence's acceptance
+is measured for nothing. With MTP, whose drafts cost a forward each, a sequence whose drafts are cut
+to nothing probes instead: once it has gone `probe_after`
 steps without a verify (4, doubling after each probe to 64; a verify that is not a probe resets it)
 with the first token of its draft, twice as many after a probe kept whole (to k), one again after a
 miss: a sequence whose text turns copyable (a file echoed back) drafts again, its acceptance rising
@@ -41,16 +44,23 @@ class SpecState:
     draft_tokens: int = 0  # drafted and verified, this sequence's whole life
     accepted_tokens: int = 0
     kept: Acceptance = field(default_factory=Acceptance)  # its drafts kept over judged, recent ones most
-    verified_at: int = -LONGEST_PROBE  # the step of its last verify
+    verified_at: int | None = None  # the step of its last verify (or of its first draft, before one)
     probe_after: int = FIRST_PROBE  # steps without a verify after which a cut draft probes
     probing: bool = False  # its draft this step is a probe
     probe_tokens: int = 1  # of its draft the next probe verifies
+    shadow: tuple[int, ...] = ()  # a draft cut to nothing, judged against the tokens decoded instead
+    shadow_at: int = 0  # its first token's position
     draft: tuple[int, ...] = ()  # a draft made after a step (MTP), for the sequence at `draft_for` tokens
     draft_for: int = -1
     windowed: bool = False  # MTP: this sequence has run positions of its own through the drafter
 
 
 class Drafter(Protocol):
+    # Its proposals cost next to nothing and are asked every step (prompt lookup): a draft cut to nothing is
+    # judged against the tokens plain decoding gives instead, so it needs no probes (MTP's drafts cost a
+    # forward of its layer each, and are made only as long as the next step verifies).
+    proposes_every_step: bool
+
     def propose(self, seq: EngineSequence, state: SpecState, k: int) -> list[int]:
         """Up to `k` tokens likely to follow `seq`'s tokens ([]: none worth verifying)."""
         ...
@@ -58,6 +68,8 @@ class Drafter(Protocol):
 
 class NgramDrafter:
     """Prompt lookup over the sequence's own tokens (engine/speculative/ngram.py)."""
+
+    proposes_every_step = True
 
     def propose(self, seq: EngineSequence, state: SpecState, k: int) -> list[int]:
         state.history.sync(seq.token_ids)
@@ -141,14 +153,41 @@ class Speculator:
     def draft(self, seq: EngineSequence) -> tuple[int, ...]:
         """The drafter's tokens to follow `seq`'s pending ones (() for none); `size` cuts them."""
         room = self._room(seq)
-        return tuple(self.drafter.propose(seq, seq.speculation, room)) if room else ()
+        if not room:
+            return ()
+        state: SpecState = seq.speculation
+        if state.shadow:
+            self._judge_shadow(seq, state)
+        return tuple(self.drafter.propose(seq, state, room))
 
     def size(self, drafts: dict[EngineSequence, tuple[int, ...]]) -> dict[EngineSequence, tuple[int, ...]]:
         """The step's drafts as verified: each cut to the length that pays (draft_sizing); those cut to
-        nothing are left out."""
+        nothing are left out (and, from a drafter that proposes every step, kept as shadows to judge)."""
         seqs = list(drafts)
         lengths = self._lengths(seqs, [len(draft) for draft in drafts.values()])
+        if self.drafter.proposes_every_step:
+            for seq, n in zip(seqs, lengths):
+                state: SpecState = seq.speculation
+                if not n and not state.shadow:
+                    state.shadow, state.shadow_at = drafts[seq], len(seq.token_ids)
         return {seq: drafts[seq][:n] for seq, n in zip(seqs, lengths) if n}
+
+    def _judge_shadow(self, seq: EngineSequence, state: SpecState) -> None:
+        """A shadow draft against the tokens decoded since: its acceptance counted as a verify's would be
+        (a greedy verify keeps a draft while it equals the target's token; a sampled one keeps it with
+        the probability plain sampling draws it), once its first wrong token or all of it is decoded."""
+        shadow, at, tokens = state.shadow, state.shadow_at, seq.token_ids
+        decoded = min(len(tokens) - at, len(shadow))
+        for i in range(decoded):
+            if tokens[at + i] != shadow[i]:
+                decoded = i
+                break
+        else:
+            if decoded < len(shadow):
+                return  # right so far: judged when more is decoded
+        state.kept.verified(len(shadow), decoded, KEPT_DECAY)
+        self.acceptance.verified(len(shadow), decoded, ENGINE_DECAY)
+        state.shadow = ()
 
     def _lengths(self, seqs: list[EngineSequence], offered: list[int]) -> list[int]:
         """Of `offered` draft tokens each, how many each sequence verifies in the step."""
@@ -158,15 +197,15 @@ class Speculator:
         if plain is None:
             return [0] * len(offered)  # a plain step is to be measured first
         curve = self.times.extra_curve(self.running)
-        if not curve:
-            return offered  # no step with drafts measured: every draft, and its cost is measured
         engine = self.acceptance.rate(FIRST_GUESS, 1.0)
         offers = [(seq.speculation.kept.rate(engine, PRIOR) if n else 0.0, n) for seq, n in zip(seqs, offered)]
         lengths = draft_lengths(self.running, offers, plain, curve)
         step = self.times.step
         for i, seq in enumerate(seqs):
-            if offered[i]:
+            if offered[i] and not self.drafter.proposes_every_step:  # (those are judged as shadows)
                 state: SpecState = seq.speculation
+                if state.verified_at is None:
+                    state.verified_at = step  # its first probe 4 steps on: the engine's acceptance says enough now
                 state.probing = not lengths[i] and step - state.verified_at >= state.probe_after
                 if state.probing:  # its acceptance would otherwise never be measured again
                     lengths[i] = min(offered[i], state.probe_tokens)
