@@ -11,7 +11,7 @@ import itertools
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from engine.speculative.draft_sizing import (STALE_STEPS, Acceptance, StepTimes, draft_lengths,
+from engine.speculative.draft_sizing import (STALE_STEPS, Acceptance, StepTimes, _extras, draft_lengths,
                                              extra_seconds)
 
 
@@ -62,6 +62,8 @@ def test_extra_seconds_between_and_past_the_measured_rows() -> None:
     assert extra_seconds(curve, 2) == pytest.approx(0.005)  # from 0 at 0 rows
     assert extra_seconds(curve, 6) == pytest.approx(0.02)
     assert extra_seconds(curve, 16) == pytest.approx(0.06)  # past the largest: in proportion to it
+    for points in ([(4, 0.01), (8, 0.03)], [(1, 0.002)], [(2, 0.01), (3, 0.005), (9, 0.04)]):
+        assert _extras(points, 20) == pytest.approx([extra_seconds(points, n) for n in range(1, 21)])
 
 
 def test_step_times_by_batch_size_and_drafted_rows() -> None:

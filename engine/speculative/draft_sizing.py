@@ -128,6 +128,23 @@ def extra_seconds(curve: Sequence[tuple[int, float]], rows: int) -> float:
     return below * rows / below_rows
 
 
+def _extras(curve: Sequence[tuple[int, float]], count: int) -> list[float]:
+    """extra_seconds(curve, n) for n = 1 .. count, in one walk of the curve (a step of 64 sequences weighs
+    up to 256 draft tokens: a search of the curve for each was a millisecond of Python a step)."""
+    out: list[float] = []
+    below_rows, below, at = 0, 0.0, 0
+    for rows in range(1, count + 1):
+        while at < len(curve) and curve[at][0] < rows:
+            below_rows, below = curve[at]
+            at += 1
+        if at < len(curve):
+            upper_rows, upper = curve[at]
+            out.append(below + (upper - below) * (rows - below_rows) / (upper_rows - below_rows))
+        else:
+            out.append(below * rows / below_rows)
+    return out
+
+
 @dataclass(slots=True)
 class Acceptance:
     """Drafts kept over drafts judged, as moving counts: a kept draft is a hit, the first rejected one a
@@ -153,9 +170,9 @@ def draft_lengths(sequences: int, offers: Sequence[tuple[float, int]], plain: fl
     values = sorted(((acceptance ** j, i) for i, (acceptance, drafted) in enumerate(offers)
                      for j in range(1, drafted + 1)), reverse=True)
     best_rate, best, tokens = sequences / plain, 0, float(sequences)
-    for n, (value, _) in enumerate(values, 1):
+    for n, ((value, _), extra) in enumerate(zip(values, _extras(curve, len(values))), 1):
         tokens += value
-        rate = tokens / (plain + max(0.0, extra_seconds(curve, n)))
+        rate = tokens / (plain + max(0.0, extra))
         if rate > best_rate:
             best_rate, best = rate, n
     lengths = [0] * len(offers)
